@@ -1,0 +1,20 @@
+"""Exceptions users see. Messages say what is wrong and what to do about it."""
+
+
+class AdapterError(ValueError):
+    """An adapter was refused: malformed, unsupported, or not made for this backbone."""
+
+
+class AdapterNotFound(KeyError):
+    """No adapter is loaded (or stored) under that id."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message plain
+        return str(self.args[0]) if self.args else "adapter not found"
+
+
+class RequestError(ValueError):
+    """A request's fields are invalid (prompt, sampling parameters, adapter id)."""
+
+
+class CapacityError(RuntimeError):
+    """The engine cannot take this now (no free adapter slot, KV cache too small)."""

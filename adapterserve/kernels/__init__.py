@@ -1,0 +1,18 @@
+"""Adapter ops. CUDA tensors run the Triton kernels, CPU tensors the float32 twin.
+
+Layers call these names whatever the device; ``reference`` holds the twins.
+"""
+from adapterserve.kernels.lora_slices import LoraSlices
+from adapterserve.kernels.metadata import NO_ADAPTER, AdapterBatchMeta, build_adapter_meta
+from adapterserve.kernels.ops import bottleneck_adapter, ia3_scale, lora_expand, lora_shrink
+
+__all__ = [
+    "NO_ADAPTER",
+    "AdapterBatchMeta",
+    "LoraSlices",
+    "bottleneck_adapter",
+    "build_adapter_meta",
+    "ia3_scale",
+    "lora_expand",
+    "lora_shrink",
+]

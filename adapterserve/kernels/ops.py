@@ -1,0 +1,52 @@
+"""Device dispatch: Triton on CUDA tensors, the float32 reference elsewhere."""
+from __future__ import annotations
+
+import torch
+
+from adapterserve.kernels import reference
+from adapterserve.kernels.lora_slices import LoraSlices
+from adapterserve.kernels.metadata import AdapterBatchMeta
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def lora_shrink(x: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, out: torch.Tensor) -> None:
+    """See reference.lora_shrink."""
+    if _on_gpu(x):
+        from adapterserve.kernels import lora as triton_lora
+
+        triton_lora.lora_shrink(x, lora, meta, out)
+    else:
+        reference.lora_shrink(x, lora, meta, out)
+
+
+def lora_expand(v: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, y: torch.Tensor) -> None:
+    """See reference.lora_expand."""
+    if _on_gpu(v):
+        from adapterserve.kernels import lora as triton_lora
+
+        triton_lora.lora_expand(v, lora, meta, y)
+    else:
+        reference.lora_expand(v, lora, meta, y)
+
+
+def bottleneck_adapter(h, down, down_bias, up, up_bias, rank, activation, meta, workspace, out) -> None:
+    """See reference.bottleneck_adapter."""
+    if _on_gpu(h):
+        from adapterserve.kernels import bottleneck
+
+        bottleneck.bottleneck_adapter(h, down, down_bias, up, up_bias, rank, activation, meta, workspace, out)
+    else:
+        reference.bottleneck_adapter(h, down, down_bias, up, up_bias, rank, activation, meta, workspace, out)
+
+
+def ia3_scale(x: torch.Tensor, scales: torch.Tensor, meta: AdapterBatchMeta) -> None:
+    """See reference.ia3_scale."""
+    if _on_gpu(x):
+        from adapterserve.kernels import ia3
+
+        ia3.ia3_scale(x, scales, meta)
+    else:
+        reference.ia3_scale(x, scales, meta)

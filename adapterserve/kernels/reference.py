@@ -1,0 +1,119 @@
+"""Float32 torch twin of every adapter op: the CPU path and the test oracle.
+
+Each function has the signature of its Triton counterpart. Inputs and outputs
+keep their dtype; arithmetic runs in float32. Outputs come from the caller and
+are written in place; nothing here allocates a result the caller keeps.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from adapterserve.kernels.lora_slices import LoraSlices
+from adapterserve.kernels.metadata import AdapterBatchMeta
+
+ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "swish": F.silu,
+    "tanh": torch.tanh,
+}
+
+
+def _segments(meta: AdapterBatchMeta) -> list[tuple[int, torch.Tensor]]:
+    """(slot, token indices) for every slot with tokens this step (host sync)."""
+    counts = meta.slot_counts.tolist()
+    starts = meta.slot_starts.tolist()
+    return [
+        (slot, meta.sorted_tokens[starts[slot] : starts[slot] + n].long())
+        for slot, n in enumerate(counts)
+        if n > 0
+    ]
+
+
+def lora_shrink(x: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, out: torch.Tensor) -> None:
+    """LoRA down-projection for every slice.
+
+    x:   [T, K]
+    out: [n_slices, T, lora.max_rank] workspace
+    Semantics: out[s, t, :r] = x[t] @ A_s[row0 : row0 + r].T with slot = slot[t],
+    row0 = row_start[s, slot], r = rank[s, slot]. Entries past r, and rows of
+    tokens without adapter, are left unspecified (expand never reads them).
+    """
+    for slot, tokens in _segments(meta):
+        xs = x[tokens].float()
+        for s in range(lora.num_slices):
+            row0, r = int(lora.row_start[s, slot]), int(lora.rank[s, slot])
+            if r == 0:
+                continue
+            a = lora.a[s, row0 : row0 + r].float()
+            out[s, tokens, :r] = (xs @ a.T).to(out.dtype)
+
+
+def lora_expand(v: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, y: torch.Tensor) -> None:
+    """LoRA up-projection added into the layer output.
+
+    v: [n_slices, T, lora.max_rank] from lora_shrink
+    y: [T, N] base output, updated in place
+    Semantics: y[t, off_s : off_s1] += v[s, t, :r] @ B_s[row0 : row0 + r] (scaling
+    folded into B at load). Tokens without adapter are untouched.
+    """
+    offsets = lora.out_offsets
+    for slot, tokens in _segments(meta):
+        for s in range(lora.num_slices):
+            row0, r = int(lora.row_start[s, slot]), int(lora.rank[s, slot])
+            if r == 0:
+                continue
+            cols = slice(offsets[s], offsets[s + 1])
+            b = lora.b[row0 : row0 + r, cols].float()
+            update = v[s, tokens, :r].float() @ b
+            y[tokens, cols] = (y[tokens, cols].float() + update).to(y.dtype)
+
+
+def bottleneck_adapter(
+    h: torch.Tensor,
+    down: torch.Tensor,
+    down_bias: torch.Tensor,
+    up: torch.Tensor,
+    up_bias: torch.Tensor,
+    rank: torch.Tensor,
+    activation: str,
+    meta: AdapterBatchMeta,
+    workspace: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Bottleneck adapter per slot, added into out.
+
+    h:         [T, D] adapter input
+    down:      [S, R, D] rows of W_down;  down_bias: [S, R]
+    up:        [S, R, D] rows of W_up^T;  up_bias:   [S, D]
+    rank:      [S] int32 bottleneck width of each slot
+    workspace: [T, R]
+    out:       [T, D] updated in place (holds the residual stream)
+    Semantics: out[t] += up_bias + act(h[t] @ down[:r].T + down_bias[:r]) @ up[:r]
+    with the slot of t; tokens without adapter are untouched.
+    """
+    act = ACTIVATIONS[activation]
+    for slot, tokens in _segments(meta):
+        r = int(rank[slot])
+        if r == 0:
+            continue
+        z = h[tokens].float() @ down[slot, :r].float().T + down_bias[slot, :r].float()
+        z = act(z)
+        workspace[tokens, :r] = z.to(workspace.dtype)
+        update = z @ up[slot, :r].float() + up_bias[slot].float()
+        out[tokens] = (out[tokens].float() + update).to(out.dtype)
+
+
+def ia3_scale(x: torch.Tensor, scales: torch.Tensor, meta: AdapterBatchMeta) -> None:
+    """(IA)^3: scale each token's features by its slot's vector, in place.
+
+    x: [T, N]; scales: [S, N]. Semantics: x[t] *= scales[slot[t]]; slot -1 untouched.
+    """
+    slots = meta.token_slots.long()
+    rows = slots >= 0
+    if not bool(rows.any()):
+        return
+    x[rows] = (x[rows].float() * scales[slots[rows]].float()).to(x.dtype)
