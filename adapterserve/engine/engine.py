@@ -1,0 +1,290 @@
+"""Engine: one frozen backbone, many adapters, one continuous batch per step.
+
+    engine = Engine.from_pretrained(model_dir, device="cpu", dtype="float32")
+    engine.load_adapter("sql", "/path/to/peft_lora_dir")
+    outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0),
+                           adapter_ids=["sql", None])
+
+Each step: the scheduler picks requests (decodes plus new prefills whose adapter
+has a slot), the runner runs the backbone once for all of them, and every
+request gets its next token; finished requests free their KV blocks and slots.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import torch
+
+from adapterserve.adapters_store.formats.types import BackboneSpec, LoraAdapter
+from adapterserve.config import EngineConfig
+from adapterserve.engine.kv_cache import BlockManager
+from adapterserve.engine.request import Request, RequestOutput, SamplingParams
+from adapterserve.engine.runner import ModelRunner
+from adapterserve.engine.scheduler import Scheduler
+from adapterserve.engine.slots import LoraSlots
+from adapterserve.engine.stopping import check_stop_token, stream_delta, update_text
+from adapterserve.errors import AdapterError, AdapterNotFound, RequestError
+from adapterserve.models.decoder import DecoderModel
+from adapterserve.models.decoder_config import DecoderConfig
+from adapterserve.models.loader import load_decoder
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    def __init__(self, model: DecoderModel, tokenizer, config: EngineConfig) -> None:
+        self.model = model
+        self.model_config: DecoderConfig = model.cfg
+        self.tokenizer = tokenizer
+        self.config = config
+        cache_tokens = config.num_kv_blocks * config.block_size
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+            cache_tokens,
+        )
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
+        self.slots = LoraSlots(
+            list(model.adapter_linears()), config.max_loras, config.pool_rows, config.max_lora_rank,
+            config.torch_dtype, config.device,
+        )
+        self.adapters: dict[str, LoraAdapter] = {}  # host copies of loaded adapters
+        self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release)
+        self.runner = ModelRunner(
+            model, self.blocks, config.max_loras, config.max_lora_rank, config.max_num_batched_tokens, config.seed
+        )
+        self.requests: dict[str, Request] = {}
+        self._lock = threading.RLock()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop_task: asyncio.Task | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_lora_rank: int = 64,
+        **overrides,
+    ) -> "Engine":
+        """Load a Hugging Face checkpoint directory (safetensors) and its tokenizer."""
+        config = EngineConfig(device=device, dtype=dtype, max_lora_rank=max_lora_rank, **overrides)
+        model, _ = load_decoder(model_dir, config.torch_dtype, device)
+        return cls(model, _load_tokenizer(model_dir), config)
+
+    # adapters
+
+    @property
+    def backbone_spec(self) -> BackboneSpec:
+        cfg = self.model_config
+        h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        shapes = {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
+        }
+        return BackboneSpec(cfg.model_type, cfg.num_layers, h, shapes)
+
+    def load_adapter(self, adapter_id: str, path: str | Path) -> None:
+        """Read and check a PEFT LoRA directory; the engine is unchanged if it is refused."""
+        from adapterserve.adapters_store.formats.peft_lora import read_peft_lora
+
+        if not isinstance(adapter_id, str) or not adapter_id:
+            raise AdapterError("adapter id must be a non-empty string")
+        with self._lock:
+            if adapter_id in self.adapters:
+                raise AdapterError(f"an adapter with id {adapter_id!r} is already loaded; unload it first")
+        adapter = read_peft_lora(path, self.backbone_spec, self.config.max_lora_rank)
+        self.add_adapter(adapter_id, adapter)
+
+    def add_adapter(self, adapter_id: str, adapter: LoraAdapter) -> None:
+        """Register an adapter already read and checked (e.g. from the host cache)."""
+        with self._lock:
+            if adapter_id in self.adapters:
+                raise AdapterError(f"an adapter with id {adapter_id!r} is already loaded; unload it first")
+            self.adapters[adapter_id] = adapter
+
+    def unload_adapter(self, adapter_id: str) -> None:
+        """Forget an adapter. New requests for it are refused; its slot is freed once
+        the requests already using it finish."""
+        with self._lock:
+            if adapter_id not in self.adapters:
+                raise AdapterNotFound(f"no adapter {adapter_id!r} is loaded")
+            del self.adapters[adapter_id]
+            self.slots.evict(adapter_id)
+
+    def list_adapters(self) -> list[str]:
+        return sorted(self.adapters)
+
+    def _acquire_slot(self, adapter_id: str) -> int | None:
+        return self.slots.acquire(adapter_id, self.adapters[adapter_id])
+
+    # requests
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        adapter_id: str | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        sampling = sampling or SamplingParams()
+        prompt_ids = self._prompt_ids(prompt)
+        request = Request(prompt_ids=prompt_ids, sampling=sampling, adapter_id=adapter_id)
+        if request_id is not None:
+            request.request_id = request_id
+        if sampling.seed is not None:
+            request.generator = torch.Generator(device=self.runner.device).manual_seed(sampling.seed)
+        with self._lock:
+            if adapter_id is not None and adapter_id not in self.adapters:
+                raise AdapterNotFound(f"no adapter {adapter_id!r} is loaded; loaded: {self.list_adapters()}")
+            if request.request_id in self.requests:
+                raise RequestError(f"request id {request.request_id!r} is already in use")
+            self.requests[request.request_id] = request
+            self.scheduler.add(request)
+        return request
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this backbone has no tokenizer: send prompt token ids")
+            ids = self.tokenizer(prompt).input_ids
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len or len(ids) > self.config.max_num_batched_tokens:
+            limit = min(self.max_model_len - 1, self.config.max_num_batched_tokens)
+            raise RequestError(f"prompt has {len(ids)} tokens; this engine takes at most {limit}")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; False if it is unknown or done."""
+        with self._lock:
+            request = self.requests.get(request_id)
+            if request is None or request.finished:
+                return False
+            self._finish(request, "abort")
+            return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # the loop
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return the new tokens and text of every request that moved."""
+        with self._lock:
+            batch = self.scheduler.schedule()
+            if not batch.requests:
+                return []
+            tokens = self.runner.run(batch, [r.generator for r in batch.requests])
+            return [self._advance(r, t) for r, t in zip(batch.requests, tokens)]
+
+    def _advance(self, request: Request, token: int) -> RequestOutput:
+        request.num_computed = request.num_tokens
+        request.output_ids.append(token)
+        stop_token = check_stop_token(request, self.model_config.eos_token_ids)
+        stop_string = update_text(request, self.tokenizer, stop_token)
+        if stop_token or stop_string:
+            self._finish(request, "stop")
+        elif len(request.output_ids) >= request.sampling.max_tokens or request.num_tokens >= self.max_model_len:
+            self._finish(request, "length")
+        return self._chunk(request)
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self.scheduler.finish(request, reason)
+        self.requests.pop(request.request_id, None)
+
+    def _chunk(self, request: Request) -> RequestOutput:
+        ids, text = stream_delta(request)
+        return RequestOutput(request.request_id, ids, text, request.finish_reason, request.adapter_id,
+                             request.prompt_ids)
+
+    # synchronous and streaming front ends
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        adapter_ids: Sequence[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Run all prompts to completion in shared batches; outputs in prompt order."""
+        if isinstance(prompts, str):
+            raise RequestError("generate takes a list of prompts; use [prompt] for one")
+        n = len(prompts)
+        params = _per_prompt(sampling or SamplingParams(), n, "sampling")
+        adapters = _per_prompt(adapter_ids, n, "adapter_ids") if adapter_ids is not None else [None] * n
+        requests = [self.add_request(p, s, a) for p, s, a in zip(prompts, params, adapters)]
+        while any(not r.finished for r in requests):
+            self.step()
+        return [_final(r) for r in requests]
+
+    async def stream(
+        self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield each step's new tokens and text; the last chunk has finish_reason.
+        Closing the iterator early (or cancelling its task) aborts the request."""
+        queue: asyncio.Queue = asyncio.Queue()
+        request = self.add_request(prompt, sampling, adapter_id, request_id)
+        self._streams[request.request_id] = queue
+        self._ensure_loop()
+        try:
+            while True:
+                chunk = await queue.get()
+                if isinstance(chunk, BaseException):
+                    raise chunk
+                yield chunk
+                if chunk.finished:
+                    return
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not request.finished:
+                self.abort(request.request_id)
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+
+    async def _run_loop(self) -> None:
+        while self.has_unfinished():
+            try:
+                outputs = await asyncio.to_thread(self.step)
+            except Exception as exc:  # deliver to every waiting stream, then stop
+                for queue in self._streams.values():
+                    queue.put_nowait(exc)
+                raise
+            for out in outputs:
+                queue = self._streams.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+            await asyncio.sleep(0)
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    if value is None or isinstance(value, (SamplingParams, str)):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise RequestError(f"{name} has {len(value)} entries for {n} prompts")
+    return value
+
+
+def _final(request: Request) -> RequestOutput:
+    return RequestOutput(request.request_id, list(request.output_ids), request.text, request.finish_reason,
+                         request.adapter_id, request.prompt_ids)
+
+
+def _load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError):
+        return None

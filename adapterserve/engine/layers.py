@@ -1,0 +1,64 @@
+"""Adapter-aware layers: the frozen base output for the whole batch, plus each
+row's own adapter update through the kernels in adapterserve.kernels."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from adapterserve.engine.context import get_context
+from adapterserve.kernels import LoraSlices, lora_expand, lora_shrink
+
+
+class AdapterLinear(torch.nn.Module):
+    """A frozen linear layer, possibly several projections fused (q|k|v, gate|up).
+
+    Each fused projection is a slice of the output named by its module kind, so
+    LoRA adapters written for the unfused model land on the right columns.
+    ``lora`` holds the pooled weights of every slot; the slot manager fills it.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        slice_widths: tuple[int, ...],
+        slice_kinds: tuple[str, ...],
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        out_features = sum(slice_widths)
+        self.in_features = in_features
+        self.slice_widths = slice_widths
+        self.slice_kinds = slice_kinds
+        self.weight = torch.nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = (
+            torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+        self.lora: LoraSlices | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, K] -> y: [T, N]
+        y = F.linear(x, self.weight, self.bias)
+        ctx = get_context()
+        if self.lora is not None and ctx.adapters is not None:
+            workspace = ctx.lora_workspace[: self.lora.num_slices, : x.shape[0]]
+            lora_shrink(x, self.lora, ctx.adapters, workspace)
+            lora_expand(workspace, self.lora, ctx.adapters, y)
+        return y
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)

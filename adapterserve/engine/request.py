@@ -1,0 +1,98 @@
+"""Requests, their sampling parameters, and what the engine returns for them."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from adapterserve.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each request's next token. temperature 0 means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not self.temperature >= 0.0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not s for s in stops):
+            raise RequestError("stop strings must be non-empty")
+        object.__setattr__(self, "stop", stops)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request as the scheduler and runner see it."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    adapter_id: str | None = None
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    slot: int = -1  # adapter slot while running; -1 = base model
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose k/v are in the cache
+    text: str = ""
+    emitted_chars: int = 0  # text already streamed
+    emitted_tokens: int = 0  # output ids already streamed
+    generator: object = None  # torch.Generator of a seeded request
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A finished request (from generate) or one streamed chunk (from stream)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    adapter_id: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

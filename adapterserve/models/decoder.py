@@ -1,0 +1,95 @@
+"""Llama-family causal LM in plain torch: Llama, Mistral, Qwen2, Qwen3.
+
+RMSNorm, RoPE (Llama-3 scaling), grouped-query attention over a paged KV cache,
+SwiGLU, optional q/k/v bias (Qwen2) and q/k norm (Qwen3). q/k/v and gate/up are
+fused at load; adapters reach the projections through AdapterLinear slices.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from adapterserve.engine.attention import PagedAttention
+from adapterserve.engine.layers import AdapterLinear, RMSNorm
+from adapterserve.models.decoder_config import DecoderConfig
+from adapterserve.models.rope import RotaryEmbedding
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int, rope: RotaryEmbedding, dtype, device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rope = rope
+        h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.qkv_proj = AdapterLinear(h, (q, kv, kv), ("q_proj", "k_proj", "v_proj"), cfg.qkv_bias, dtype, device)
+        self.o_proj = AdapterLinear(q, (h,), ("o_proj",), cfg.o_bias, dtype, device)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+        window = cfg.sliding_windows[layer_idx]
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, window)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        inter = cfg.intermediate_size
+        self.gate_up_proj = AdapterLinear(h, (inter, inter), ("gate_proj", "up_proj"), cfg.mlp_bias, dtype, device)
+        self.down_proj = AdapterLinear(inter, (h,), ("down_proj",), cfg.mlp_bias, dtype, device)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [T, D]
+        cfg = self.cfg
+        tokens = hidden.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.reshape(tokens, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        hidden = hidden + self.o_proj(self.attn(q, k, v))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
+
+
+class DecoderModel(torch.nn.Module):
+    def __init__(self, cfg: DecoderConfig, max_positions: int, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, h, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        rope = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, device=device)
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(cfg, i, rope, dtype, device) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head_weight = self.embed_tokens.weight
+        else:
+            self.lm_head_weight = torch.nn.Parameter(
+                torch.empty(cfg.vocab_size, h, dtype=dtype, device=device), requires_grad=False
+            )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden: [T, D]
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [B, D] -> float32 logits [B, V]
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def adapter_linears(self) -> Iterator[tuple[int, AdapterLinear]]:
+        for idx, layer in enumerate(self.layers):
+            for module in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                yield idx, module
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.attn for layer in self.layers]
