@@ -18,6 +18,9 @@ from adapterserve.engine.row_allocator import RowAllocator
 from adapterserve.kernels import LoraSlices
 
 
+_RETIRED = "\0retired:"  # prefix of slots whose adapter was unloaded while in use
+
+
 class LoraSlots:
     def __init__(
         self,
@@ -55,13 +58,23 @@ class LoraSlots:
     def release(self, slot: int) -> None:
         self.refs[slot] -= 1
         if self.refs[slot] == 0:
-            self._idle[slot] = self._adapter_in(slot)
+            if self._adapter_in(slot).startswith(_RETIRED):
+                self._clear(slot)
+            else:
+                self._idle[slot] = self._adapter_in(slot)
 
     def evict(self, adapter_id: str) -> None:
-        """Free the adapter's slot now if unreferenced (else it stays until released)."""
+        """Free the adapter's slot now, or, while requests still use it, as soon as
+        they finish; either way the id no longer maps to it (a new adapter loaded
+        under the same id gets a fresh placement)."""
         slot = self.slot_of.get(adapter_id)
-        if slot is not None and self.refs[slot] == 0:
+        if slot is None:
+            return
+        if self.refs[slot] == 0:
             self._clear(slot)
+        else:
+            del self.slot_of[adapter_id]
+            self.slot_of[f"{_RETIRED}{adapter_id}#{slot}"] = slot
 
     def is_resident(self, adapter_id: str) -> bool:
         return adapter_id in self.slot_of
