@@ -1,0 +1,278 @@
+"""PEFT LoRA directories (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+PEFT saves one ``lora_A`` [r, in] and one ``lora_B`` [out, r] per adapted linear,
+under keys like ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``
+(older tools keep the adapter name: ``...lora_A.default.weight``). The config gives
+the scaling: ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA), with per-module ``r``
+and ``lora_alpha`` from ``rank_pattern`` / ``alpha_pattern``, matched the way PEFT
+matches them. Pickled weights (``adapter_model.bin``) are refused, never opened.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from adapterserve.adapters_store.formats.types import BackboneSpec, LoraAdapter, LoraModule
+from adapterserve.adapters_store.validate import check_kind, check_lora_adapter, module_name, parent_of
+from adapterserve.errors import AdapterError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILE = "adapter_model.bin"
+
+# Config options that change what LoRA computes; each is refused when set.
+_UNSUPPORTED_OPTIONS = {
+    "use_dora": "DoRA (use_dora) is not supported yet; retrain as plain LoRA or merge it into the model",
+    "fan_in_fan_out": "fan_in_fan_out=true (GPT-2 style Conv1D weights) is not supported",
+    "lora_bias": "lora_bias=true (a bias on lora_B) is not supported yet",
+    "modules_to_save": "modules_to_save is not supported yet: trained heads or other whole modules "
+    "cannot be served per adapter; retrain without modules_to_save",
+    "trainable_token_indices": "trainable_token_indices (trained embedding rows) is not supported yet",
+    "target_parameters": "target_parameters (LoRA on raw parameters) is not supported yet",
+    "layer_replication": "layer_replication is not supported",
+    "use_qalora": "QALoRA (use_qalora) is not supported yet",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported yet",
+    "velora_config": "the VeLoRA variant (velora_config) is not supported yet",
+    "monteclora_config": "the MonteCLoRA variant (monteclora_config) is not supported yet",
+    "use_bdlora": "the BD-LoRA variant (use_bdlora) is not supported yet",
+    "arrow_config": "Arrow routing (arrow_config) is not supported yet",
+    "kasa_config": "the KaSA variant (kasa_config) is not supported yet",
+    "megatron_config": "Megatron parallel LoRA layers (megatron_config) are not supported",
+}
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
+_DECODER_MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[^.]+)\.(?P<kind>[^.]+)$")
+_WHOLE_MODULES = ("embed_tokens", "lm_head")  # LoRA there is not served yet
+
+
+def read_peft_lora(path: str | Path, spec: BackboneSpec, max_rank: int, *, name: str | None = None) -> LoraAdapter:
+    """Read and check a PEFT LoRA directory against ``spec``; ``AdapterError`` if unfit.
+
+    ``name`` is used in messages (default: the directory name).
+    """
+    root = Path(path)
+    name = name or root.name
+    if not root.is_dir():
+        raise AdapterError(f"adapter '{name}': {root} is not a directory")
+    config = _read_config(root, name)
+    pairs = _read_pairs(root, name)
+    modules = {addr: _module(name, config, addr, a, b) for addr, (a, b) in pairs.items()}
+    adapter = LoraAdapter(modules=modules, config=config)
+    check_lora_adapter(name, adapter, spec, max_rank)
+    _check_targets(name, config, spec, set(modules))
+    return adapter
+
+
+# config
+
+
+def _read_config(root: Path, name: str) -> dict:
+    file = root / CONFIG_FILE
+    if not file.is_file():
+        raise AdapterError(f"adapter '{name}' has no {CONFIG_FILE} in {root}; is it a PEFT adapter directory?")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"adapter '{name}': {CONFIG_FILE} is not valid JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise AdapterError(f"adapter '{name}': {CONFIG_FILE} must hold a JSON object")
+    _check_supported(name, config)
+    return config
+
+
+def _check_supported(name: str, config: dict) -> None:
+    peft_type = config.get("peft_type")
+    if peft_type is None:
+        raise AdapterError(f"adapter '{name}': {CONFIG_FILE} has no peft_type; is it a PEFT adapter?")
+    if str(peft_type).upper() != "LORA":
+        raise AdapterError(f"adapter '{name}': peft_type {peft_type} is not supported yet (only LORA is)")
+    for option, message in _UNSUPPORTED_OPTIONS.items():
+        if config.get(option):
+            raise AdapterError(f"adapter '{name}': {message} (found {option}={config[option]!r})")
+    if config.get("bias", "none") != "none":
+        raise AdapterError(
+            f"adapter '{name}': bias={config['bias']!r} trains the backbone's own biases, which a shared "
+            "backbone cannot take per adapter; only bias='none' is supported"
+        )
+    if config.get("init_lora_weights") == "mica":
+        raise AdapterError(f"adapter '{name}': the MiCA LoRA variant is not supported yet")
+    if config.get("target_modules") is None:
+        raise AdapterError(f"adapter '{name}': {CONFIG_FILE} has no target_modules")
+    _positive_int(name, "r", config.get("r"))
+    _number(name, "lora_alpha", config.get("lora_alpha"))
+
+
+def _positive_int(name: str, what: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise AdapterError(f"adapter '{name}': {CONFIG_FILE} needs {what} as a positive integer, got {value!r}")
+    return value
+
+
+def _number(name: str, what: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise AdapterError(f"adapter '{name}': {CONFIG_FILE} needs {what} as a finite number, got {value!r}")
+    return float(value)
+
+
+# weights
+
+
+def _read_pairs(root: Path, name: str) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """(layer, kind) -> (lora_A, lora_B) as stored; refuses keys that are not decoder LoRA."""
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in _read_tensors(root, name).items():
+        layer, kind, part = _parse_key(name, key)
+        parts = found.setdefault((layer, kind), {})
+        if part in parts:
+            raise AdapterError(f"adapter '{name}' has two lora_{part} tensors for {module_name(layer, kind)}")
+        parts[part] = tensor
+    pairs = {}
+    for (layer, kind), parts in sorted(found.items()):
+        for part, other in (("A", "B"), ("B", "A")):
+            if part not in parts:
+                raise AdapterError(
+                    f"adapter '{name}' has lora_{other} but no lora_{part} for {module_name(layer, kind)}; "
+                    f"{WEIGHTS_FILE} is incomplete"
+                )
+        pairs[(layer, kind)] = (parts["A"], parts["B"])
+    return pairs
+
+
+def _read_tensors(root: Path, name: str) -> dict[str, torch.Tensor]:
+    file = root / WEIGHTS_FILE
+    if not file.is_file():
+        if (root / PICKLE_FILE).exists():
+            raise AdapterError(
+                f"adapter '{name}' has only {PICKLE_FILE}, a pickle, which is never loaded here (it can run "
+                f"code); re-save it as safetensors in a trusted environment: "
+                f"PeftModel.from_pretrained(...).save_pretrained(dir, safe_serialization=True)"
+            )
+        raise AdapterError(f"adapter '{name}' has no {WEIGHTS_FILE} in {root}")
+    try:
+        return load_file(file, device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise AdapterError(f"adapter '{name}': {WEIGHTS_FILE} is not a readable safetensors file ({exc})") from exc
+
+
+def _parse_key(name: str, key: str) -> tuple[int, str, str]:
+    if ".lora_embedding_" in key:
+        raise AdapterError(f"adapter '{name}': LoRA on embeddings is not supported yet (found {key})")
+    whole = next((part for part in key.split(".") if part in _WHOLE_MODULES), None)
+    if whole is not None:
+        raise AdapterError(f"adapter '{name}': LoRA on {whole} is not supported yet (found {key})")
+    match = _LORA_KEY.match(key)
+    module = match["module"].removeprefix("base_model.model.") if match else ""
+    address = _DECODER_MODULE.match(module)
+    if address is None or parent_of(address["kind"]) not in (None, address["parent"]):
+        raise AdapterError(
+            f"adapter '{name}' has an unexpected tensor '{key}' in {WEIGHTS_FILE}; expected only "
+            "...layers.<i>.<self_attn|mlp>.<proj>.lora_A.weight and ...lora_B.weight"
+        )
+    return int(address["layer"]), address["kind"], match["part"]
+
+
+def _module(name: str, config: dict, addr: tuple[int, str], a: torch.Tensor, b: torch.Tensor) -> LoraModule:
+    key = _peft_key(*addr)
+    if not (a.is_floating_point() and b.is_floating_point()):
+        raise AdapterError(
+            f"adapter '{name}' stores {module_name(*addr)} as {a.dtype}/{b.dtype}; LoRA weights must be floating point"
+        )
+    r = _positive_int(name, f"rank_pattern[{key}]", _pattern_value(config.get("rank_pattern"), key, config["r"]))
+    alpha = _number(name, "lora_alpha", _pattern_value(config.get("alpha_pattern"), key, config["lora_alpha"]))
+    if a.dim() == 2 and a.shape[0] != r:
+        raise AdapterError(
+            f"adapter '{name}': {CONFIG_FILE} gives rank {r} for {module_name(*addr)} but its lora_A has "
+            f"rank {a.shape[0]} (shape {tuple(a.shape)}); the config does not belong to these weights"
+        )
+    scaling = alpha / math.sqrt(r) if False else alpha / r
+    return LoraModule(a=a.to(torch.float32), b=b.to(torch.float32), scaling=scaling)
+
+
+# PEFT's matching rules, applied to the module names of a *ForCausalLM model
+
+
+def _peft_key(layer: int, kind: str) -> str:
+    return f"model.{module_name(layer, kind)}"
+
+
+def _pattern_value(patterns: dict | None, key: str, default: object) -> object:
+    """PEFT's ``get_pattern_key``: the first pattern that ends ``key`` at a dot boundary."""
+    for pattern, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            return value
+    return default
+
+
+def _targeted(config: dict, key: str) -> bool:
+    """PEFT's ``check_target_module_exists`` for one module name."""
+    exclude = config.get("exclude_modules")
+    if isinstance(exclude, str) and re.fullmatch(exclude, key):
+        return False
+    if isinstance(exclude, list) and (key in exclude or any(key.endswith(f".{e}") for e in exclude)):
+        return False
+    target = config["target_modules"]
+    if isinstance(target, str):
+        return target == "all-linear" or re.fullmatch(target, key) is not None
+    if key in target:
+        return True
+    found = any(key.endswith(f".{t}") for t in target)
+    layers = config.get("layers_to_transform")
+    if not found or layers is None or layers == []:
+        return found
+    index = _layer_index(key, config.get("layers_pattern"))
+    if index is None:
+        return False
+    return index == layers if isinstance(layers, int) else index in layers
+
+
+def _layer_index(key: str, layers_pattern: str | list[str] | None) -> int | None:
+    if not layers_pattern:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+    else:
+        patterns = [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern
+        match = next(
+            (m for p in patterns if (m := re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", key))), None
+        )
+    return int(match["idx"]) if match else None
+
+
+def _check_targets(name: str, config: dict, spec: BackboneSpec, stored: set[tuple[int, str]]) -> None:
+    """The config's targets exist in the backbone and are exactly the modules stored."""
+    backbone = {
+        _peft_key(layer, kind): (layer, kind)
+        for layer in range(spec.num_layers)
+        for kind in spec.linear_shapes
+    }
+    target = config["target_modules"]
+    if isinstance(target, list):
+        for entry in target:
+            _check_target_entry(name, str(entry), spec, list(backbone))
+    try:
+        targeted = {addr for key, addr in backbone.items() if _targeted(config, key)}
+    except re.error as exc:
+        raise AdapterError(f"adapter '{name}': a pattern in {CONFIG_FILE} is not a valid regex ({exc})") from exc
+    extra, missing = sorted(stored - targeted), sorted(targeted - stored)
+    if extra:
+        raise AdapterError(
+            f"adapter '{name}' stores weights for {module_name(*extra[0])}, which its {CONFIG_FILE} does not "
+            f"target (target_modules={target!r}); the config does not belong to these weights"
+        )
+    if missing:
+        raise AdapterError(
+            f"adapter '{name}' targets {module_name(*missing[0])} in {CONFIG_FILE} but {WEIGHTS_FILE} has no "
+            f"lora_A/lora_B for it ({len(missing)} module(s) missing)"
+        )
+
+
+def _check_target_entry(name: str, entry: str, spec: BackboneSpec, backbone: list[str]) -> None:
+    if any(key == entry or key.endswith(f".{entry}") for key in backbone):
+        return
+    if entry.split(".")[-1] in _WHOLE_MODULES:
+        raise AdapterError(f"adapter '{name}': LoRA on {entry} is not supported yet (in target_modules)")
+    check_kind(name, entry, spec)  # raises: the backbone has no such module
+    raise AdapterError(f"adapter '{name}' targets '{entry}', which matches no module of this backbone")
