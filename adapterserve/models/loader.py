@@ -77,8 +77,7 @@ def _target(model: DecoderModel, name: str) -> tuple[torch.Tensor, int] | None:
 
 def load_weights(model: DecoderModel, model_dir: Path) -> None:
     """Copy every checkpoint tensor into the model; error on missing or unknown ones."""
-    expected = {id(p) for p in model.parameters()}
-    loaded: set[int] = set()
+    loaded: dict[int, int] = {}  # id(param) -> rows written
     for name, tensor in iter_tensors(model_dir):
         found = _target(model, name)
         if found is None:
@@ -92,11 +91,10 @@ def load_weights(model: DecoderModel, model_dir: Path) -> None:
         if rows.shape != tensor.shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}")
         rows.copy_(tensor)
-        loaded.add(id(dest))
-    missing = expected - loaded
+        loaded[id(dest)] = loaded.get(id(dest), 0) + tensor.shape[0]
+    missing = [n for n, p in model.named_parameters() if loaded.get(id(p), 0) != p.shape[0]]
     if missing:
-        names = [n for n, p in model.named_parameters() if id(p) in missing]
-        raise ValueError(f"checkpoint {model_dir} lacks weights for: {', '.join(names[:8])}")
+        raise ValueError(f"checkpoint {model_dir} lacks weights (or has duplicates) for: {', '.join(missing[:8])}")
 
 
 def load_decoder(
