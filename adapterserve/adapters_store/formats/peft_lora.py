@@ -189,7 +189,7 @@ def _module(name: str, config: dict, addr: tuple[int, str], a: torch.Tensor, b: 
             f"adapter '{name}': {CONFIG_FILE} gives rank {r} for {module_name(*addr)} but its lora_A has "
             f"rank {a.shape[0]} (shape {tuple(a.shape)}); the config does not belong to these weights"
         )
-    scaling = alpha / math.sqrt(r) if False else alpha / r
+    scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
     return LoraModule(a=a.to(torch.float32), b=b.to(torch.float32), scaling=scaling)
 
 
