@@ -18,3 +18,19 @@ class RequestError(ValueError):
 
 class CapacityError(RuntimeError):
     """The engine cannot take this now (no free adapter slot, KV cache too small)."""
+
+
+class AdapterTooLarge(AdapterError):
+    """An upload is over the store's size or file-count limit."""
+
+
+class AdapterIntegrityError(RuntimeError):
+    """Stored adapter files do not match the content hash recorded when they were published."""
+
+
+class AccessDenied(PermissionError):
+    """The caller's tenant may not see, use or change this adapter."""
+
+
+class Unauthenticated(PermissionError):
+    """No API key, or an API key that no tenant owns."""
