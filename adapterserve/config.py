@@ -22,6 +22,7 @@ class EngineConfig:
     max_num_seqs:     requests running at once
     max_num_batched_tokens: tokens in one step (prefill chunks plus decodes)
     max_model_len:    prompt plus generated tokens per request; default the backbone's
+    max_virtual_tokens: longest prompt-tuning / prefix-tuning adapter accepted
     """
 
     device: str = "cpu"
@@ -34,6 +35,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None
+    max_virtual_tokens: int = 64
     seed: int = 0
 
     def __post_init__(self) -> None:

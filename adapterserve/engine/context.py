@@ -40,19 +40,38 @@ class AttentionMeta:
 
 
 @dataclass
+class VirtualTokens:
+    """Rows of the batch whose input embedding comes from an adapter, not a token id.
+
+    rows:   [M] int64 token rows in the batch
+    slots:  [M] int64 adapter slot of each row
+    index:  [M] int64 virtual-token index within that adapter's embeddings
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    index: torch.Tensor
+
+
+@dataclass
 class BatchContext:
     """One step's metadata.
 
     attention:      KV-cache reads and writes
-    adapters:       tokens grouped by adapter slot (None when no token has one)
+    lora, ia3, bottleneck: tokens grouped by adapter slot, per family; a token's
+                    slot is -1 in a family its adapter does not use (None: no token uses it)
+    virtual:        prompt-tuning rows to take from the prompt pool (None: none)
     lora_workspace: [3, Tmax, max_rank] scratch for LoRA shrink outputs
     logits_rows:    [B] index of each sequence's last token (the rows to sample)
     """
 
-    attention: AttentionMeta
-    adapters: AdapterBatchMeta | None
+    attention: AttentionMeta | None
+    lora: AdapterBatchMeta | None
     lora_workspace: torch.Tensor | None
-    logits_rows: torch.Tensor
+    logits_rows: torch.Tensor | None
+    ia3: AdapterBatchMeta | None = None
+    bottleneck: AdapterBatchMeta | None = None
+    virtual: VirtualTokens | None = None
 
 
 # Per thread, so engines stepping in different threads never see each other's batch.

@@ -18,13 +18,19 @@ from pathlib import Path
 
 import torch
 
+from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.adapters_store.formats.read import AdapterLimits, read_adapter
 from adapterserve.adapters_store.formats.types import BackboneSpec, LoraAdapter
 from adapterserve.config import EngineConfig
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.request import Request, RequestOutput, SamplingParams
 from adapterserve.engine.runner import ModelRunner
 from adapterserve.engine.scheduler import Scheduler
-from adapterserve.engine.slots import LoraSlots
+from adapterserve.engine.pools.ia3 import Ia3Pool
+from adapterserve.engine.pools.lora import LoraPool
+from adapterserve.engine.pools.prefix import PrefixPool
+from adapterserve.engine.pools.prompt import PromptPool
+from adapterserve.engine.slots import AdapterSlots
 from adapterserve.engine.stopping import check_stop_token, stream_delta, update_text
 from adapterserve.errors import AdapterError, AdapterNotFound, RequestError
 from adapterserve.models.decoder import DecoderModel
@@ -47,15 +53,14 @@ class Engine:
             cache_tokens,
         )
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
-        self.slots = LoraSlots(
-            list(model.adapter_linears()), config.max_loras, config.pool_rows, config.max_lora_rank,
-            config.torch_dtype, config.device,
-        )
-        self.adapters: dict[str, LoraAdapter] = {}  # host copies of loaded adapters
-        self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release)
         self.runner = ModelRunner(
             model, self.blocks, config.max_loras, config.max_lora_rank, config.max_num_batched_tokens, config.seed
         )
+        self.slots = AdapterSlots(config.max_loras, self._pools())
+        self.runner.families_of = self._families_of
+        self.runner.prefix_slots = self.prefix_pool.kv_slots.__getitem__
+        self.adapters: dict[str, Adapter] = {}  # host copies of loaded adapters
+        self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release)
         self.requests: dict[str, Request] = {}
         self._lock = threading.RLock()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -75,6 +80,24 @@ class Engine:
         model, _ = load_decoder(model_dir, config.torch_dtype, device)
         return cls(model, _load_tokenizer(model_dir), config)
 
+    def _pools(self) -> list:
+        cfg, model = self.config, self.model
+        linears = list(model.adapter_linears())
+        dtype, device = cfg.torch_dtype, cfg.device
+        prompt = PromptPool(cfg.max_loras, cfg.max_virtual_tokens, self.model_config.hidden_size, dtype, device)
+        model.prompt_embeddings = prompt.embeddings
+        self.prefix_pool = PrefixPool(self.blocks, model.attention_layers())
+        return [
+            LoraPool(linears, cfg.max_loras, cfg.pool_rows, cfg.max_lora_rank, dtype, device),
+            Ia3Pool(linears, cfg.max_loras, dtype, device),
+            prompt,
+            self.prefix_pool,
+        ]
+
+    def _families_of(self, slot: int) -> frozenset[str]:
+        adapter = self.slots.adapter_in[slot]
+        return frozenset(f for f in ("lora", "ia3", "bottleneck") if getattr(adapter, f) is not None)
+
     # adapters
 
     @property
@@ -85,22 +108,28 @@ class Engine:
             "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
         }
-        return BackboneSpec(cfg.model_type, cfg.num_layers, h, shapes)
+        return BackboneSpec(cfg.model_type, cfg.num_layers, h, shapes, cfg.num_kv_heads, cfg.head_dim)
+
+    @property
+    def adapter_limits(self) -> AdapterLimits:
+        return AdapterLimits(self.config.max_lora_rank, self.config.max_virtual_tokens)
 
     def load_adapter(self, adapter_id: str, path: str | Path) -> None:
-        """Read and check a PEFT LoRA directory; the engine is unchanged if it is refused."""
-        from adapterserve.adapters_store.formats.peft_lora import read_peft_lora
-
+        """Read and check an adapter directory (PEFT: LoRA, (IA)^3, prompt tuning,
+        P-tuning, prefix tuning); the engine is unchanged if it is refused."""
         if not isinstance(adapter_id, str) or not adapter_id:
             raise AdapterError("adapter id must be a non-empty string")
         with self._lock:
             if adapter_id in self.adapters:
                 raise AdapterError(f"an adapter with id {adapter_id!r} is already loaded; unload it first")
-        adapter = read_peft_lora(path, self.backbone_spec, self.config.max_lora_rank)
+        adapter = read_adapter(path, self.backbone_spec, self.adapter_limits, name=adapter_id)
         self.add_adapter(adapter_id, adapter)
 
-    def add_adapter(self, adapter_id: str, adapter: LoraAdapter) -> None:
+    def add_adapter(self, adapter_id: str, adapter: Adapter | LoraAdapter) -> None:
         """Register an adapter already read and checked (e.g. from the host cache)."""
+        if isinstance(adapter, LoraAdapter):
+            adapter = Adapter("lora", lora=adapter, config=adapter.config)
+        Ia3Pool.check_servable(adapter, adapter_id)
         with self._lock:
             if adapter_id in self.adapters:
                 raise AdapterError(f"an adapter with id {adapter_id!r} is already loaded; unload it first")
@@ -138,13 +167,25 @@ class Engine:
         if sampling.seed is not None:
             request.generator = torch.Generator(device=self.runner.device).manual_seed(sampling.seed)
         with self._lock:
-            if adapter_id is not None and adapter_id not in self.adapters:
-                raise AdapterNotFound(f"no adapter {adapter_id!r} is loaded; loaded: {self.list_adapters()}")
+            if adapter_id is not None:
+                self._bind_adapter(request, adapter_id)
             if request.request_id in self.requests:
                 raise RequestError(f"request id {request.request_id!r} is already in use")
             self.requests[request.request_id] = request
             self.scheduler.add(request)
         return request
+
+    def _bind_adapter(self, request: Request, adapter_id: str) -> None:
+        adapter = self.adapters.get(adapter_id)
+        if adapter is None:
+            raise AdapterNotFound(f"no adapter {adapter_id!r} is loaded; loaded: {self.list_adapters()}")
+        request.num_virtual, request.prefix_len = adapter.num_virtual, adapter.prefix_len
+        extra = request.num_virtual + request.prefix_len
+        if extra and len(request.prompt_ids) + extra >= self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(request.prompt_ids)} tokens; with adapter {adapter_id!r}'s {extra} virtual "
+                f"tokens this engine takes at most {self.max_model_len - extra - 1}"
+            )
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -193,7 +234,8 @@ class Engine:
         stop_string = update_text(request, self.tokenizer, stop_token)
         if stop_token or stop_string:
             self._finish(request, "stop")
-        elif len(request.output_ids) >= request.sampling.max_tokens or request.num_tokens >= self.max_model_len:
+        elif (len(request.output_ids) >= request.sampling.max_tokens
+              or request.num_tokens + request.prefix_len >= self.max_model_len):
             self._finish(request, "length")
         return self._chunk(request)
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from adapterserve.engine.context import get_context
-from adapterserve.kernels import LoraSlices, lora_expand, lora_shrink
+from adapterserve.kernels import LoraSlices, ia3_scale, lora_expand, lora_shrink
 
 
 class AdapterLinear(torch.nn.Module):
@@ -40,15 +40,23 @@ class AdapterLinear(torch.nn.Module):
             else None
         )
         self.lora: LoraSlices | None = None
+        self.ia3_in: torch.Tensor | None = None  # [S, K] (IA)^3 input scales
+        self.ia3_out: torch.Tensor | None = None  # [S, N] (IA)^3 output scales
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] -> y: [T, N]
-        y = F.linear(x, self.weight, self.bias)
         ctx = get_context()
-        if self.lora is not None and ctx.adapters is not None:
+        ia3 = ctx.ia3 if self.ia3_in is not None else None
+        if ia3 is not None:
+            x = x.clone()
+            ia3_scale(x, self.ia3_in, ia3)
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None and ctx.lora is not None:
             workspace = ctx.lora_workspace[: self.lora.num_slices, : x.shape[0]]
-            lora_shrink(x, self.lora, ctx.adapters, workspace)
-            lora_expand(workspace, self.lora, ctx.adapters, y)
+            lora_shrink(x, self.lora, ctx.lora, workspace)
+            lora_expand(workspace, self.lora, ctx.lora, y)
+        if ia3 is not None:
+            ia3_scale(y, self.ia3_out, ia3)
         return y
 
 

@@ -62,6 +62,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     slot: int = -1  # adapter slot while running; -1 = base model
+    num_virtual: int = 0  # prompt-tuning virtual tokens in front of the prompt
+    prefix_len: int = 0  # prefix-tuning keys/values attended before everything
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose k/v are in the cache
     text: str = ""
@@ -71,11 +73,13 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Token ids of the request's own KV entries (virtual tokens as 0)."""
+        return [0] * self.num_virtual + self.prompt_ids + self.output_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens in the request's own KV blocks: virtual, prompt and output."""
+        return self.num_virtual + len(self.prompt_ids) + len(self.output_ids)
 
     @property
     def finished(self) -> bool:

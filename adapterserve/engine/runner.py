@@ -1,15 +1,33 @@
 """Runs one step on the device: builds the BatchContext, runs the backbone, samples."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from adapterserve.engine.context import AttentionMeta, BatchContext, set_context
+from adapterserve.engine.context import AttentionMeta, BatchContext, VirtualTokens, set_context
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.request import Request
 from adapterserve.engine.sampler import sample
 from adapterserve.engine.scheduler import ScheduledBatch
 from adapterserve.kernels import build_adapter_meta
 from adapterserve.models.decoder import DecoderModel
+
+FAMILIES = ("lora", "ia3", "bottleneck")
+
+
+@dataclass
+class _HostBatch:
+    """The step's token-level lists, built on the host before one copy each."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    write_slots: list[int] = field(default_factory=list)
+    kv_slots: list[list[int]] = field(default_factory=list)  # per sequence, its whole context
+    query_kv_index: list[int] = field(default_factory=list)  # each token's index in its context
+    slots: list[int] = field(default_factory=list)
+    last_rows: list[int] = field(default_factory=list)
+    virtual: tuple[list[int], list[int], list[int]] = field(default_factory=lambda: ([], [], []))
 
 
 class ModelRunner:
@@ -36,6 +54,8 @@ class ModelRunner:
         self.lora_workspace = torch.empty(3, max_tokens, max(max_rank, 1), dtype=self.dtype, device=self.device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        self.families_of = lambda slot: frozenset()  # slot -> families it holds; bound by the engine
+        self.prefix_slots = lambda slot: []  # slot -> flat KV slots of its prefix; bound by the engine
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, generators: list[torch.Generator | None]) -> list[int]:
@@ -51,55 +71,74 @@ class ModelRunner:
         return sample(logits, [r.sampling for r in batch.requests], generators, self.generator)
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, BatchContext]:
-        ids, positions, write_slots, token_slots, last_rows = [], [], [], [], []
+        host = _HostBatch()
         for request, n in zip(batch.requests, batch.num_new_tokens):
-            start = request.num_tokens - n
-            all_ids = request.all_ids
-            ids.extend(all_ids[start:])
-            span = range(start, request.num_tokens)
-            positions.extend(span)
-            write_slots.extend(self.blocks.slot(request.blocks, p) for p in span)
-            token_slots.extend([request.slot] * n)
-            last_rows.append(len(ids) - 1)
+            self._add_request(host, request, n)
         dev = self.device
-        attention = self._attention_meta(batch, positions, write_slots)
-        has_adapter = any(r.slot >= 0 for r in batch.requests)
-        adapters = build_adapter_meta(torch.tensor(token_slots, device=dev), self.num_slots) if has_adapter else None
         ctx = BatchContext(
-            attention=attention,
-            adapters=adapters,
+            attention=self._attention_meta(host, batch.num_new_tokens),
+            lora=None,
             lora_workspace=self.lora_workspace,
-            logits_rows=torch.tensor(last_rows, device=dev),
+            logits_rows=torch.tensor(host.last_rows, device=dev),
+            virtual=self._virtual(host),
         )
-        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), ctx
+        for family in FAMILIES:
+            setattr(ctx, family, self._family_meta(host.slots, family))
+        return torch.tensor(host.ids, device=dev), torch.tensor(host.positions, device=dev), ctx
 
-    def _attention_meta(self, batch: ScheduledBatch, positions: list[int], write_slots: list[int]) -> AttentionMeta:
-        requests, counts = batch.requests, batch.num_new_tokens
-        qmax = max(counts)
-        kmax = max(r.num_tokens for r in requests)
-        kv_slots = torch.zeros(len(requests), kmax, dtype=torch.long)
-        query_pad = torch.zeros(len(requests), qmax, dtype=torch.long)
-        query_pos = torch.full((len(requests), qmax), -1, dtype=torch.long)
+    def _add_request(self, host: _HostBatch, request: Request, n: int) -> None:
+        start = request.num_tokens - n
+        first_row = len(host.ids)
+        host.ids.extend(request.all_ids[start:])
+        prefix = self.prefix_slots(request.slot) if request.prefix_len else []
+        own = range(start, request.num_tokens)
+        host.positions.extend(len(prefix) + i for i in own)
+        host.query_kv_index.extend(len(prefix) + i for i in own)
+        host.write_slots.extend(self.blocks.slot(request.blocks, i) for i in own)
+        host.kv_slots.append(prefix + [self.blocks.slot(request.blocks, i) for i in range(request.num_tokens)])
+        host.slots.extend([request.slot] * n)
+        host.last_rows.append(len(host.ids) - 1)
+        for i in range(start, min(request.num_virtual, request.num_tokens)):
+            host.virtual[0].append(first_row + i - start)
+            host.virtual[1].append(request.slot)
+            host.virtual[2].append(i)
+
+    def _virtual(self, host: _HostBatch) -> VirtualTokens | None:
+        if not host.virtual[0]:
+            return None
+        rows, slots, index = (torch.tensor(v, device=self.device) for v in host.virtual)
+        return VirtualTokens(rows, slots, index)
+
+    def _family_meta(self, slots: list[int], family: str):
+        token_slots = [s if s >= 0 and family in self.families_of(s) else -1 for s in slots]
+        if all(s < 0 for s in token_slots):
+            return None
+        return build_adapter_meta(torch.tensor(token_slots, device=self.device), self.num_slots)
+
+    def _attention_meta(self, host: _HostBatch, counts: list[int]) -> AttentionMeta:
+        batch = len(counts)
+        qmax, kmax = max(counts), max(len(k) for k in host.kv_slots)
+        kv_slots = torch.zeros(batch, kmax, dtype=torch.long)
+        query_pad = torch.zeros(batch, qmax, dtype=torch.long)
+        query_index = torch.full((batch, qmax), -1, dtype=torch.long)
         token_pad, first = [], 0
-        for b, (request, n) in enumerate(zip(requests, counts)):
-            slots = [self.blocks.slot(request.blocks, p) for p in range(request.num_tokens)]
-            kv_slots[b, : len(slots)] = torch.tensor(slots)
+        for b, n in enumerate(counts):
+            kv_slots[b, : len(host.kv_slots[b])] = torch.tensor(host.kv_slots[b])
             query_pad[b, :n] = torch.arange(first, first + n)
             query_pad[b, n:] = first
-            query_pos[b, :n] = torch.tensor(positions[first : first + n])
+            query_index[b, :n] = torch.tensor(host.query_kv_index[first : first + n])
             token_pad.extend(b * qmax + j for j in range(n))
             first += n
-        key_pos = torch.arange(kmax)
-        qp = query_pos.unsqueeze(-1)
-        causal = key_pos <= qp  # [B, Qmax, Kmax]
-        padding_rows = (query_pos < 0).unsqueeze(-1) & (key_pos == 0)
-        mask = causal | padding_rows
-        sliding = {w: (causal & (key_pos > qp - w)) | padding_rows for w in self.windows}
+        key_index = torch.arange(kmax)
+        qi = query_index.unsqueeze(-1)
+        causal = key_index <= qi  # [B, Qmax, Kmax]
+        padding_rows = (query_index < 0).unsqueeze(-1) & (key_index == 0)
+        sliding = {w: (causal & (key_index > qi - w)) | padding_rows for w in self.windows}
         dev = self.device
         return AttentionMeta(
-            write_slots=torch.tensor(write_slots, dtype=torch.long, device=dev),
+            write_slots=torch.tensor(host.write_slots, dtype=torch.long, device=dev),
             kv_slots=kv_slots.to(dev),
-            mask=mask.unsqueeze(1).to(dev),
+            mask=(causal | padding_rows).unsqueeze(1).to(dev),
             query_pad=query_pad.to(dev),
             token_pad=torch.tensor(token_pad, dtype=torch.long, device=dev),
             sliding_masks={w: m.unsqueeze(1).to(dev) for w, m in sliding.items()} or None,

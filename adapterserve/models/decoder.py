@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from adapterserve.engine.attention import PagedAttention
+from adapterserve.engine.context import get_context
 from adapterserve.engine.layers import AdapterLinear, RMSNorm
 from adapterserve.models.decoder_config import DecoderConfig
 from adapterserve.models.rope import RotaryEmbedding
@@ -65,6 +66,7 @@ class DecoderModel(torch.nn.Module):
             DecoderLayer(cfg, i, rope, dtype, device) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.prompt_embeddings: torch.Tensor | None = None  # [S, P, D], bound by the prompt pool
         if cfg.tie_word_embeddings:
             self.lm_head_weight = self.embed_tokens.weight
         else:
@@ -73,7 +75,11 @@ class DecoderModel(torch.nn.Module):
             )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids)
+        virtual = get_context().virtual
+        if virtual is not None:  # prompt tuning: virtual tokens come from the adapter
+            hidden[virtual.rows] = self.prompt_embeddings[virtual.slots, virtual.index]
+        return hidden
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, D]

@@ -27,7 +27,11 @@ def _still_serving(engine, before):
     assert engine.blocks.num_free == engine.config.num_kv_blocks
 
 
-@pytest.mark.parametrize("case", sorted(BAD_CASES))
+# Unsupported for a LoRA reader, but families the engine serves (tested in test_families.py).
+SERVED_FAMILIES = {"ia3", "prefix_tuning"}
+
+
+@pytest.mark.parametrize("case", sorted(set(BAD_CASES) - SERVED_FAMILIES))
 def test_bad_adapter_is_refused(served, llama_dir, case):
     engine, good, root, before = served
     bad = make_bad_adapter(case, llama_dir, good, root / case)

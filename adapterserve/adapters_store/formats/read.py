@@ -1,0 +1,44 @@
+"""One entry point for every adapter format: picks the reader from the config."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.adapters_store.formats.peft_common import read_config
+from adapterserve.adapters_store.formats.peft_prompt import PROMPT_TYPES, read_peft_prompt
+from adapterserve.adapters_store.formats.types import BackboneSpec
+from adapterserve.errors import AdapterError
+
+
+@dataclass(frozen=True)
+class AdapterLimits:
+    max_lora_rank: int = 64
+    max_virtual_tokens: int = 64
+
+
+def read_adapter(path: str | Path, spec: BackboneSpec, limits: AdapterLimits, *, name: str | None = None) -> Adapter:
+    """Read and check any supported adapter directory; AdapterError if unfit."""
+    root = Path(path)
+    name = name or root.name
+    if not root.is_dir():
+        raise AdapterError(f"adapter '{name}': {root} is not a directory")
+    config = read_config(root, name)
+    peft_type = str(config.get("peft_type") or "").upper()
+    if peft_type == "LORA":
+        from adapterserve.adapters_store.formats.peft_lora import read_peft_lora
+
+        lora = read_peft_lora(root, spec, limits.max_lora_rank, name=name)
+        return Adapter("lora", lora=lora, config=config)
+    if peft_type == "IA3":
+        from adapterserve.adapters_store.formats.peft_ia3 import read_peft_ia3
+
+        return read_peft_ia3(root, spec, name=name)
+    if peft_type in PROMPT_TYPES:
+        return read_peft_prompt(root, spec, limits.max_virtual_tokens, name=name)
+    if peft_type:
+        raise AdapterError(
+            f"adapter '{name}': peft_type {peft_type} is not supported; supported: LORA, IA3, "
+            f"{', '.join(PROMPT_TYPES)}"
+        )
+    raise AdapterError(f"adapter '{name}': {root}/adapter_config.json has no peft_type; is it a PEFT adapter?")

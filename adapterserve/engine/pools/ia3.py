@@ -1,0 +1,56 @@
+"""(IA)^3 pools: per linear, one input-scale and one output-scale row per slot.
+
+Rows of slots without (IA)^3 stay at 1; the ia3 op only touches tokens whose
+adapter is (IA)^3, so other families never pay for it.
+"""
+from __future__ import annotations
+
+import torch
+
+from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.engine.layers import AdapterLinear
+from adapterserve.errors import AdapterError
+
+
+class Ia3Pool:
+    family = "ia3"
+
+    def __init__(self, linears: list[tuple[int, AdapterLinear]], num_slots: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.linears = linears
+        for _, linear in linears:
+            linear.ia3_in = torch.ones(num_slots, linear.in_features, dtype=dtype, device=device)
+            linear.ia3_out = torch.ones(num_slots, linear.weight.shape[0], dtype=dtype, device=device)
+
+    @staticmethod
+    def check_servable(adapter: Adapter, name: str) -> None:
+        """Fused projections share their input, so only an unfused one may scale it."""
+        if adapter.ia3 is None:
+            return
+        fused = adapter.ia3.feedforward & {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+        if fused:
+            raise AdapterError(
+                f"adapter '{name}': (IA)^3 input scaling (feedforward_modules) on {sorted(fused)} is not "
+                "supported: those projections share their input with others; use down_proj or o_proj"
+            )
+
+    def place(self, slot: int, adapter: Adapter) -> bool:
+        if adapter.ia3 is None:
+            return True
+        ia3 = adapter.ia3
+        with torch.no_grad():
+            for layer, linear in self.linears:
+                offset = 0
+                for kind, width in zip(linear.slice_kinds, linear.slice_widths):
+                    scale = ia3.scales.get((layer, kind))
+                    if scale is not None and kind in ia3.feedforward:
+                        linear.ia3_in[slot] *= scale.to(linear.ia3_in.dtype)
+                    elif scale is not None:
+                        linear.ia3_out[slot, offset : offset + width] = scale.to(linear.ia3_out.dtype)
+                    offset += width
+        return True
+
+    def clear(self, slot: int) -> None:
+        for _, linear in self.linears:
+            linear.ia3_in[slot] = 1
+            linear.ia3_out[slot] = 1

@@ -1,0 +1,44 @@
+"""Prefix-tuning pool: an adapter's per-layer keys and values written once into
+KV-cache blocks that every request of that adapter attends first. The blocks are
+held while the adapter sits in its slot and freed when the slot is cleared."""
+from __future__ import annotations
+
+import torch
+
+from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.engine.attention import PagedAttention
+from adapterserve.engine.kv_cache import BlockManager
+
+
+class PrefixPool:
+    family = "prefix"
+
+    def __init__(self, blocks: BlockManager, attention: list[PagedAttention]) -> None:
+        self.blocks = blocks
+        self.attention = attention
+        self.kv_slots: dict[int, list[int]] = {}  # slot -> flat cache slots of its prefix
+        self._blocks: dict[int, list[int]] = {}
+
+    def place(self, slot: int, adapter: Adapter) -> bool:
+        prefix = adapter.prefix
+        if prefix is None:
+            return True
+        table: list[int] = []
+        if not self.blocks.can_allocate(table, prefix.num_virtual):
+            return False
+        self.blocks.grow(table, prefix.num_virtual)
+        slots = [self.blocks.slot(table, p) for p in range(prefix.num_virtual)]
+        index = torch.tensor(slots, device=self.attention[0].k_cache.device)
+        with torch.no_grad():
+            for layer, attn in enumerate(self.attention):
+                attn.k_cache[index] = prefix.keys[layer].to(attn.k_cache.dtype)
+                attn.v_cache[index] = prefix.values[layer].to(attn.v_cache.dtype)
+        self.kv_slots[slot] = slots
+        self._blocks[slot] = table
+        return True
+
+    def clear(self, slot: int) -> None:
+        self.kv_slots.pop(slot, None)
+        table = self._blocks.pop(slot, None)
+        if table is not None:
+            self.blocks.release(table)
