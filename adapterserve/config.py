@@ -23,6 +23,7 @@ class EngineConfig:
     max_num_batched_tokens: tokens in one step (prefill chunks plus decodes)
     max_model_len:    prompt plus generated tokens per request; default the backbone's
     max_virtual_tokens: longest prompt-tuning / prefix-tuning adapter accepted
+    max_labels:       most labels a classification head may have
     """
 
     device: str = "cpu"
@@ -36,6 +37,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None
     max_virtual_tokens: int = 64
+    max_labels: int = 32
     seed: int = 0
 
     def __post_init__(self) -> None:

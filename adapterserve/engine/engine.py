@@ -23,7 +23,8 @@ from adapterserve.adapters_store.formats.read import AdapterLimits, read_adapter
 from adapterserve.adapters_store.formats.types import BackboneSpec, LoraAdapter
 from adapterserve.config import EngineConfig
 from adapterserve.engine.kv_cache import BlockManager
-from adapterserve.engine.request import Request, RequestOutput, SamplingParams
+from adapterserve.engine.pools.head import HeadPool
+from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput, SamplingParams
 from adapterserve.engine.runner import ModelRunner
 from adapterserve.engine.scheduler import Scheduler
 from adapterserve.engine.pools.ia3 import Ia3Pool
@@ -87,8 +88,11 @@ class Engine:
         prompt = PromptPool(cfg.max_loras, cfg.max_virtual_tokens, self.model_config.hidden_size, dtype, device)
         model.prompt_embeddings = prompt.embeddings
         self.prefix_pool = PrefixPool(self.blocks, model.attention_layers())
+        self.head_pool = HeadPool(cfg.max_loras, cfg.max_labels, self.model_config.hidden_size, dtype, device)
+        self.lora_pool = LoraPool(linears, cfg.max_loras, cfg.pool_rows, cfg.max_lora_rank, dtype, device)
         return [
-            LoraPool(linears, cfg.max_loras, cfg.pool_rows, cfg.max_lora_rank, dtype, device),
+            self.lora_pool,
+            self.head_pool,
             Ia3Pool(linears, cfg.max_loras, dtype, device),
             prompt,
             self.prefix_pool,
@@ -130,6 +134,7 @@ class Engine:
         if isinstance(adapter, LoraAdapter):
             adapter = Adapter("lora", lora=adapter, config=adapter.config)
         Ia3Pool.check_servable(adapter, adapter_id)
+        self.head_pool.check_servable(adapter, adapter_id)
         with self._lock:
             if adapter_id in self.adapters:
                 raise AdapterError(f"an adapter with id {adapter_id!r} is already loaded; unload it first")
@@ -158,10 +163,11 @@ class Engine:
         sampling: SamplingParams | None = None,
         adapter_id: str | None = None,
         request_id: str | None = None,
+        task: str = "generate",
     ) -> Request:
         sampling = sampling or SamplingParams()
         prompt_ids = self._prompt_ids(prompt)
-        request = Request(prompt_ids=prompt_ids, sampling=sampling, adapter_id=adapter_id)
+        request = Request(prompt_ids=prompt_ids, sampling=sampling, adapter_id=adapter_id, task=task)
         if request_id is not None:
             request.request_id = request_id
         if sampling.seed is not None:
@@ -169,6 +175,8 @@ class Engine:
         with self._lock:
             if adapter_id is not None:
                 self._bind_adapter(request, adapter_id)
+            elif task == "classify":
+                raise RequestError("classify needs an adapter with a classification head")
             if request.request_id in self.requests:
                 raise RequestError(f"request id {request.request_id!r} is already in use")
             self.requests[request.request_id] = request
@@ -179,6 +187,8 @@ class Engine:
         adapter = self.adapters.get(adapter_id)
         if adapter is None:
             raise AdapterNotFound(f"no adapter {adapter_id!r} is loaded; loaded: {self.list_adapters()}")
+        if request.task == "classify" and adapter.head is None:
+            raise RequestError(f"adapter {adapter_id!r} has no classification head; classify needs one")
         request.num_virtual, request.prefix_len = adapter.num_virtual, adapter.prefix_len
         extra = request.num_virtual + request.prefix_len
         if extra and len(request.prompt_ids) + extra >= self.max_model_len:
@@ -224,8 +234,31 @@ class Engine:
             batch = self.scheduler.schedule()
             if not batch.requests:
                 return []
-            tokens = self.runner.run(batch, [r.generator for r in batch.requests])
-            return [self._advance(r, t) for r, t in zip(batch.requests, tokens)]
+            results = self.runner.run(batch, [r.generator for r in batch.requests])
+            self._pool_results(batch.requests, results)
+            return [self._advance(r, t) for r, t in zip(batch.requests, results) if not r.pooling]
+
+    def _pool_results(self, requests: list[Request], results: list) -> None:
+        """Finish pooling requests: classify through their slot's head, embed as is."""
+        pooled = [(r, h) for r, h in zip(requests, results) if r.pooling]
+        classify = [(r, h) for r, h in pooled if r.task == "classify"]
+        if classify:
+            slots = torch.tensor([r.slot for r, _ in classify], device=self.runner.device)
+            probs = self.head_pool.logits(torch.stack([h for _, h in classify]), slots).softmax(-1)
+            for (r, _), p in zip(classify, probs):
+                r.result = self._classification(r, p)
+        for r, h in pooled:
+            if r.task == "embed":
+                r.result = EmbedOutput(r.request_id, h.tolist(), r.adapter_id)
+            self._finish(r, "stop")
+
+    def _classification(self, request: Request, probs: torch.Tensor) -> ClassifyOutput:
+        head = self.adapters[request.adapter_id].head if request.adapter_id in self.adapters else None
+        n = int(self.head_pool.num_labels[request.slot])
+        labels = head.labels if head is not None else [f"LABEL_{i}" for i in range(n)]
+        values = probs[:n].tolist()
+        best = max(range(n), key=values.__getitem__)
+        return ClassifyOutput(request.request_id, labels[best], best, values, labels, request.adapter_id)
 
     def _advance(self, request: Request, token: int) -> RequestOutput:
         request.num_computed = request.num_tokens
@@ -266,6 +299,23 @@ class Engine:
         while any(not r.finished for r in requests):
             self.step()
         return [_final(r) for r in requests]
+
+    def classify(self, texts: Sequence[Prompt], adapter_ids: Sequence[str] | str) -> list[ClassifyOutput]:
+        """Label each text with its adapter's classification head, in shared batches."""
+        return self._pool(texts, adapter_ids, "classify")
+
+    def embed(self, texts: Sequence[Prompt], adapter_ids: Sequence[str | None] | str | None = None) -> list[EmbedOutput]:
+        """Pooled hidden state of each text (last token, after the final norm)."""
+        return self._pool(texts, adapter_ids, "embed")
+
+    def _pool(self, texts, adapter_ids, task: str) -> list:
+        if isinstance(texts, str):
+            raise RequestError(f"{task} takes a list of texts; use [text] for one")
+        ids = _per_prompt(adapter_ids, len(texts), "adapter_ids")
+        requests = [self.add_request(t, SamplingParams(max_tokens=1), a, task=task) for t, a in zip(texts, ids)]
+        while any(not r.finished for r in requests):
+            self.step()
+        return [r.result for r in requests]
 
     async def stream(
         self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,

@@ -61,6 +61,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    task: str = "generate"  # "generate", or a pooling task: "classify", "embed"
     slot: int = -1  # adapter slot while running; -1 = base model
     num_virtual: int = 0  # prompt-tuning virtual tokens in front of the prompt
     prefix_len: int = 0  # prefix-tuning keys/values attended before everything
@@ -70,6 +71,7 @@ class Request:
     emitted_chars: int = 0  # text already streamed
     emitted_tokens: int = 0  # output ids already streamed
     generator: object = None  # torch.Generator of a seeded request
+    result: object = None  # ClassifyOutput or EmbedOutput of a finished pooling request
 
     @property
     def all_ids(self) -> list[int]:
@@ -84,6 +86,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def pooling(self) -> bool:
+        return self.task != "generate"
 
 
 @dataclass(frozen=True)
@@ -100,3 +106,24 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class ClassifyOutput:
+    """A classification: the top label and every label's probability."""
+
+    request_id: str
+    label: str
+    label_index: int
+    probabilities: list[float]
+    labels: list[str]
+    adapter_id: str | None = None
+
+
+@dataclass(frozen=True)
+class EmbedOutput:
+    """A pooled embedding of the input."""
+
+    request_id: str
+    embedding: list[float]
+    adapter_id: str | None = None

@@ -58,17 +58,26 @@ class ModelRunner:
         self.prefix_slots = lambda slot: []  # slot -> flat KV slots of its prefix; bound by the engine
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, generators: list[torch.Generator | None]) -> list[int]:
-        """One forward pass over the batch; returns each request's next token."""
+    def run(self, batch: ScheduledBatch, generators: list[torch.Generator | None]) -> list:
+        """One forward pass over the batch. Each generating request gets its next
+        token id; each pooling request (classify, embed) its pooled hidden state."""
         input_ids, positions, ctx = self._prepare(batch)
         set_context(ctx)
         try:
-            hidden = self.model(input_ids, positions)
-            logits = self.model.compute_logits(hidden[ctx.logits_rows])
+            last = self.model(input_ids, positions)[ctx.logits_rows]  # [B, D]
         finally:
             set_context(None)
-        self.last_logits = logits
-        return sample(logits, [r.sampling for r in batch.requests], generators, self.generator)
+        requests = batch.requests
+        generating = [i for i, r in enumerate(requests) if not r.pooling]
+        results: list = [last[i].float() for i in range(len(requests))]
+        if generating:
+            logits = self.model.compute_logits(last[generating])
+            self.last_logits = logits
+            tokens = sample(logits, [requests[i].sampling for i in generating],
+                            [generators[i] for i in generating], self.generator)
+            for i, token in zip(generating, tokens):
+                results[i] = token
+        return results
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, BatchContext]:
         host = _HostBatch()

@@ -36,8 +36,8 @@ def test_small_ranks_take_only_their_rows(llama_dir, tmp_path):
     engine.step()
     assert all(r.slot >= 0 for r in requests)
     assert len({r.slot for r in requests}) == 4
-    assert engine.slots.pools[0].allocators["q_proj"].free_rows == 0
-    assert engine.slots.pools[0].allocators["k_proj"].free_rows == 64  # untargeted kinds take no rows
+    assert engine.lora_pool.allocators["q_proj"].free_rows == 0
+    assert engine.lora_pool.allocators["k_proj"].free_rows == 64  # untargeted kinds take no rows
 
 
 def test_more_adapters_than_slots_are_served_by_eviction(llama_dir, tmp_path):
