@@ -60,7 +60,8 @@ _CORPUS = (
     "Hikers follow the path along the bank, past the old mill and the wooden bridge, up to "
     "the lake where the fish rise at sunset and the only sound is the wind in the pines.",
     "Cette phrase est en français, und dieser Satz ist auf Deutsch. Ñandú, café, naïve, "
-    "smörgåsbord, Ελληνικά, русский текст, 日本語の文章, and emoji such as 🙂 or 🚀 are bytes too.",
+    "smörgåsbord, Ελληνικά, русский текст, 日本語の文章, "
+    "and emoji such as 🙂 or 🚀 are bytes too.",
 )
 
 
@@ -135,28 +136,28 @@ _MODEL_CLASSES = {
 }
 
 
-def _arch_overrides(
-    arch: str, hidden: int, heads: int, head_dim: int | None, tie: bool | None
-) -> dict:
-    if arch == "llama":
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 128,
-        }
-        return {"rope_parameters": rope, "tie_word_embeddings": True if tie is None else tie,
-                "head_dim": head_dim or hidden // heads}
-    common = {"tie_word_embeddings": bool(tie)}
+_ROPE_LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 128,
+}
+_ROPE_DEFAULT = {"rope_type": "default", "rope_theta": 1e6}
+
+
+def _arch_overrides(arch: str, hidden: int, heads: int, head_dim: int | None, tie: bool | None) -> dict:
+    """Per-arch config fields: rope, tying, head_dim (qwen2 always uses hidden / heads)."""
+    fields = {
+        "rope_parameters": dict(_ROPE_LLAMA3 if arch == "llama" else _ROPE_DEFAULT),  # configs edit it
+        "tie_word_embeddings": arch == "llama" if tie is None else tie,
+    }
+    if arch != "qwen2":
+        fields["head_dim"] = head_dim or (2 if arch == "qwen3" else 1) * hidden // heads
     if arch == "mistral":
-        return {**common, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-                "sliding_window": None, "head_dim": head_dim or hidden // heads}
-    if arch == "qwen2":
-        return {**common, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
-    return {**common, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-            "head_dim": head_dim or 2 * hidden // heads}
+        fields["sliding_window"] = None
+    return fields
 
 
 def _config(arch: str, **kwargs) -> PretrainedConfig:
@@ -232,13 +233,18 @@ def _tokenizer(arch: str, vocab_size: int) -> PreTrainedTokenizerFast:
 
 @functools.lru_cache(maxsize=4)
 def _trained_tokenizer_json(vocab_size: int, style: str) -> str:
-    """Byte-level BPE trained on the built-in corpus.
+    """Byte-level BPE trained on the built-in corpus, up to ``vocab_size`` tokens.
+
+    A larger vocab_size than the corpus supports leaves unused embedding rows, as
+    real checkpoints often have.
 
     "llama": BOS/EOS/PAD specials and BOS put in front of every text. "qwen": no BOS,
     <|endoftext|> as EOS and pad (transformers loads Qwen2's own tokenizer class for
     qwen2, which adds <|endoftext|> when the vocabulary lacks it).
     """
     specials = [ENDOFTEXT, "<|im_start|>", "<|im_end|>"] if style == "qwen" else [BOS, EOS, PAD]
+    if vocab_size < 256 + len(specials):
+        raise ValueError(f"vocab_size must be at least {256 + len(specials)} (bytes and special tokens)")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -248,12 +254,7 @@ def _trained_tokenizer_json(vocab_size: int, style: str) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS, trainer=trainer)
-    if tok.get_vocab_size() != vocab_size:
-        raise ValueError(
-            f"the built-in corpus yields {tok.get_vocab_size()} tokens, not vocab_size={vocab_size}; "
-            f"choose a vocab_size between {256 + len(specials)} and that number"
-        )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)  # the corpus gives at most ~860 tokens
     if style == "llama":
         tok.post_processor = processors.TemplateProcessing(
             single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]

@@ -175,6 +175,8 @@ BAD_CASES: dict[str, Maker] = {
     "untargeted_weights": _config_case(_drop_target("down_proj")),
     "targets_without_weights": _missing_targets,
     "fan_in_fan_out": _config_case(_set("fan_in_fan_out", True)),
+    "invalid_regex": _config_case(_set("rank_pattern", {"q_proj(": 2})),
+    "wrong_option_type": _config_case(_set("rank_pattern", [["q_proj", 2]])),
     # made by peft with what is not supported
     "prefix_tuning": _peft_made(lambda: PrefixTuningConfig(num_virtual_tokens=4, task_type="CAUSAL_LM")),
     "ia3": _peft_made(lambda: IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])),
@@ -183,6 +185,7 @@ BAD_CASES: dict[str, Maker] = {
     "lora_bias": _peft_made(lambda: LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True)),
     "embedding_lora": _peft_made(lambda: LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"])),
     "lm_head_lora": _peft_made(lambda: LoraConfig(r=4, target_modules=["q_proj", "lm_head"])),
+    "pissa_unconverted": _peft_made(lambda: LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="pissa")),
     "modules_to_save": _peft_made(lambda: LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])),
 }
 

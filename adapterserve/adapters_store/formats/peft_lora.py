@@ -45,6 +45,17 @@ _UNSUPPORTED_OPTIONS = {
     "kasa_config": "the KaSA variant (kasa_config) is not supported yet",
     "megatron_config": "Megatron parallel LoRA layers (megatron_config) are not supported",
 }
+# JSON types PEFT writes for the options read here (None: absent or null).
+_OPTION_TYPES = {
+    "target_modules": (str, list),
+    "exclude_modules": (str, list, type(None)),
+    "rank_pattern": (dict, type(None)),
+    "alpha_pattern": (dict, type(None)),
+    "layers_to_transform": (int, list, type(None)),
+    "layers_pattern": (str, list, type(None)),
+}
+# Initialisations that rewrite the base weights; such adapters fit only that rewritten base.
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
 _DECODER_MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[^.]+)\.(?P<kind>[^.]+)$")
 _WHOLE_MODULES = ("embed_tokens", "lm_head")  # LoRA there is not served yet
@@ -61,10 +72,13 @@ def read_peft_lora(path: str | Path, spec: BackboneSpec, max_rank: int, *, name:
         raise AdapterError(f"adapter '{name}': {root} is not a directory")
     config = _read_config(root, name)
     pairs = _read_pairs(root, name)
-    modules = {addr: _module(name, config, addr, a, b) for addr, (a, b) in pairs.items()}
-    adapter = LoraAdapter(modules=modules, config=config)
-    check_lora_adapter(name, adapter, spec, max_rank)
-    _check_targets(name, config, spec, set(modules))
+    try:
+        modules = {addr: _module(name, config, addr, a, b) for addr, (a, b) in pairs.items()}
+        adapter = LoraAdapter(modules=modules, config=config)
+        check_lora_adapter(name, adapter, spec, max_rank)
+        _check_targets(name, config, spec, set(modules))
+    except re.error as exc:
+        raise AdapterError(f"adapter '{name}': a pattern in {CONFIG_FILE} is not a valid regex ({exc})") from exc
     return adapter
 
 
@@ -99,10 +113,18 @@ def _check_supported(name: str, config: dict) -> None:
             f"adapter '{name}': bias={config['bias']!r} trains the backbone's own biases, which a shared "
             "backbone cannot take per adapter; only bias='none' is supported"
         )
-    if config.get("init_lora_weights") == "mica":
-        raise AdapterError(f"adapter '{name}': the MiCA LoRA variant is not supported yet")
+    init = str(config.get("init_lora_weights", True)).lower()
+    if init.startswith(_BASE_CHANGING_INITS):
+        raise AdapterError(
+            f"adapter '{name}' was saved with init_lora_weights={config['init_lora_weights']!r}, which also "
+            "changes the backbone's weights, so it does not fit the original backbone; re-save it with "
+            "save_pretrained(..., path_initial_model_for_weight_conversion=...) to get a plain LoRA"
+        )
     if config.get("target_modules") is None:
         raise AdapterError(f"adapter '{name}': {CONFIG_FILE} has no target_modules")
+    for option, types in _OPTION_TYPES.items():
+        if not isinstance(config.get(option), types):
+            raise AdapterError(f"adapter '{name}': {CONFIG_FILE} has {option}={config[option]!r}, not a valid value")
     _positive_int(name, "r", config.get("r"))
     _number(name, "lora_alpha", config.get("lora_alpha"))
 
@@ -252,10 +274,7 @@ def _check_targets(name: str, config: dict, spec: BackboneSpec, stored: set[tupl
     if isinstance(target, list):
         for entry in target:
             _check_target_entry(name, str(entry), spec, list(backbone))
-    try:
-        targeted = {addr for key, addr in backbone.items() if _targeted(config, key)}
-    except re.error as exc:
-        raise AdapterError(f"adapter '{name}': a pattern in {CONFIG_FILE} is not a valid regex ({exc})") from exc
+    targeted = {addr for key, addr in backbone.items() if _targeted(config, key)}
     extra, missing = sorted(stored - targeted), sorted(targeted - stored)
     if extra:
         raise AdapterError(
