@@ -24,6 +24,7 @@ class EngineConfig:
     max_model_len:    prompt plus generated tokens per request; default the backbone's
     max_virtual_tokens: longest prompt-tuning / prefix-tuning adapter accepted
     max_labels:       most labels a classification head may have
+    max_head_layers:  1, or 2 for heads with a hidden layer (costs [slots, D, D] of memory)
     """
 
     device: str = "cpu"
@@ -38,6 +39,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_virtual_tokens: int = 64
     max_labels: int = 32
+    max_head_layers: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:

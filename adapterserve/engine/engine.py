@@ -88,7 +88,8 @@ class Engine:
         prompt = PromptPool(cfg.max_loras, cfg.max_virtual_tokens, self.model_config.hidden_size, dtype, device)
         model.prompt_embeddings = prompt.embeddings
         self.prefix_pool = PrefixPool(self.blocks, model.attention_layers())
-        self.head_pool = HeadPool(cfg.max_loras, cfg.max_labels, self.model_config.hidden_size, dtype, device)
+        self.head_pool = HeadPool(cfg.max_loras, cfg.max_labels, cfg.max_head_layers, self.model_config.hidden_size,
+                                  ("last",), dtype, device)
         self.lora_pool = LoraPool(linears, cfg.max_loras, cfg.pool_rows, cfg.max_lora_rank, dtype, device)
         return [
             self.lora_pool,
@@ -243,7 +244,7 @@ class Engine:
         pooled = [(r, h) for r, h in zip(requests, results) if r.pooling]
         classify = [(r, h) for r, h in pooled if r.task == "classify"]
         if classify:
-            slots = torch.tensor([r.slot for r, _ in classify], device=self.runner.device)
+            slots = [r.slot for r, _ in classify]
             probs = self.head_pool.logits(torch.stack([h for _, h in classify]), slots).softmax(-1)
             for (r, _), p in zip(classify, probs):
                 r.result = self._classification(r, p)
@@ -253,9 +254,9 @@ class Engine:
             self._finish(r, "stop")
 
     def _classification(self, request: Request, probs: torch.Tensor) -> ClassifyOutput:
-        head = self.adapters[request.adapter_id].head if request.adapter_id in self.adapters else None
-        n = int(self.head_pool.num_labels[request.slot])
-        labels = head.labels if head is not None else [f"LABEL_{i}" for i in range(n)]
+        head = self.head_pool.heads[request.slot]
+        labels = [head.id2label[i] for i in range(head.num_labels)]
+        n = head.num_labels
         values = probs[:n].tolist()
         best = max(range(n), key=values.__getitem__)
         return ClassifyOutput(request.request_id, labels[best], best, values, labels, request.adapter_id)

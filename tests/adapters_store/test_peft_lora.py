@@ -170,7 +170,7 @@ REFUSALS = {  # case -> fragments the message must contain
     "lora_bias": ["lora_bias", "not supported yet"],
     "embedding_lora": ["embed_tokens", "not supported yet"],
     "lm_head_lora": ["lm_head", "not supported yet"],
-    "modules_to_save": ["modules_to_save", "heads", "not supported yet"],
+    "modules_to_save": ["modules_to_save", "lm_head", "classification head"],
     "pissa_unconverted": ["init_lora_weights='pissa'", "path_initial_model_for_weight_conversion"],
 }
 

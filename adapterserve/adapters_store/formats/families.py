@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adapterserve.adapters_store.formats.types import LoraAdapter
+from adapterserve.adapters_store.formats.types import ClassifierHead, LoraAdapter
 
 
 @dataclass
@@ -49,19 +49,6 @@ class PrefixAdapter:
 
 
 @dataclass
-class HeadAdapter:
-    """A task's classification head on the pooled hidden state."""
-
-    weight: torch.Tensor  # [labels, hidden] float32
-    bias: torch.Tensor | None  # [labels]
-    labels: list[str]
-
-    @property
-    def num_labels(self) -> int:
-        return self.weight.shape[0]
-
-
-@dataclass
 class Adapter:
     """Everything served under one adapter id."""
 
@@ -71,7 +58,7 @@ class Adapter:
     prompt: PromptAdapter | None = None
     prefix: PrefixAdapter | None = None
     bottleneck: object | None = None  # BottleneckAdapter (AdapterHub format)
-    head: HeadAdapter | None = None
+    head: ClassifierHead | None = None
     config: dict = field(default_factory=dict)
 
     @property

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from adapterserve.adapters_store.formats.families import Adapter, Ia3Adapter
+from adapterserve.adapters_store.formats.peft_head import check_modules_to_save, is_head_key
 from adapterserve.adapters_store.formats.peft_common import WEIGHTS_FILE, read_config, read_weights
 from adapterserve.adapters_store.formats.types import BackboneSpec
 from adapterserve.adapters_store.validate import check_finite, check_kind, check_layer, module_name
@@ -26,12 +27,14 @@ def read_peft_ia3(path: str | Path, spec: BackboneSpec, *, name: str | None = No
     config = read_config(root, name)
     if str(config.get("peft_type", "")).upper() != "IA3":
         raise AdapterError(f"adapter '{name}': peft_type {config.get('peft_type')} is not IA3")
-    for option in ("fan_in_fan_out", "modules_to_save"):
-        if config.get(option):
-            raise AdapterError(f"adapter '{name}': {option}={config[option]!r} is not supported for (IA)^3 adapters")
+    if config.get("fan_in_fan_out"):
+        raise AdapterError(f"adapter '{name}': fan_in_fan_out=true is not supported for (IA)^3 adapters")
+    check_modules_to_save(name, config)
     feedforward = frozenset(_names(config.get("feedforward_modules")))
     scales = {}
     for key, tensor in read_weights(root, name).items():
+        if is_head_key(key):
+            continue
         layer, kind = _parse(name, key, spec)
         scales[(layer, kind)] = _vector(name, layer, kind, tensor, kind in feedforward, spec)
     if not scales:

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from adapterserve.adapters_store.formats.types import BackboneSpec, LoraAdapter, LoraModule
 from adapterserve.adapters_store.validate import check_kind, check_lora_adapter, module_name, parent_of
+from adapterserve.adapters_store.formats.peft_head import check_modules_to_save, is_head_key
 from adapterserve.errors import AdapterError
 
 CONFIG_FILE = "adapter_config.json"
@@ -31,8 +32,6 @@ _UNSUPPORTED_OPTIONS = {
     "use_dora": "DoRA (use_dora) is not supported yet; retrain as plain LoRA or merge it into the model",
     "fan_in_fan_out": "fan_in_fan_out=true (GPT-2 style Conv1D weights) is not supported",
     "lora_bias": "lora_bias=true (a bias on lora_B) is not supported yet",
-    "modules_to_save": "modules_to_save is not supported yet: trained heads or other whole modules "
-    "cannot be served per adapter; retrain without modules_to_save",
     "trainable_token_indices": "trainable_token_indices (trained embedding rows) is not supported yet",
     "target_parameters": "target_parameters (LoRA on raw parameters) is not supported yet",
     "layer_replication": "layer_replication is not supported",
@@ -57,7 +56,7 @@ _OPTION_TYPES = {
 # Initialisations that rewrite the base weights; such adapters fit only that rewritten base.
 _BASE_CHANGING_INITS = ("pissa", "olora", "corda", "lora_ga", "loftq")
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
-_DECODER_MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[^.]+)\.(?P<kind>[^.]+)$")
+_LAYER_MODULE = re.compile(r"^(?:[a-z_]+\.)*?(?:layers|layer)\.(?P<layer>\d+)\.(?P<rest>.+)$")
 _WHOLE_MODULES = ("embed_tokens", "lm_head")  # LoRA there is not served yet
 
 
@@ -71,9 +70,9 @@ def read_peft_lora(path: str | Path, spec: BackboneSpec, max_rank: int, *, name:
     if not root.is_dir():
         raise AdapterError(f"adapter '{name}': {root} is not a directory")
     config = _read_config(root, name)
-    pairs = _read_pairs(root, name)
+    pairs = _read_pairs(root, name, spec)
     try:
-        modules = {addr: _module(name, config, addr, a, b) for addr, (a, b) in pairs.items()}
+        modules = {addr: _module(name, config, addr, a, b, spec) for addr, (a, b) in pairs.items()}
         adapter = LoraAdapter(modules=modules, config=config)
         check_lora_adapter(name, adapter, spec, max_rank)
         _check_targets(name, config, spec, set(modules))
@@ -105,6 +104,7 @@ def _check_supported(name: str, config: dict) -> None:
         raise AdapterError(f"adapter '{name}': {CONFIG_FILE} has no peft_type; is it a PEFT adapter?")
     if str(peft_type).upper() != "LORA":
         raise AdapterError(f"adapter '{name}': peft_type {peft_type} is not supported yet (only LORA is)")
+    check_modules_to_save(name, config)
     for option, message in _UNSUPPORTED_OPTIONS.items():
         if config.get(option):
             raise AdapterError(f"adapter '{name}': {message} (found {option}={config[option]!r})")
@@ -144,11 +144,14 @@ def _number(name: str, what: str, value: object) -> float:
 # weights
 
 
-def _read_pairs(root: Path, name: str) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """(layer, kind) -> (lora_A, lora_B) as stored; refuses keys that are not decoder LoRA."""
+def _read_pairs(root: Path, name: str, spec: BackboneSpec) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """(layer, kind) -> (lora_A, lora_B) as stored; refuses keys that are not LoRA on a
+    backbone projection (a classification head's tensors are read by peft_head)."""
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in _read_tensors(root, name).items():
-        layer, kind, part = _parse_key(name, key)
+        if is_head_key(key):
+            continue
+        layer, kind, part = _parse_key(name, key, spec)
         parts = found.setdefault((layer, kind), {})
         if part in parts:
             raise AdapterError(f"adapter '{name}' has two lora_{part} tensors for {module_name(layer, kind)}")
@@ -181,7 +184,7 @@ def _read_tensors(root: Path, name: str) -> dict[str, torch.Tensor]:
         raise AdapterError(f"adapter '{name}': {WEIGHTS_FILE} is not a readable safetensors file ({exc})") from exc
 
 
-def _parse_key(name: str, key: str) -> tuple[int, str, str]:
+def _parse_key(name: str, key: str, spec: BackboneSpec) -> tuple[int, str, str]:
     if ".lora_embedding_" in key:
         raise AdapterError(f"adapter '{name}': LoRA on embeddings is not supported yet (found {key})")
     whole = next((part for part in key.split(".") if part in _WHOLE_MODULES), None)
@@ -189,17 +192,29 @@ def _parse_key(name: str, key: str) -> tuple[int, str, str]:
         raise AdapterError(f"adapter '{name}': LoRA on {whole} is not supported yet (found {key})")
     match = _LORA_KEY.match(key)
     module = match["module"].removeprefix("base_model.model.") if match else ""
-    address = _DECODER_MODULE.match(module)
-    if address is None or parent_of(address["kind"]) not in (None, address["parent"]):
+    address = _LAYER_MODULE.match(module)
+    kind = _kind_of(address["rest"], spec) if address else None
+    if kind is None:
         raise AdapterError(
             f"adapter '{name}' has an unexpected tensor '{key}' in {WEIGHTS_FILE}; expected only "
-            "...layers.<i>.<self_attn|mlp>.<proj>.lora_A.weight and ...lora_B.weight"
+            "...layers.<i>.<module>.lora_A.weight and ...lora_B.weight on the backbone's projections"
         )
-    return int(address["layer"]), address["kind"], match["part"]
+    return int(address["layer"]), kind, match["part"]
 
 
-def _module(name: str, config: dict, addr: tuple[int, str], a: torch.Tensor, b: torch.Tensor) -> LoraModule:
-    key = _peft_key(*addr)
+def _kind_of(rest: str, spec: BackboneSpec) -> str | None:
+    """Module kind for the path below ``layers.<i>.``; None if the path is malformed."""
+    if rest in spec.linear_shapes:
+        return rest  # encoder kinds are whole paths, e.g. attention.self.query
+    parent, _, kind = rest.rpartition(".")
+    if "." in parent or not parent or parent_of(kind) not in (None, parent):
+        return None
+    return kind
+
+
+def _module(name: str, config: dict, addr: tuple[int, str], a: torch.Tensor, b: torch.Tensor,
+            spec: BackboneSpec) -> LoraModule:
+    key = _peft_key(*addr, spec)
     if not (a.is_floating_point() and b.is_floating_point()):
         raise AdapterError(
             f"adapter '{name}' stores {module_name(*addr)} as {a.dtype}/{b.dtype}; LoRA weights must be floating point"
@@ -218,8 +233,10 @@ def _module(name: str, config: dict, addr: tuple[int, str], a: torch.Tensor, b: 
 # PEFT's matching rules, applied to the module names of a *ForCausalLM model
 
 
-def _peft_key(layer: int, kind: str) -> str:
-    return f"model.{module_name(layer, kind)}"
+def _peft_key(layer: int, kind: str, spec: BackboneSpec) -> str:
+    """The module's name in the Hugging Face model, as PEFT matched targets against it."""
+    parent = parent_of(kind)
+    return f"{spec.layers_prefix}.{layer}.{parent + '.' if parent else ''}{kind}"
 
 
 def _pattern_value(patterns: dict | None, key: str, default: object) -> object:
@@ -266,7 +283,7 @@ def _layer_index(key: str, layers_pattern: str | list[str] | None) -> int | None
 def _check_targets(name: str, config: dict, spec: BackboneSpec, stored: set[tuple[int, str]]) -> None:
     """The config's targets exist in the backbone and are exactly the modules stored."""
     backbone = {
-        _peft_key(layer, kind): (layer, kind)
+        _peft_key(layer, kind, spec): (layer, kind)
         for layer in range(spec.num_layers)
         for kind in spec.linear_shapes
     }

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from adapterserve.adapters_store.formats.families import Adapter, PrefixAdapter, PromptAdapter
+from adapterserve.adapters_store.formats.peft_head import check_modules_to_save, is_head_key
 from adapterserve.adapters_store.formats.peft_common import CONFIG_FILE, config_int, read_config, read_weights
 from adapterserve.adapters_store.formats.types import BackboneSpec
 from adapterserve.adapters_store.validate import check_finite
@@ -34,7 +35,8 @@ def read_peft_prompt(path: str | Path, spec: BackboneSpec, max_virtual_tokens: i
         raise AdapterError(
             f"adapter '{name}' has {num_virtual} virtual tokens; this server accepts at most {max_virtual_tokens}"
         )
-    tensors = read_weights(root, name)
+    check_modules_to_save(name, config)
+    tensors = {k: v for k, v in read_weights(root, name).items() if not is_head_key(k)}
     if set(tensors) != {"prompt_embeddings"}:
         raise AdapterError(f"adapter '{name}': expected only 'prompt_embeddings' in its weights, found {sorted(tensors)}")
     embeddings = tensors["prompt_embeddings"]

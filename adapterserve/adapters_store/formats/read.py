@@ -5,10 +5,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapterserve.adapters_store.formats.families import Adapter
-from adapterserve.adapters_store.formats.peft_common import read_config
+from adapterserve.adapters_store.formats.peft_common import read_config, read_weights
+from adapterserve.adapters_store.formats.peft_head import read_peft_head
 from adapterserve.adapters_store.formats.peft_prompt import PROMPT_TYPES, read_peft_prompt
 from adapterserve.adapters_store.formats.types import BackboneSpec
 from adapterserve.errors import AdapterError
+
+
+PEFT_TYPES = ("LORA", "IA3", *PROMPT_TYPES)
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,13 @@ def read_adapter(path: str | Path, spec: BackboneSpec, limits: AdapterLimits, *,
     if not root.is_dir():
         raise AdapterError(f"adapter '{name}': {root} is not a directory")
     config = read_config(root, name)
+    adapter = _read_family(root, name, config, spec, limits)
+    if config.get("modules_to_save") and str(config.get("peft_type") or "").upper() in PEFT_TYPES:
+        adapter.head = read_peft_head(name, read_weights(root, name), config, spec)
+    return adapter
+
+
+def _read_family(root: Path, name: str, config: dict, spec: BackboneSpec, limits: AdapterLimits) -> Adapter:
     peft_type = str(config.get("peft_type") or "").upper()
     if peft_type == "LORA":
         from adapterserve.adapters_store.formats.peft_lora import read_peft_lora

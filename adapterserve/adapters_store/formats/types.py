@@ -22,6 +22,7 @@ class BackboneSpec:
     linear_shapes: dict[str, tuple[int, int]]  # module kind -> (in_features, out_features)
     num_kv_heads: int = 0  # attention shape, for prefix tuning (0 = unknown)
     head_dim: int = 0
+    layers_prefix: str = "model.layers"  # module path of the layer list in a Hugging Face model
 
 
 @dataclass(frozen=True)
