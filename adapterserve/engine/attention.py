@@ -9,7 +9,12 @@ from adapterserve.engine.context import get_context
 
 class PagedAttention(torch.nn.Module):
     """Writes this step's k/v into the cache, then attends each query to its
-    sequence's cached context. The caches ([slots, Hkv, D]) are bound by the runner."""
+    sequence's cached context. The caches ([slots, Hkv, D]) are bound by the runner.
+
+    Decode-only steps on a GPU read the cache in place (Triton paged decode
+    kernel); steps with prefills gather each sequence's context and run batched
+    scaled-dot-product attention with a causal mask.
+    """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None) -> None:
         super().__init__()
@@ -25,12 +30,23 @@ class PagedAttention(torch.nn.Module):
         meta = get_context().attention
         self.k_cache.index_copy_(0, meta.write_slots, k)
         self.v_cache.index_copy_(0, meta.write_slots, v)
+        if meta.decode and q.is_cuda:
+            return self._decode(q, meta)
+        return self._batched(q, meta)
+
+    def _decode(self, q: torch.Tensor, meta) -> torch.Tensor:
+        from adapterserve.kernels.attention import paged_decode_attention
+
+        out = torch.empty_like(q)
+        paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, meta.kv_start,
+                               meta.page_size, self.window, out)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
+
+    def _batched(self, q: torch.Tensor, meta) -> torch.Tensor:
         keys = self.k_cache[meta.kv_slots].transpose(1, 2)  # [B, Hkv, Kmax, D]
         values = self.v_cache[meta.kv_slots].transpose(1, 2)
         queries = q[meta.query_pad].transpose(1, 2)  # [B, Hq, Qmax, D]
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=meta.mask_for(self.window), enable_gqa=True
-        )
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.masks[self.window], enable_gqa=True)
         batch, _, qmax, _ = out.shape
         out = out.transpose(1, 2).reshape(batch * qmax, self.num_heads * self.head_dim)
         return out[meta.token_pad]

@@ -14,29 +14,34 @@ from adapterserve.kernels.metadata import AdapterBatchMeta
 
 @dataclass
 class AttentionMeta:
-    """Where this step's tokens read and write the paged KV cache.
+    """Where this step's tokens write the paged KV cache and what they read.
 
-    Tokens of one sequence are contiguous in the batch. Sequences are padded to
-    a common query length and context length for batched attention.
+    A sequence's context is addressed through its block table: kv index j lives
+    in cache slot table[j // page] * page + j % page. Entries before kv_start are
+    skipped (a prefix-tuning prefix is right-aligned in its own blocks).
 
-    write_slots:  [T] int64 flat KV-cache slot each token's k/v is written to
-    kv_slots:     [B, Kmax] int64 flat slots of every sequence's context (padded)
-    mask:         [B, 1, Qmax, Kmax] bool, True where a query may attend a key
-    query_pad:    [B, Qmax] int64 token index of each padded query (padding: 0)
-    token_pad:    [T] int64 position of each token in the flattened [B * Qmax] queries
+    write_slots:  [T] int64 cache slot each token's k/v is written to
+    block_tables: [B, max_pages] int32
+    context_lens: [B] int32 kv entries of each sequence after this step's writes
+    kv_start:     [B] int32 first valid kv index
+    page_size:    tokens per block
+    decode:       True when every sequence has exactly one new token (host bool)
+    For batches with prefills, padded views for batched attention:
+    query_pad:    [B, Qmax] token index of each padded query; token_pad: [T] its place
+    kv_slots:     [B, Kmax] cache slot of every kv index (padding: 0)
+    masks:        window (None: full) -> [B, 1, Qmax, Kmax] bool, True where a query may attend
     """
 
     write_slots: torch.Tensor
-    kv_slots: torch.Tensor
-    mask: torch.Tensor
-    query_pad: torch.Tensor
-    token_pad: torch.Tensor
-    sliding_masks: dict[int, torch.Tensor] | None = None  # window -> mask, for windowed layers
-
-    def mask_for(self, window: int | None) -> torch.Tensor:
-        if window is None or self.sliding_masks is None:
-            return self.mask
-        return self.sliding_masks[window]
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    kv_start: torch.Tensor
+    page_size: int
+    decode: bool
+    query_pad: torch.Tensor | None = None
+    token_pad: torch.Tensor | None = None
+    kv_slots: torch.Tensor | None = None
+    masks: dict | None = None
 
 
 @dataclass

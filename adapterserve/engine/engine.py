@@ -59,7 +59,7 @@ class Engine:
         )
         self.slots = AdapterSlots(config.max_loras, self._pools())
         self.runner.families_of = self._families_of
-        self.runner.prefix_slots = self.prefix_pool.kv_slots.__getitem__
+        self.runner.prefix_pages = self.prefix_pool.pages.__getitem__
         self.adapters: dict[str, Adapter] = {}  # host copies of loaded adapters
         self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release)
         self.requests: dict[str, Request] = {}

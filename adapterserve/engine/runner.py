@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adapterserve.engine.context import AttentionMeta, BatchContext, VirtualTokens, set_context
+from adapterserve.engine.attention_meta import SequenceLayout, build_attention_meta
+from adapterserve.engine.context import BatchContext, VirtualTokens, set_context
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.request import Request
 from adapterserve.engine.sampler import sample
@@ -22,9 +23,7 @@ class _HostBatch:
 
     ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    write_slots: list[int] = field(default_factory=list)
-    kv_slots: list[list[int]] = field(default_factory=list)  # per sequence, its whole context
-    query_kv_index: list[int] = field(default_factory=list)  # each token's index in its context
+    layouts: list[SequenceLayout] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     last_rows: list[int] = field(default_factory=list)
     virtual: tuple[list[int], list[int], list[int]] = field(default_factory=lambda: ([], [], []))
@@ -55,7 +54,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.families_of = lambda slot: frozenset()  # slot -> families it holds; bound by the engine
-        self.prefix_slots = lambda slot: []  # slot -> flat KV slots of its prefix; bound by the engine
+        self.prefix_pages = lambda slot: []  # slot -> KV blocks of its prefix; bound by the engine
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, generators: list[torch.Generator | None]) -> list:
@@ -84,8 +83,9 @@ class ModelRunner:
         for request, n in zip(batch.requests, batch.num_new_tokens):
             self._add_request(host, request, n)
         dev = self.device
+        windows = list(self.windows) + [None]
         ctx = BatchContext(
-            attention=self._attention_meta(host, batch.num_new_tokens),
+            attention=build_attention_meta(host.layouts, self.blocks.block_size, windows, torch.device(dev)),
             lora=None,
             lora_workspace=self.lora_workspace,
             logits_rows=torch.tensor(host.last_rows, device=dev),
@@ -99,12 +99,11 @@ class ModelRunner:
         start = request.num_tokens - n
         first_row = len(host.ids)
         host.ids.extend(request.all_ids[start:])
-        prefix = self.prefix_slots(request.slot) if request.prefix_len else []
-        own = range(start, request.num_tokens)
-        host.positions.extend(len(prefix) + i for i in own)
-        host.query_kv_index.extend(len(prefix) + i for i in own)
-        host.write_slots.extend(self.blocks.slot(request.blocks, i) for i in own)
-        host.kv_slots.append(prefix + [self.blocks.slot(request.blocks, i) for i in range(request.num_tokens)])
+        host.positions.extend(range(request.prefix_len + start, request.prefix_len + request.num_tokens))
+        prefix = self.prefix_pages(request.slot) if request.prefix_len else []
+        aligned = len(prefix) * self.blocks.block_size
+        host.layouts.append(SequenceLayout(prefix + request.blocks, aligned - request.prefix_len,
+                                           aligned + request.num_tokens, n))
         host.slots.extend([request.slot] * n)
         host.last_rows.append(len(host.ids) - 1)
         for i in range(start, min(request.num_virtual, request.num_tokens)):
@@ -123,32 +122,3 @@ class ModelRunner:
         if all(s < 0 for s in token_slots):
             return None
         return build_adapter_meta(torch.tensor(token_slots, device=self.device), self.num_slots)
-
-    def _attention_meta(self, host: _HostBatch, counts: list[int]) -> AttentionMeta:
-        batch = len(counts)
-        qmax, kmax = max(counts), max(len(k) for k in host.kv_slots)
-        kv_slots = torch.zeros(batch, kmax, dtype=torch.long)
-        query_pad = torch.zeros(batch, qmax, dtype=torch.long)
-        query_index = torch.full((batch, qmax), -1, dtype=torch.long)
-        token_pad, first = [], 0
-        for b, n in enumerate(counts):
-            kv_slots[b, : len(host.kv_slots[b])] = torch.tensor(host.kv_slots[b])
-            query_pad[b, :n] = torch.arange(first, first + n)
-            query_pad[b, n:] = first
-            query_index[b, :n] = torch.tensor(host.query_kv_index[first : first + n])
-            token_pad.extend(b * qmax + j for j in range(n))
-            first += n
-        key_index = torch.arange(kmax)
-        qi = query_index.unsqueeze(-1)
-        causal = key_index <= qi  # [B, Qmax, Kmax]
-        padding_rows = (query_index < 0).unsqueeze(-1) & (key_index == 0)
-        sliding = {w: (causal & (key_index > qi - w)) | padding_rows for w in self.windows}
-        dev = self.device
-        return AttentionMeta(
-            write_slots=torch.tensor(host.write_slots, dtype=torch.long, device=dev),
-            kv_slots=kv_slots.to(dev),
-            mask=(causal | padding_rows).unsqueeze(1).to(dev),
-            query_pad=query_pad.to(dev),
-            token_pad=torch.tensor(token_pad, dtype=torch.long, device=dev),
-            sliding_masks={w: m.unsqueeze(1).to(dev) for w, m in sliding.items()} or None,
-        )

@@ -117,3 +117,21 @@ def ia3_scale(x: torch.Tensor, scales: torch.Tensor, meta: AdapterBatchMeta) -> 
     if not bool(rows.any()):
         return
     x[rows] = (x[rows].float() * scales[slots[rows]].float()).to(x.dtype)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size, window, out) -> None:
+    """Float32 twin of kernels.attention.paged_decode_attention (same semantics)."""
+    batch, num_heads, head_dim = q.shape
+    group = num_heads // k_cache.shape[1]
+    for b in range(batch):
+        length = int(context_lens[b])
+        lo = int(kv_start[b]) if window is None else max(int(kv_start[b]), length - window)
+        if length <= lo:
+            out[b] = 0
+            continue
+        j = torch.arange(lo, length, device=q.device)
+        slots = block_tables[b, j // page_size].long() * page_size + j % page_size
+        keys = k_cache[slots].float().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        values = v_cache[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b].float(), keys) * head_dim ** -0.5
+        out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values).to(out.dtype)

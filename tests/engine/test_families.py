@@ -53,7 +53,7 @@ def test_every_family_in_one_batch_matches_peft_alone(setup):
         assert out.token_ids == tokens, adapter
         rel = (last_logits[out.request_id] - logits).norm() / logits.norm()
         assert rel < 1e-4, (adapter, rel.item())
-    assert engine.blocks.num_free + sum(len(b) for b in engine.prefix_pool._blocks.values()) == engine.config.num_kv_blocks
+    assert engine.blocks.num_free + sum(len(b) for b in engine.prefix_pool.pages.values()) == engine.config.num_kv_blocks
 
 
 def test_families_change_the_output(setup):

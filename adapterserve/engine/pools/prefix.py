@@ -16,8 +16,7 @@ class PrefixPool:
     def __init__(self, blocks: BlockManager, attention: list[PagedAttention]) -> None:
         self.blocks = blocks
         self.attention = attention
-        self.kv_slots: dict[int, list[int]] = {}  # slot -> flat cache slots of its prefix
-        self._blocks: dict[int, list[int]] = {}
+        self.pages: dict[int, list[int]] = {}  # slot -> KV blocks holding its prefix
 
     def place(self, slot: int, adapter: Adapter) -> bool:
         prefix = adapter.prefix
@@ -27,18 +26,18 @@ class PrefixPool:
         if not self.blocks.can_allocate(table, prefix.num_virtual):
             return False
         self.blocks.grow(table, prefix.num_virtual)
-        slots = [self.blocks.slot(table, p) for p in range(prefix.num_virtual)]
+        # right-aligned in its blocks, so the request's own tokens start a fresh block
+        skip = len(table) * self.blocks.block_size - prefix.num_virtual
+        slots = [self.blocks.slot(table, skip + p) for p in range(prefix.num_virtual)]
         index = torch.tensor(slots, device=self.attention[0].k_cache.device)
         with torch.no_grad():
             for layer, attn in enumerate(self.attention):
                 attn.k_cache[index] = prefix.keys[layer].to(attn.k_cache.dtype)
                 attn.v_cache[index] = prefix.values[layer].to(attn.v_cache.dtype)
-        self.kv_slots[slot] = slots
-        self._blocks[slot] = table
+        self.pages[slot] = table
         return True
 
     def clear(self, slot: int) -> None:
-        self.kv_slots.pop(slot, None)
-        table = self._blocks.pop(slot, None)
+        table = self.pages.pop(slot, None)
         if table is not None:
             self.blocks.release(table)
