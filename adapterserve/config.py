@@ -25,6 +25,7 @@ class EngineConfig:
     max_virtual_tokens: longest prompt-tuning / prefix-tuning adapter accepted
     max_labels:       most labels a classification head may have
     max_head_layers:  1, or 2 for heads with a hidden layer (costs [slots, D, D] of memory)
+    cuda_graphs:      replay decode steps as CUDA graphs (on CUDA devices)
     """
 
     device: str = "cpu"
@@ -40,6 +41,7 @@ class EngineConfig:
     max_virtual_tokens: int = 64
     max_labels: int = 32
     max_head_layers: int = 1
+    cuda_graphs: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

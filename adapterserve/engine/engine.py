@@ -60,6 +60,9 @@ class Engine:
         self.slots = AdapterSlots(config.max_loras, self._pools())
         self.runner.families_of = self._families_of
         self.runner.prefix_pages = self.prefix_pool.pages.__getitem__
+        if config.cuda_graphs and torch.device(config.device).type == "cuda":
+            pages = -(-self.max_model_len // config.block_size) + -(-config.max_virtual_tokens // config.block_size)
+            self.runner.enable_cuda_graphs(config.max_num_seqs, pages)
         self.adapters: dict[str, Adapter] = {}  # host copies of loaded adapters
         self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release)
         self.requests: dict[str, Request] = {}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from adapterserve.engine.attention_meta import SequenceLayout, build_attention_meta
@@ -45,7 +46,7 @@ class ModelRunner:
         param = model.embed_tokens.weight
         self.device, self.dtype = param.device, param.dtype
         cfg = model.cfg
-        num_cache_slots = blocks.num_blocks * blocks.block_size
+        num_cache_slots = blocks.num_blocks * blocks.block_size + 1  # the last: trash for padding rows
         for attn in model.attention_layers():
             attn.k_cache = torch.zeros(num_cache_slots, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros_like(attn.k_cache)
@@ -55,18 +56,32 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.families_of = lambda slot: frozenset()  # slot -> families it holds; bound by the engine
         self.prefix_pages = lambda slot: []  # slot -> KV blocks of its prefix; bound by the engine
+        self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs
+
+    def enable_cuda_graphs(self, max_batch: int, max_pages: int) -> None:
+        from adapterserve.engine.graphs import DecodeGraphs
+
+        trash = self.blocks.num_blocks * self.blocks.block_size
+        self.graphs = DecodeGraphs(self, max_batch, max_pages, trash)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, generators: list[torch.Generator | None]) -> list:
         """One forward pass over the batch. Each generating request gets its next
         token id; each pooling request (classify, embed) its pooled hidden state."""
-        input_ids, positions, ctx = self._prepare(batch)
+        host = self._host_batch(batch)
+        requests = batch.requests
+        if self._graph_ready(host, batch):
+            slots = self._family_slots(host.slots)
+            families = tuple(bool((row >= 0).any()) for row in slots)
+            logits = self.graphs.run(host, slots, families)
+            self.last_logits = logits
+            return sample(logits, [r.sampling for r in requests], generators, self.generator)
+        input_ids, positions, ctx = self._device_batch(host)
         set_context(ctx)
         try:
             last = self.model(input_ids, positions)[ctx.logits_rows]  # [B, D]
         finally:
             set_context(None)
-        requests = batch.requests
         generating = [i for i, r in enumerate(requests) if not r.pooling]
         results: list = [last[i].float() for i in range(len(requests))]
         if generating:
@@ -78,10 +93,29 @@ class ModelRunner:
                 results[i] = token
         return results
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, BatchContext]:
+    def _graph_ready(self, host: _HostBatch, batch: ScheduledBatch) -> bool:
+        return (self.graphs is not None and all(n == 1 for n in batch.num_new_tokens)
+                and not host.virtual[0] and not any(r.pooling for r in batch.requests)
+                and self.graphs.fits(len(batch.requests), max(len(s.pages) for s in host.layouts)))
+
+    def _family_slots(self, slots: list[int]) -> np.ndarray:
+        """[3, T] each token's slot per family (lora, ia3, bottleneck); -1 where unused."""
+        table = np.full((len(FAMILIES), len(slots)), -1, dtype=np.int32)
+        for t, slot in enumerate(slots):
+            if slot >= 0:
+                held = self.families_of(slot)
+                for f, family in enumerate(FAMILIES):
+                    if family in held:
+                        table[f, t] = slot
+        return table
+
+    def _host_batch(self, batch: ScheduledBatch) -> _HostBatch:
         host = _HostBatch()
         for request, n in zip(batch.requests, batch.num_new_tokens):
             self._add_request(host, request, n)
+        return host
+
+    def _device_batch(self, host: _HostBatch) -> tuple[torch.Tensor, torch.Tensor, BatchContext]:
         dev = self.device
         windows = list(self.windows) + [None]
         ctx = BatchContext(
@@ -91,8 +125,9 @@ class ModelRunner:
             logits_rows=torch.tensor(host.last_rows, device=dev),
             virtual=self._virtual(host),
         )
-        for family in FAMILIES:
-            setattr(ctx, family, self._family_meta(host.slots, family))
+        for family, slots in zip(FAMILIES, self._family_slots(host.slots)):
+            if (slots >= 0).any():
+                setattr(ctx, family, build_adapter_meta(torch.from_numpy(slots).to(dev), self.num_slots))
         return torch.tensor(host.ids, device=dev), torch.tensor(host.positions, device=dev), ctx
 
     def _add_request(self, host: _HostBatch, request: Request, n: int) -> None:
@@ -117,8 +152,3 @@ class ModelRunner:
         rows, slots, index = (torch.tensor(v, device=self.device) for v in host.virtual)
         return VirtualTokens(rows, slots, index)
 
-    def _family_meta(self, slots: list[int], family: str):
-        token_slots = [s if s >= 0 and family in self.families_of(s) else -1 for s in slots]
-        if all(s < 0 for s in token_slots):
-            return None
-        return build_adapter_meta(torch.tensor(token_slots, device=self.device), self.num_slots)

@@ -1,0 +1,105 @@
+"""CUDA graphs for decode steps, one per batch-size bucket and adapter-family mix.
+
+Decode steps replay a captured graph over fixed input buffers; a batch of B
+requests runs in the smallest bucket >= B, its padding rows marked by sentinels
+the ops honour (adapter slot -1, context length 0, KV writes to a trash slot).
+Adapter pools, KV caches and workspaces never move, so graphs stay valid as
+adapters come and go. A family absent from the batch is absent from its graph:
+base-only batches pay nothing for adapters.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from adapterserve.engine.context import AttentionMeta, BatchContext, set_context
+from adapterserve.kernels import build_adapter_meta
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_batch: int, max_pages: int, trash_slot: int) -> None:
+        self.runner = runner
+        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        self.max_pages = max_pages
+        self.trash_slot = trash_slot
+        n, dev = max_batch, runner.device
+        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.write_slots = torch.full((n,), trash_slot, dtype=torch.long, device=dev)
+        self.tables = torch.zeros(n, max_pages, dtype=torch.int32, device=dev)
+        self.lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.starts = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.family_slots = torch.full((3, n), -1, dtype=torch.int32, device=dev)
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+
+    def fits(self, batch_size: int, max_pages: int) -> bool:
+        return batch_size <= self.buckets[-1] and max_pages <= self.max_pages
+
+    def run(self, host, family_slots: np.ndarray, families: tuple[bool, bool, bool]) -> torch.Tensor:
+        """Replay the decode step for this batch; float32 logits [B, V]."""
+        size = len(host.layouts)
+        bucket = next(b for b in self.buckets if b >= size)
+        self._fill(host, family_slots, size, bucket)
+        key = (bucket, families)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(bucket, families)
+        graph, logits = self._graphs[key]
+        graph.replay()
+        return logits[:size]
+
+    def _fill(self, host, family_slots: np.ndarray, size: int, bucket: int) -> None:
+        page = self.runner.blocks.block_size
+        ids = np.zeros(bucket, dtype=np.int64)
+        ids[:size] = host.ids
+        positions = np.zeros(bucket, dtype=np.int64)
+        positions[:size] = host.positions
+        lens = np.zeros(bucket, dtype=np.int32)
+        starts = np.zeros(bucket, dtype=np.int32)
+        writes = np.full(bucket, self.trash_slot, dtype=np.int64)
+        tables = np.zeros((bucket, self.max_pages), dtype=np.int32)
+        for b, s in enumerate(host.layouts):
+            lens[b], starts[b] = s.context_len, s.kv_start
+            tables[b, : len(s.pages)] = s.pages
+            last = s.context_len - 1
+            writes[b] = s.pages[last // page] * page + last % page
+        slots = np.full((3, bucket), -1, dtype=np.int32)
+        slots[:, :size] = family_slots
+        for buffer, values in ((self.ids, ids), (self.positions, positions), (self.lens, lens),
+                               (self.starts, starts), (self.write_slots, writes)):
+            buffer[:bucket].copy_(torch.from_numpy(values))
+        self.tables[:bucket].copy_(torch.from_numpy(tables))
+        self.family_slots[:, :bucket].copy_(torch.from_numpy(slots))
+
+    def _capture(self, bucket: int, families: tuple[bool, bool, bool]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile and warm every kernel outside the capture
+                self._forward(bucket, families)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward(bucket, families)
+        self._pool = graph.pool()
+        return graph, logits
+
+    def _forward(self, bucket: int, families: tuple[bool, bool, bool]) -> torch.Tensor:
+        runner = self.runner
+        attention = AttentionMeta(
+            write_slots=self.write_slots[:bucket], block_tables=self.tables[:bucket],
+            context_lens=self.lens[:bucket], kv_start=self.starts[:bucket],
+            page_size=runner.blocks.block_size, decode=True,
+        )
+        metas = [build_adapter_meta(self.family_slots[i, :bucket], runner.num_slots) if on else None
+                 for i, on in enumerate(families)]
+        ctx = BatchContext(attention=attention, lora=metas[0], ia3=metas[1], bottleneck=metas[2],
+                           lora_workspace=runner.lora_workspace, logits_rows=None)
+        set_context(ctx)
+        try:
+            hidden = runner.model(self.ids[:bucket], self.positions[:bucket])
+            return runner.model.compute_logits(hidden)
+        finally:
+            set_context(None)
