@@ -25,6 +25,7 @@ class EngineConfig:
     max_virtual_tokens: longest prompt-tuning / prefix-tuning adapter accepted
     max_labels:       most labels a classification head may have
     max_head_layers:  1, or 2 for heads with a hidden layer (costs [slots, D, D] of memory)
+    max_bottleneck_rank: widest bottleneck adapter accepted (hidden / reduction_factor)
     cuda_graphs:      replay decode steps as CUDA graphs (on CUDA devices)
     """
 
@@ -41,6 +42,7 @@ class EngineConfig:
     max_virtual_tokens: int = 64
     max_labels: int = 32
     max_head_layers: int = 1
+    max_bottleneck_rank: int = 64
     cuda_graphs: bool = True
     seed: int = 0
 

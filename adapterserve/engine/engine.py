@@ -23,6 +23,7 @@ from adapterserve.adapters_store.formats.read import AdapterLimits, read_adapter
 from adapterserve.adapters_store.formats.types import BackboneSpec, LoraAdapter
 from adapterserve.config import EngineConfig
 from adapterserve.engine.kv_cache import BlockManager
+from adapterserve.engine.pools.bottleneck import BottleneckPools
 from adapterserve.engine.pools.head import HeadPool
 from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput, SamplingParams
 from adapterserve.engine.runner import ModelRunner
@@ -63,6 +64,7 @@ class Engine:
         if config.cuda_graphs and torch.device(config.device).type == "cuda":
             pages = -(-self.max_model_len // config.block_size) + -(-config.max_virtual_tokens // config.block_size)
             self.runner.enable_cuda_graphs(config.max_num_seqs, pages)
+            self.runner.graph_signature = self.bottleneck_pools.activations
         self.adapters: dict[str, Adapter] = {}  # host copies of loaded adapters
         self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release)
         self.requests: dict[str, Request] = {}
@@ -94,8 +96,11 @@ class Engine:
         self.head_pool = HeadPool(cfg.max_loras, cfg.max_labels, cfg.max_head_layers, self.model_config.hidden_size,
                                   ("last",), dtype, device)
         self.lora_pool = LoraPool(linears, cfg.max_loras, cfg.pool_rows, cfg.max_lora_rank, dtype, device)
+        self.bottleneck_pools = BottleneckPools(list(model.layers), self.model_config.hidden_size, cfg.max_loras,
+                                                cfg.max_bottleneck_rank, cfg.max_num_batched_tokens, dtype, device)
         return [
             self.lora_pool,
+            self.bottleneck_pools,
             self.head_pool,
             Ia3Pool(linears, cfg.max_loras, dtype, device),
             prompt,
@@ -120,7 +125,8 @@ class Engine:
 
     @property
     def adapter_limits(self) -> AdapterLimits:
-        return AdapterLimits(self.config.max_lora_rank, self.config.max_virtual_tokens)
+        return AdapterLimits(self.config.max_lora_rank, self.config.max_virtual_tokens,
+                             self.config.max_bottleneck_rank)
 
     def load_adapter(self, adapter_id: str, path: str | Path) -> None:
         """Read and check an adapter directory (PEFT: LoRA, (IA)^3, prompt tuning,
@@ -139,6 +145,7 @@ class Engine:
             adapter = Adapter("lora", lora=adapter, config=adapter.config)
         Ia3Pool.check_servable(adapter, adapter_id)
         self.head_pool.check_servable(adapter, adapter_id)
+        self.bottleneck_pools.check_servable(adapter, adapter_id)
         with self._lock:
             if adapter_id in self.adapters:
                 raise AdapterError(f"an adapter with id {adapter_id!r} is already loaded; unload it first")

@@ -38,12 +38,14 @@ class DecodeGraphs:
     def fits(self, batch_size: int, max_pages: int) -> bool:
         return batch_size <= self.buckets[-1] and max_pages <= self.max_pages
 
-    def run(self, host, family_slots: np.ndarray, families: tuple[bool, bool, bool]) -> torch.Tensor:
-        """Replay the decode step for this batch; float32 logits [B, V]."""
+    def run(self, host, family_slots: np.ndarray, families: tuple[bool, bool, bool], signature: tuple = ()
+            ) -> torch.Tensor:
+        """Replay the decode step for this batch; float32 logits [B, V]. ``signature``
+        is host state the captured ops depend on (e.g. bottleneck activations in use)."""
         size = len(host.layouts)
         bucket = next(b for b in self.buckets if b >= size)
         self._fill(host, family_slots, size, bucket)
-        key = (bucket, families)
+        key = (bucket, families, signature)
         if key not in self._graphs:
             self._graphs[key] = self._capture(bucket, families)
         graph, logits = self._graphs[key]

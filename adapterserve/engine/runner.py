@@ -57,6 +57,7 @@ class ModelRunner:
         self.families_of = lambda slot: frozenset()  # slot -> families it holds; bound by the engine
         self.prefix_pages = lambda slot: []  # slot -> KV blocks of its prefix; bound by the engine
         self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs
+        self.graph_signature = lambda: ()  # host state a captured graph depends on; bound by the engine
 
     def enable_cuda_graphs(self, max_batch: int, max_pages: int) -> None:
         from adapterserve.engine.graphs import DecodeGraphs
@@ -73,7 +74,7 @@ class ModelRunner:
         if self._graph_ready(host, batch):
             slots = self._family_slots(host.slots)
             families = tuple(bool((row >= 0).any()) for row in slots)
-            logits = self.graphs.run(host, slots, families)
+            logits = self.graphs.run(host, slots, families, self.graph_signature())
             self.last_logits = logits
             return sample(logits, [r.sampling for r in requests], generators, self.generator)
         input_ids, positions, ctx = self._device_batch(host)

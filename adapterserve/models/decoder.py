@@ -15,6 +15,7 @@ from adapterserve.engine.attention import PagedAttention
 from adapterserve.engine.context import get_context
 from adapterserve.engine.layers import AdapterLinear, RMSNorm
 from adapterserve.models.decoder_config import DecoderConfig
+from adapterserve.models.encoder_adapters import BottleneckPool, residual_sublayer
 from adapterserve.models.rope import RotaryEmbedding
 
 
@@ -36,6 +37,9 @@ class DecoderLayer(torch.nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = AdapterLinear(h, (inter, inter), ("gate_proj", "up_proj"), cfg.mlp_bias, dtype, device)
         self.down_proj = AdapterLinear(inter, (h,), ("down_proj",), cfg.mlp_bias, dtype, device)
+        # bottleneck adapters after attention and after the MLP (pools bound by the engine)
+        self.bottleneck_mh: BottleneckPool | None = None
+        self.bottleneck_output: BottleneckPool | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [T, D]
@@ -49,9 +53,9 @@ class DecoderLayer(torch.nn.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
-        hidden = hidden + self.o_proj(self.attn(q, k, v))
+        hidden = residual_sublayer(self.o_proj(self.attn(q, k, v)), hidden, None, self.bottleneck_mh)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        return residual_sublayer(self.down_proj(F.silu(gate) * up), hidden, None, self.bottleneck_output)
 
 
 class DecoderModel(torch.nn.Module):

@@ -140,7 +140,8 @@ def read_adapterhub(
         raise AdapterError(f"adapter '{name}': {root} is not a directory")
     full = _read_json(root / CONFIG_FILE, name, "is it an AdapterHub adapter directory?")
     config = _check_config(name, full, spec)
-    tensors = _read_tensors(root, WEIGHTS_FILE, PICKLE_FILE, name, "model.save_adapter(dir, name, use_safetensors=True)")
+    how = "model.save_adapter(dir, name, use_safetensors=True)"
+    tensors = _read_tensors(root, WEIGHTS_FILE, PICKLE_FILE, name, how)
     modules = _modules(name, config, full["name"], tensors, spec, max_rank)
     head = _read_head(root, name, spec) if (root / HEAD_CONFIG_FILE).exists() else None
     return BottleneckAdapter(
@@ -175,7 +176,7 @@ def _check_config(name: str, full: dict, spec: BackboneSpec) -> dict:
     if architecture is not None:
         raise AdapterError(
             f"adapter '{name}': AdapterHub '{architecture}' adapters are not supported here; only bottleneck "
-            "adapters (Houlsby / Pfeiffer) are read from the adapters format (use PEFT's format for LoRA, IA3, prefixes)"
+            "adapters (Houlsby / Pfeiffer) are read from the adapters format (use PEFT's for LoRA, IA3, prefixes)"
         )
     unknown = sorted(set(config) - _KNOWN)
     if unknown:
@@ -337,7 +338,8 @@ def _module(name: str, config: dict, addr: tuple[int, str], parts: dict, spec: B
         if tuple(tensor.shape) != shape:
             raise AdapterError(
                 f"adapter '{name}' has {part} of shape {tuple(tensor.shape)} at {where}, expected {shape} for "
-                f"hidden size {d} and reduction_factor {config.get('reduction_factor')!r}; was it made for another model?"
+                f"hidden size {d} and reduction_factor {config.get('reduction_factor')!r}; "
+                "was it made for another model?"
             )
         check_finite(name, f"{where} {part}", tensor)
     if r > max_rank:

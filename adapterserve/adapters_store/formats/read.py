@@ -19,6 +19,7 @@ PEFT_TYPES = ("LORA", "IA3", *PROMPT_TYPES)
 class AdapterLimits:
     max_lora_rank: int = 64
     max_virtual_tokens: int = 64
+    max_bottleneck_rank: int = 64
 
 
 def read_adapter(path: str | Path, spec: BackboneSpec, limits: AdapterLimits, *, name: str | None = None) -> Adapter:
@@ -47,6 +48,11 @@ def _read_family(root: Path, name: str, config: dict, spec: BackboneSpec, limits
         return read_peft_ia3(root, spec, name=name)
     if peft_type in PROMPT_TYPES:
         return read_peft_prompt(root, spec, limits.max_virtual_tokens, name=name)
+    if not peft_type and isinstance(config.get("config"), dict):  # AdapterHub's format
+        from adapterserve.adapters_store.formats.adapterhub import read_adapterhub
+
+        bottleneck = read_adapterhub(root, spec, limits.max_bottleneck_rank, name=name)
+        return Adapter("bottleneck", bottleneck=bottleneck, head=bottleneck.head, config=config)
     if peft_type:
         raise AdapterError(
             f"adapter '{name}': peft_type {peft_type} is not supported; supported: LORA, IA3, "

@@ -1,0 +1,41 @@
+"""Bottleneck-adapter pools (Houlsby, Pfeiffer): every layer's two places, after
+attention ("mh") and after the feed-forward block ("output"), one row per slot."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.errors import AdapterError
+from adapterserve.models.encoder_adapters import add_bottleneck_pools, load_bottleneck
+
+
+class BottleneckPools:
+    family = "bottleneck"
+
+    def __init__(self, layers: Sequence[torch.nn.Module], dim: int, num_slots: int, max_rank: int,
+                 max_tokens: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.layers = layers
+        self.max_rank = max_rank
+        add_bottleneck_pools(layers, dim, num_slots, max_rank, max_tokens, dtype, device)
+
+    def check_servable(self, adapter: Adapter, name: str) -> None:
+        if adapter.bottleneck is not None and adapter.bottleneck.rank > self.max_rank:
+            raise AdapterError(
+                f"adapter '{name}' has a bottleneck of width {adapter.bottleneck.rank}; this server accepts at "
+                f"most {self.max_rank} (EngineConfig.max_bottleneck_rank)"
+            )
+
+    def place(self, slot: int, adapter: Adapter) -> bool:
+        if adapter.bottleneck is not None:
+            load_bottleneck(self.layers, slot, adapter.bottleneck)
+        return True
+
+    def clear(self, slot: int) -> None:
+        load_bottleneck(self.layers, slot, None)
+
+    def activations(self) -> tuple[str, ...]:
+        """Activations of the bottlenecks now resident (they shape a decode graph)."""
+        return tuple(sorted({act for layer in self.layers for place in ("mh", "output")
+                             for act in getattr(layer, f"bottleneck_{place}").activations()}))

@@ -1,0 +1,163 @@
+"""Bottleneck adapters on the residual stream: the pool of one place and its op.
+
+A pool holds every slot's weights for one place of one layer, preallocated;
+loading copies into a slot, so tensor addresses never change. Layers read the
+step's ``BatchContext.bottleneck`` metadata and call the kernels' bottleneck op.
+(LoRA and (IA)^3 live in ``AdapterLinear``.)
+
+Bottleneck placement follows the ``adapters`` library 1.3 for Houlsby
+(``DoubleSeqBnConfig``) and Pfeiffer (``SeqBnConfig``) adapters; see
+``adapterserve.adapters_store.formats.adapterhub`` for the exact order. Per row:
+
+    x = sublayer output (attention output dense / FFN output dense), r = sublayer input
+    h = norm(x + r) if the slot's adapter has original_ln_before (Pfeiffer) else x
+    a = x + up(act(down(h)))             # residual_before_ln: the adapter's residual is x
+    out = norm(a + r)                    # original_ln_after; rows without adapter: norm(x + r)
+
+``norm`` is the sublayer's own LayerNorm (post-LN BERT); pass None for pre-LN
+decoders (Llama), where adapters 1.3 computes the same with the norm left out.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from adapterserve.adapters_store.formats.types import BOTTLENECK_POSITIONS, BottleneckAdapter, BottleneckModule
+from adapterserve.engine.context import get_context
+from adapterserve.kernels import AdapterBatchMeta, bottleneck_adapter, build_adapter_meta
+
+# Canonical activation names of the bottleneck op; one op call per name in use.
+BOTTLENECK_ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu", "tanh")
+
+
+@dataclass
+class BottleneckPool:
+    """Every slot's bottleneck adapter at one place (after attention or FFN) of one layer.
+
+    down:      [S, R, D] rows of W_down;        down_bias: [S, R]
+    up:        [S, R, D] rows of W_up^T, scaling folded in;  up_bias: [S, D]
+    ranks:     activation -> [S] int32, the width of each slot using that activation
+               (0 for every other slot), so one op call serves one activation
+    ln_before: [S] bool, True where the adapter reads norm(x + r) (Pfeiffer)
+    workspace: [Tmax, R] scratch for the op; one tensor may serve every pool
+    """
+
+    down: torch.Tensor
+    down_bias: torch.Tensor
+    up: torch.Tensor
+    up_bias: torch.Tensor
+    ranks: dict[str, torch.Tensor]
+    ln_before: torch.Tensor
+    workspace: torch.Tensor
+    _in_use: dict[str, set[int]] = field(default_factory=dict)  # host-side: activation -> slots
+
+    @classmethod
+    def empty(cls, num_slots: int, max_rank: int, dim: int, workspace: torch.Tensor) -> "BottleneckPool":
+        """Zeroed pool on the workspace's device and dtype."""
+        opts = dict(dtype=workspace.dtype, device=workspace.device)
+        ranks = {
+            act: torch.zeros(num_slots, dtype=torch.int32, device=workspace.device) for act in BOTTLENECK_ACTIVATIONS
+        }
+        return cls(
+            down=torch.zeros(num_slots, max_rank, dim, **opts),
+            down_bias=torch.zeros(num_slots, max_rank, **opts),
+            up=torch.zeros(num_slots, max_rank, dim, **opts),
+            up_bias=torch.zeros(num_slots, dim, **opts),
+            ranks=ranks,
+            ln_before=torch.zeros(num_slots, dtype=torch.bool, device=workspace.device),
+            workspace=workspace,
+        )
+
+    def load(self, slot: int, module: BottleneckModule | None, ln_before: bool) -> None:
+        """Copy one adapter's weights for this place into ``slot`` (None: no adapter here)."""
+        self.clear(slot)
+        if module is None:
+            return
+        r = module.rank
+        if r > self.down.shape[1] or module.activation not in self.ranks:
+            raise ValueError(
+                f"bottleneck of width {r} with {module.activation} does not fit a pool of width "
+                f"{self.down.shape[1]} and activations {sorted(self.ranks)}"
+            )
+        self.down[slot, :r].copy_(module.down)
+        self.down_bias[slot, :r].copy_(module.down_bias)
+        self.up[slot, :r].copy_(module.up)
+        self.up_bias[slot].copy_(module.up_bias)
+        self.ranks[module.activation][slot] = r
+        self.ln_before[slot] = ln_before
+        self._in_use.setdefault(module.activation, set()).add(slot)
+
+    def clear(self, slot: int) -> None:
+        for act, slots in self._in_use.items():
+            if slot in slots:
+                slots.discard(slot)
+                self.ranks[act][slot] = 0
+        self.down[slot].zero_()
+        self.down_bias[slot].zero_()
+        self.up[slot].zero_()
+        self.up_bias[slot].zero_()
+        self.ln_before[slot] = False
+
+    def activations(self) -> list[str]:
+        return [act for act, slots in self._in_use.items() if slots]
+
+
+def add_bottleneck_pools(
+    layers: Sequence[torch.nn.Module], dim: int, num_slots: int, max_rank: int, max_tokens: int,
+    dtype: torch.dtype, device: torch.device | str,
+) -> None:
+    """Give every layer an empty pool per place (``bottleneck_mh``, ``bottleneck_output``), one shared workspace."""
+    workspace = torch.zeros(max_tokens, max_rank, dtype=dtype, device=device)
+    for layer in layers:
+        for place in BOTTLENECK_POSITIONS:
+            setattr(layer, f"bottleneck_{place}", BottleneckPool.empty(num_slots, max_rank, dim, workspace))
+
+
+def load_bottleneck(layers: Sequence[torch.nn.Module], slot: int, adapter: BottleneckAdapter | None) -> None:
+    """Copy an adapter into ``slot`` of every layer's pools (None empties the slot)."""
+    for index, layer in enumerate(layers):
+        for place in BOTTLENECK_POSITIONS:
+            module = adapter.modules.get((index, place)) if adapter is not None else None
+            ln_before = adapter.original_ln_before if adapter is not None else False
+            getattr(layer, f"bottleneck_{place}").load(slot, module, ln_before)
+
+
+def residual_sublayer(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm: Callable[[torch.Tensor], torch.Tensor] | None,
+    pool: BottleneckPool | None,
+) -> torch.Tensor:
+    """The residual add (and post-norm) closing a sublayer, with each row's bottleneck.
+
+    x, residual: [T, D]. Rows without adapter get norm(x + residual), as the backbone.
+    """
+    meta = get_context().bottleneck
+    summed = x + residual
+    if pool is None or meta is None or not pool.activations():
+        return norm(summed) if norm is not None else summed
+    normed = norm(summed) if norm is not None else summed
+    slots = meta.token_slots.long().clamp(min=0)
+    h = torch.where(pool.ln_before[slots].unsqueeze(-1), normed, x)
+    a = x.clone()
+    workspace = pool.workspace[: x.shape[0]]
+    for act in pool.activations():
+        bottleneck_adapter(
+            h, pool.down, pool.down_bias, pool.up, pool.up_bias, pool.ranks[act], act, meta, workspace, a
+        )
+    out = a + residual
+    return norm(out) if norm is not None else out
+
+
+def encoder_adapter_meta(row_slots: torch.Tensor, attention_mask: torch.Tensor, num_slots: int) -> AdapterBatchMeta:
+    """Adapter metadata for a padded [B, L] batch flattened to T = B * L tokens.
+
+    row_slots: [B] int, each row's slot (-1 = base model). A token's slot is its
+    row's; padding tokens get -1, so no adapter spends work on them.
+    """
+    if row_slots.shape[0] != attention_mask.shape[0]:
+        raise ValueError(f"row_slots has {row_slots.shape[0]} rows but attention_mask has {attention_mask.shape[0]}")
+    slots = torch.where(attention_mask.bool(), row_slots.view(-1, 1).to(torch.int32), -1)
+    return build_adapter_meta(slots.flatten(), num_slots)
