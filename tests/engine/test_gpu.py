@@ -42,9 +42,25 @@ def _first_step_logits(engine, prompts, ids):
     return [captured[o.request_id] for o in outs], outs
 
 
-def test_bfloat16_triton_path_agrees_with_float32_reference(setup):
+def _hf_bf16_error(model_dir, prompts) -> float:
+    """How far transformers itself moves in bfloat16 from float32 on these prompts."""
+    from transformers import AutoModelForCausalLM
+
+    errors = []
+    fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device="cuda")
+            want, got = fp32(ids).logits[0, -1], bf16(ids).logits[0, -1].float()
+            errors.append(((got - want).norm() / want.norm()).item())
+    return max(errors)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_path_agrees_with_float32_reference(setup, dtype):
     model_dir, adapters = setup
-    gpu = Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", max_loras=8)
+    gpu = Engine.from_pretrained(model_dir, device="cuda", dtype=dtype, max_loras=8)
     ref = Engine.from_pretrained(model_dir, device="cpu", dtype="float32", max_loras=8)
     for engine in (gpu, ref):
         for name, path in adapters.items():
@@ -53,12 +69,14 @@ def test_bfloat16_triton_path_agrees_with_float32_reference(setup):
     prompts = [torch.randint(3, 2048, (int(torch.randint(1, 200, ())),)).tolist() for _ in ids]
     got, gpu_outs = _first_step_logits(gpu, prompts, ids)
     want, ref_outs = _first_step_logits(ref, prompts, ids)
+    # bfloat16: within 2x of what transformers' own bfloat16 run loses; float32: Triton's tf32 dots only
+    tol = 2.0 * _hf_bf16_error(model_dir, prompts[::len(adapters) + 1]) + 5e-3 if dtype == "bfloat16" else 5e-3
     for adapter, g, w in zip(ids, got, want):
         assert torch.isfinite(g).all()
         rel = (g - w).norm() / w.norm()
-        assert rel < 3e-2, (adapter, rel.item())
+        assert rel < tol, (adapter, rel.item(), tol)
     same_first = sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(gpu_outs, ref_outs))
-    assert same_first >= 0.9 * len(ids)
+    assert same_first >= (0.8 if dtype == "bfloat16" else 0.95) * len(ids)
 
 
 def test_cuda_graph_decode_matches_eager(setup):

@@ -50,13 +50,14 @@ class HeadPool:
             return True
         *hidden, out = head.layers
         n = out.weight.shape[0]
-        self.weight[slot, :n] = out.weight.to(self.weight.dtype)
+        dev = self.weight.device
+        self.weight[slot, :n] = out.weight.to(dev, self.weight.dtype)
         self.bias[slot] = 0
         if out.bias is not None:
-            self.bias[slot, :n] = out.bias
+            self.bias[slot, :n] = out.bias.to(dev)
         if hidden:
-            self.hidden_weight[slot] = hidden[0].weight.to(self.hidden_weight.dtype)
-            self.hidden_bias[slot] = 0 if hidden[0].bias is None else hidden[0].bias
+            self.hidden_weight[slot] = hidden[0].weight.to(dev, self.hidden_weight.dtype)
+            self.hidden_bias[slot] = 0 if hidden[0].bias is None else hidden[0].bias.to(dev)
         self.num_labels[slot] = n
         self.heads[slot] = head
         return True

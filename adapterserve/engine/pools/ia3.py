@@ -44,9 +44,10 @@ class Ia3Pool:
                 for kind, width in zip(linear.slice_kinds, linear.slice_widths):
                     scale = ia3.scales.get((layer, kind))
                     if scale is not None and kind in ia3.feedforward:
-                        linear.ia3_in[slot] *= scale.to(linear.ia3_in.dtype)
+                        linear.ia3_in[slot] = scale.to(linear.ia3_in.device, linear.ia3_in.dtype)
                     elif scale is not None:
-                        linear.ia3_out[slot, offset : offset + width] = scale.to(linear.ia3_out.dtype)
+                        linear.ia3_out[slot, offset : offset + width] = scale.to(linear.ia3_out.device,
+                                                                                 linear.ia3_out.dtype)
                     offset += width
         return True
 

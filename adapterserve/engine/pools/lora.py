@@ -75,9 +75,9 @@ def _write_linear(
         rank = module.rank if module is not None else 0
         if module is not None:
             cols = slice(lora.out_offsets[s], lora.out_offsets[s + 1])
-            lora.a[s, start : start + rank] = module.a.to(lora.a.dtype)
-            lora.b[start : start + rank, cols] = (module.b * module.scaling).T.to(lora.b.dtype)
+            lora.a[s, start : start + rank] = module.a.to(lora.a.device, lora.a.dtype)
+            lora.b[start : start + rank, cols] = (module.b * module.scaling).T.to(lora.b.device, lora.b.dtype)
         starts.append(start)
         ranks.append(rank)
-    lora.row_start[:, slot] = torch.tensor(starts, dtype=torch.int32)
-    lora.rank[:, slot] = torch.tensor(ranks, dtype=torch.int32)
+    lora.row_start[:, slot] = torch.tensor(starts, dtype=torch.int32, device=lora.row_start.device)
+    lora.rank[:, slot] = torch.tensor(ranks, dtype=torch.int32, device=lora.rank.device)

@@ -32,8 +32,8 @@ class PrefixPool:
         index = torch.tensor(slots, device=self.attention[0].k_cache.device)
         with torch.no_grad():
             for layer, attn in enumerate(self.attention):
-                attn.k_cache[index] = prefix.keys[layer].to(attn.k_cache.dtype)
-                attn.v_cache[index] = prefix.values[layer].to(attn.v_cache.dtype)
+                attn.k_cache[index] = prefix.keys[layer].to(attn.k_cache.device, attn.k_cache.dtype)
+                attn.v_cache[index] = prefix.values[layer].to(attn.v_cache.device, attn.v_cache.dtype)
         self.pages[slot] = table
         return True
 

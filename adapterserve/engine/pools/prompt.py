@@ -16,7 +16,7 @@ class PromptPool:
     def place(self, slot: int, adapter: Adapter) -> bool:
         if adapter.prompt is not None:
             rows = adapter.prompt.embeddings
-            self.embeddings[slot, : rows.shape[0]] = rows.to(self.embeddings.dtype)
+            self.embeddings[slot, : rows.shape[0]] = rows.to(self.embeddings.device, self.embeddings.dtype)
         return True
 
     def clear(self, slot: int) -> None:
