@@ -12,29 +12,27 @@ request gets its next token; finished requests free their KV blocks and slots.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import torch
 
-from adapterserve.adapters_store.formats.families import Adapter
-from adapterserve.adapters_store.formats.read import AdapterLimits, read_adapter
-from adapterserve.adapters_store.formats.types import BackboneSpec, LoraAdapter
+from adapterserve.adapters_store.formats.types import BackboneSpec
 from adapterserve.config import EngineConfig
+from adapterserve.engine.adapter_host import AdapterHost
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.pools.bottleneck import BottleneckPools
 from adapterserve.engine.pools.head import HeadPool
-from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput, SamplingParams
-from adapterserve.engine.runner import ModelRunner
-from adapterserve.engine.scheduler import Scheduler
 from adapterserve.engine.pools.ia3 import Ia3Pool
 from adapterserve.engine.pools.lora import LoraPool
 from adapterserve.engine.pools.prefix import PrefixPool
 from adapterserve.engine.pools.prompt import PromptPool
+from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput, SamplingParams
+from adapterserve.engine.runner import ModelRunner
+from adapterserve.engine.scheduler import Scheduler
 from adapterserve.engine.slots import AdapterSlots
 from adapterserve.engine.stopping import check_stop_token, stream_delta, update_text
-from adapterserve.errors import AdapterError, AdapterNotFound, RequestError
+from adapterserve.errors import AdapterNotFound, RequestError
 from adapterserve.models.decoder import DecoderModel
 from adapterserve.models.decoder_config import DecoderConfig
 from adapterserve.models.loader import load_decoder
@@ -42,8 +40,9 @@ from adapterserve.models.loader import load_decoder
 Prompt = str | Sequence[int]
 
 
-class Engine:
+class Engine(AdapterHost):
     def __init__(self, model: DecoderModel, tokenizer, config: EngineConfig) -> None:
+        super().__init__()
         self.model = model
         self.model_config: DecoderConfig = model.cfg
         self.tokenizer = tokenizer
@@ -65,10 +64,8 @@ class Engine:
             pages = -(-self.max_model_len // config.block_size) + -(-config.max_virtual_tokens // config.block_size)
             self.runner.enable_cuda_graphs(config.max_num_seqs, pages)
             self.runner.graph_signature = self.bottleneck_pools.activations
-        self.adapters: dict[str, Adapter] = {}  # host copies of loaded adapters
         self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release)
         self.requests: dict[str, Request] = {}
-        self._lock = threading.RLock()
         self._streams: dict[str, asyncio.Queue] = {}
         self._loop_task: asyncio.Task | None = None
 
@@ -107,10 +104,6 @@ class Engine:
             self.prefix_pool,
         ]
 
-    def _families_of(self, slot: int) -> frozenset[str]:
-        adapter = self.slots.adapter_in[slot]
-        return frozenset(f for f in ("lora", "ia3", "bottleneck") if getattr(adapter, f) is not None)
-
     # adapters
 
     @property
@@ -122,49 +115,6 @@ class Engine:
             "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h),
         }
         return BackboneSpec(cfg.model_type, cfg.num_layers, h, shapes, cfg.num_kv_heads, cfg.head_dim)
-
-    @property
-    def adapter_limits(self) -> AdapterLimits:
-        return AdapterLimits(self.config.max_lora_rank, self.config.max_virtual_tokens,
-                             self.config.max_bottleneck_rank)
-
-    def load_adapter(self, adapter_id: str, path: str | Path) -> None:
-        """Read and check an adapter directory (PEFT: LoRA, (IA)^3, prompt tuning,
-        P-tuning, prefix tuning); the engine is unchanged if it is refused."""
-        if not isinstance(adapter_id, str) or not adapter_id:
-            raise AdapterError("adapter id must be a non-empty string")
-        with self._lock:
-            if adapter_id in self.adapters:
-                raise AdapterError(f"an adapter with id {adapter_id!r} is already loaded; unload it first")
-        adapter = read_adapter(path, self.backbone_spec, self.adapter_limits, name=adapter_id)
-        self.add_adapter(adapter_id, adapter)
-
-    def add_adapter(self, adapter_id: str, adapter: Adapter | LoraAdapter) -> None:
-        """Register an adapter already read and checked (e.g. from the host cache)."""
-        if isinstance(adapter, LoraAdapter):
-            adapter = Adapter("lora", lora=adapter, config=adapter.config)
-        Ia3Pool.check_servable(adapter, adapter_id)
-        self.head_pool.check_servable(adapter, adapter_id)
-        self.bottleneck_pools.check_servable(adapter, adapter_id)
-        with self._lock:
-            if adapter_id in self.adapters:
-                raise AdapterError(f"an adapter with id {adapter_id!r} is already loaded; unload it first")
-            self.adapters[adapter_id] = adapter
-
-    def unload_adapter(self, adapter_id: str) -> None:
-        """Forget an adapter. New requests for it are refused; its slot is freed once
-        the requests already using it finish."""
-        with self._lock:
-            if adapter_id not in self.adapters:
-                raise AdapterNotFound(f"no adapter {adapter_id!r} is loaded")
-            del self.adapters[adapter_id]
-            self.slots.evict(adapter_id)
-
-    def list_adapters(self) -> list[str]:
-        return sorted(self.adapters)
-
-    def _acquire_slot(self, adapter_id: str) -> int | None:
-        return self.slots.acquire(adapter_id, self.adapters[adapter_id])
 
     # requests
 

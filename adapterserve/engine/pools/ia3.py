@@ -22,16 +22,16 @@ class Ia3Pool:
             linear.ia3_in = torch.ones(num_slots, linear.in_features, dtype=dtype, device=device)
             linear.ia3_out = torch.ones(num_slots, linear.weight.shape[0], dtype=dtype, device=device)
 
-    @staticmethod
-    def check_servable(adapter: Adapter, name: str) -> None:
+    def check_servable(self, adapter: Adapter, name: str) -> None:
         """Fused projections share their input, so only an unfused one may scale it."""
         if adapter.ia3 is None:
             return
-        fused = adapter.ia3.feedforward & {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+        fused = {kind for _, linear in self.linears if len(linear.slice_kinds) > 1 for kind in linear.slice_kinds}
+        fused &= adapter.ia3.feedforward
         if fused:
             raise AdapterError(
                 f"adapter '{name}': (IA)^3 input scaling (feedforward_modules) on {sorted(fused)} is not "
-                "supported: those projections share their input with others; use down_proj or o_proj"
+                "supported: those projections share their input with others; scale an unfused one's input"
             )
 
     def place(self, slot: int, adapter: Adapter) -> bool:

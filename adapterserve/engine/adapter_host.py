@@ -1,0 +1,82 @@
+"""The adapter registry every engine shares: load, check, register, unload, and
+place into slots. Subclasses say which pools they have and what the backbone is."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.adapters_store.formats.read import AdapterLimits, read_adapter
+from adapterserve.adapters_store.formats.types import BackboneSpec, LoraAdapter
+from adapterserve.config import EngineConfig
+from adapterserve.engine.slots import AdapterSlots
+from adapterserve.errors import AdapterError, AdapterNotFound
+
+# Families whose tokens the kernels group per step (others act once per request).
+TOKEN_FAMILIES = ("lora", "ia3", "bottleneck")
+
+
+class AdapterHost:
+    config: EngineConfig
+    slots: AdapterSlots
+
+    def __init__(self) -> None:
+        self.adapters: dict[str, Adapter] = {}  # host copies of loaded adapters
+        self._lock = threading.RLock()
+
+    @property
+    def backbone_spec(self) -> BackboneSpec:
+        raise NotImplementedError
+
+    @property
+    def adapter_limits(self) -> AdapterLimits:
+        cfg = self.config
+        return AdapterLimits(cfg.max_lora_rank, cfg.max_virtual_tokens, cfg.max_bottleneck_rank)
+
+    def check_servable(self, adapter: Adapter, adapter_id: str) -> None:
+        """Refuse what this engine's pools cannot hold (AdapterError)."""
+        for pool in self.slots.pools:
+            check = getattr(pool, "check_servable", None)
+            if check is not None:
+                check(adapter, adapter_id)
+
+    def load_adapter(self, adapter_id: str, path: str | Path) -> None:
+        """Read and check an adapter directory (PEFT: LoRA, (IA)^3, prompt tuning,
+        P-tuning, prefix tuning, heads; AdapterHub: Houlsby, Pfeiffer); the engine
+        is unchanged if it is refused."""
+        if not isinstance(adapter_id, str) or not adapter_id:
+            raise AdapterError("adapter id must be a non-empty string")
+        with self._lock:
+            if adapter_id in self.adapters:
+                raise AdapterError(f"an adapter with id {adapter_id!r} is already loaded; unload it first")
+        adapter = read_adapter(path, self.backbone_spec, self.adapter_limits, name=adapter_id)
+        self.add_adapter(adapter_id, adapter)
+
+    def add_adapter(self, adapter_id: str, adapter: Adapter | LoraAdapter) -> None:
+        """Register an adapter already read and checked (e.g. from the host cache)."""
+        if isinstance(adapter, LoraAdapter):
+            adapter = Adapter("lora", lora=adapter, config=adapter.config)
+        self.check_servable(adapter, adapter_id)
+        with self._lock:
+            if adapter_id in self.adapters:
+                raise AdapterError(f"an adapter with id {adapter_id!r} is already loaded; unload it first")
+            self.adapters[adapter_id] = adapter
+
+    def unload_adapter(self, adapter_id: str) -> None:
+        """Forget an adapter. New requests for it are refused; its slot is freed once
+        the requests already using it finish."""
+        with self._lock:
+            if adapter_id not in self.adapters:
+                raise AdapterNotFound(f"no adapter {adapter_id!r} is loaded")
+            del self.adapters[adapter_id]
+            self.slots.evict(adapter_id)
+
+    def list_adapters(self) -> list[str]:
+        return sorted(self.adapters)
+
+    def _acquire_slot(self, adapter_id: str) -> int | None:
+        return self.slots.acquire(adapter_id, self.adapters[adapter_id])
+
+    def _families_of(self, slot: int) -> frozenset[str]:
+        adapter = self.slots.adapter_in[slot]
+        return frozenset(f for f in TOKEN_FAMILIES if getattr(adapter, f) is not None)
