@@ -35,6 +35,7 @@ from adapterserve.engine.stopping import check_stop_token, stream_delta, update_
 from adapterserve.errors import AdapterNotFound, RequestError
 from adapterserve.models.decoder import DecoderModel
 from adapterserve.models.decoder_config import DecoderConfig
+from adapterserve.models.encoder_config import SUPPORTED_MODEL_TYPES as ENCODER_TYPES
 from adapterserve.models.loader import load_decoder
 
 Prompt = str | Sequence[int]
@@ -78,7 +79,12 @@ class Engine(AdapterHost):
         max_lora_rank: int = 64,
         **overrides,
     ) -> "Engine":
-        """Load a Hugging Face checkpoint directory (safetensors) and its tokenizer."""
+        """Load a Hugging Face checkpoint directory (safetensors) and its tokenizer.
+        A BERT-family checkpoint gives an EncoderEngine (classify and embed)."""
+        if _model_type(model_dir) in ENCODER_TYPES:
+            from adapterserve.engine.encoder_engine import EncoderEngine
+
+            return EncoderEngine.from_pretrained(model_dir, device, dtype, max_lora_rank, **overrides)
         config = EngineConfig(device=device, dtype=dtype, max_lora_rank=max_lora_rank, **overrides)
         model, _ = load_decoder(model_dir, config.torch_dtype, device)
         return cls(model, _load_tokenizer(model_dir), config)
@@ -332,6 +338,15 @@ def _per_prompt(value, n: int, name: str) -> list:
 def _final(request: Request) -> RequestOutput:
     return RequestOutput(request.request_id, list(request.output_ids), request.text, request.finish_reason,
                          request.adapter_id, request.prompt_ids)
+
+
+def _model_type(model_dir: str | Path) -> str | None:
+    import json
+
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
 
 
 def _load_tokenizer(model_dir: str | Path):
