@@ -1,0 +1,251 @@
+"""`adapterserve` command line: serve, upload, list, delete, generate, info.
+
+    adapterserve serve                                  # embedded default: local Ray, tiny Llama
+    adapterserve upload ./my-lora --name sql            # prints sql@1
+    adapterserve generate --adapter sql --max-tokens 32 "SELECT"
+    adapterserve list
+
+Client commands read --server / $ADAPTERSERVE_SERVER and --api-key / $ADAPTERSERVE_API_KEY.
+Exit status: 0 done, 1 the server refused or failed, 2 bad arguments or a local check failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from adapterserve.clients.client import Client, default_server
+from adapterserve.clients.types import ClientError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ClientError as e:
+        print(f"error: {e.code.name}: {e.details}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as e:  # local checks: AdapterError, RequestError, missing files
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    client = argparse.ArgumentParser(add_help=False)
+    client.add_argument("--server", default=None, help="host:port (default $ADAPTERSERVE_SERVER or localhost:50051)")
+    client.add_argument("--api-key", default=None, help="API key (default $ADAPTERSERVE_API_KEY)")
+    parser = argparse.ArgumentParser(prog="adapterserve", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="start the server (local Ray unless --ray-address)")
+    p.add_argument("--model", help="Hugging Face checkpoint directory (default: a tiny random Llama)")
+    p.add_argument("--store", help="adapter store: a directory or s3://bucket/prefix (default ~/.adapterserve/store)")
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (gRPC binds all interfaces)")
+    p.add_argument("--replicas", type=int, help="engine replicas (default 1)")
+    p.add_argument("--api-keys", help="file of 'KEY TENANT' lines; without it the server is open")
+    p.add_argument("--device", help="engine device, e.g. cuda (default cpu)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--max-lora-rank", type=int)
+    p.add_argument("--config", help="YAML/JSON file of config overrides (adapterserve.server.settings.DEFAULTS)")
+    p.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
+    p.set_defaults(run=_serve)
+
+    p = sub.add_parser("upload", parents=[client], help="validate and upload an adapter directory")
+    p.add_argument("directory")
+    p.add_argument("--name", required=True)
+    p.add_argument("--public", action="store_true", help="let every tenant use it")
+    p.add_argument("--no-validate", action="store_true", help="skip the local check (the server checks anyway)")
+    p.set_defaults(run=_upload)
+
+    p = sub.add_parser("list", parents=[client], help="list the adapters you can use")
+    p.add_argument("name", nargs="?")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_list)
+
+    p = sub.add_parser("delete", parents=[client], help="delete NAME@VERSION, or every version of NAME")
+    p.add_argument("ref")
+    p.set_defaults(run=_delete)
+
+    p = sub.add_parser("info", parents=[client], help="show the served backbone and limits")
+    p.set_defaults(run=_info)
+
+    p = sub.add_parser("generate", parents=[client], help="generate text, streamed to stdout")
+    p.add_argument("prompt", nargs="?")
+    p.add_argument("--prompt-token-ids", help="comma-separated token ids instead of PROMPT")
+    p.add_argument("--adapter", help="NAME or NAME@VERSION (default: the base model)")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text, finish_reason")
+    p.set_defaults(run=_generate)
+    return parser
+
+
+def _client(args: argparse.Namespace) -> Client:
+    return Client(args.server or default_server(), args.api_key or os.environ.get("ADAPTERSERVE_API_KEY"))
+
+
+# serve
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from adapterserve.server import launch
+
+    config = serve_config(args)
+    endpoints = launch.start(config, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
+                             ray_address=args.ray_address)
+    print(f"adapterserve is serving: gRPC {endpoints.grpc}, HTTP {endpoints.http}/v1  (Ctrl-C stops)", flush=True)
+    if not args.api_keys:
+        print(f"  open mode (no --api-keys): anyone who reaches gRPC port {args.grpc_port} may use and change "
+              "adapters; it listens on all interfaces", flush=True)
+    print(f"  try: adapterserve generate --server {endpoints.grpc} --max-tokens 16 \"Hello\"", flush=True)
+    _wait_for_signal()
+    from ray import serve
+
+    serve.shutdown()
+    return 0
+
+
+def serve_config(args: argparse.Namespace) -> dict:
+    """The config overrides `serve`'s flags ask for (a --config file first, flags on top)."""
+    config: dict = _read_config_file(args.config) if args.config else {}
+    engine = dict(config.get("engine", {}))
+    for flag, key in (("device", "device"), ("dtype", "dtype"), ("max_lora_rank", "max_lora_rank")):
+        if getattr(args, flag) is not None:
+            engine[key] = getattr(args, flag)
+    if engine:
+        config["engine"] = engine
+    for flag, key in (("model", "model"), ("store", "store"), ("api_keys", "api_keys_file")):
+        if getattr(args, flag):
+            config[key] = getattr(args, flag)
+    if args.replicas is not None:
+        config["replica"] = {**config.get("replica", {}), "num_replicas": args.replicas}
+    return config
+
+
+def _read_config_file(path: str) -> dict:
+    import yaml
+
+    with open(path) as f:
+        loaded = yaml.safe_load(f) or {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path} must hold a mapping of config keys")
+    return loaded
+
+
+def _wait_for_signal() -> None:
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+# adapters
+
+
+def _upload(args: argparse.Namespace) -> int:
+    from adapterserve.clients.upload_stream import collect_files
+
+    with _client(args) as client:
+        files = collect_files(args.directory)
+        if not args.no_validate:
+            check_locally(client, args.directory, args.name, sum(f.size for f in files), len(files))
+        with _progress_bar(files) as bar:
+            info = client.upload(args.directory, args.name, public=args.public, progress=bar.update)
+    print(info.ref)
+    return 0
+
+
+def check_locally(client: Client, directory: str, name: str, total_bytes: int, num_files: int) -> None:
+    """Read the adapter as the server will (against its backbone); AdapterError if unfit."""
+    from adapterserve.adapters_store.formats.peft_lora import read_peft_lora
+    from adapterserve.adapters_store.formats.types import BackboneSpec
+    from adapterserve.errors import AdapterTooLarge
+
+    info = client.server_info()
+    if total_bytes > info.max_upload_bytes or num_files > info.max_upload_files:
+        raise AdapterTooLarge(
+            f"{directory!r} holds {num_files} files, {total_bytes} bytes; the server takes at most "
+            f"{info.max_upload_files} files, {info.max_upload_bytes} bytes"
+        )
+    spec = BackboneSpec(info.model_type, info.num_layers, info.hidden_size, info.linear_shapes)
+    read_peft_lora(directory, spec, info.max_lora_rank, name=name)
+
+
+def _progress_bar(files):
+    from tqdm import tqdm
+
+    return tqdm(total=sum(f.size for f in files), unit="B", unit_scale=True, desc="upload", file=sys.stderr,
+                disable=None, leave=False)
+
+
+def _list(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        adapters = client.list_adapters(args.name)
+    if args.json:
+        print(json.dumps([a.__dict__ for a in adapters], indent=1))
+        return 0
+    print(f"{'ADAPTER':<32} {'KIND':<6} {'RANK':>4} {'BYTES':>10}  {'PUBLIC':<6} CREATED")
+    for a in adapters:
+        public = "yes" if a.public else "no"
+        print(f"{a.ref:<32} {a.kind:<6} {a.rank:>4} {a.size_bytes:>10}  {public:<6} {a.created_at}")
+    return 0
+
+
+def _delete(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        for ref in client.delete_adapter(args.ref):
+            print(f"deleted {ref}")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        print(json.dumps(client.server_info().__dict__, indent=1))
+    return 0
+
+
+# generation
+
+
+def _generate(args: argparse.Namespace) -> int:
+    prompt = _prompt(args)
+    sampling = {"adapter": args.adapter, "max_tokens": args.max_tokens, "temperature": args.temperature,
+                "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "stop": args.stop,
+                "ignore_eos": args.ignore_eos}
+    with _client(args) as client:
+        if args.json:
+            print(json.dumps(client.generate(prompt, **sampling).to_json()))
+            return 0
+        for chunk in client.stream(prompt, **sampling):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _prompt(args: argparse.Namespace) -> str | list[int]:
+    if (args.prompt is None) == (args.prompt_token_ids is None):
+        raise ValueError("give either PROMPT or --prompt-token-ids (not both)")
+    if args.prompt is not None:
+        return args.prompt
+    text = args.prompt_token_ids
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-token-ids must be comma-separated integers, got {text!r}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Typed gRPC client for an adapterserve server, synchronous and asyncio.
+
+    with Client("localhost:50051", api_key="...") as c:
+        c.upload("./my-lora", name="sql")                   # -> AdapterInfo (ref "sql@1")
+        print(c.generate("SELECT", adapter="sql", max_tokens=32, temperature=0).text)
+        for chunk in c.stream("Hello", max_tokens=16):      # leaving the loop cancels the request
+            print(chunk.text, end="")
+
+    async with AsyncClient() as c:
+        async for chunk in c.stream("Hello"):
+            ...
+
+Calls raise ClientError with the gRPC status code and the server's message.
+The address defaults to $ADAPTERSERVE_SERVER or localhost:50051, the key to
+$ADAPTERSERVE_API_KEY.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from adapterserve.clients.types import AdapterInfo, Chunk, ClientError, Completion, ServerInfo
+from adapterserve.clients.upload_stream import Progress, collect_files, upload_messages
+from adapterserve.server.proto import adapterserve_pb2 as pb
+from adapterserve.server.proto import adapterserve_pb2_grpc as pb_grpc
+
+DEFAULT_SERVER = "localhost:50051"
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+def default_server() -> str:
+    return os.environ.get("ADAPTERSERVE_SERVER") or DEFAULT_SERVER
+
+
+def generate_request(
+    prompt: str | Sequence[int],
+    *,
+    adapter: str | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int = 0,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+) -> pb.GenerateRequest:
+    """A GenerateRequest; unset sampling fields take the server's defaults."""
+    optional = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+    sampling = pb.SamplingParams(
+        top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+        **{k: v for k, v in optional.items() if v is not None},
+    )
+    if isinstance(prompt, str):
+        return pb.GenerateRequest(text=prompt, adapter=adapter or "", sampling=sampling)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(prompt)), adapter=adapter or "", sampling=sampling)
+
+
+def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+class Client:
+    """Blocking client. `generate`/`stream` take the keyword arguments of `generate_request`."""
+
+    def __init__(self, server: str | None = None, api_key: str | None = None, *, timeout: float | None = None):
+        self.server = server or default_server()
+        self._metadata = _metadata(api_key if api_key is not None else os.environ.get("ADAPTERSERVE_API_KEY"))
+        self._timeout = timeout
+        self._channel = grpc.insecure_channel(self.server, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.AdapterServeStub(self._channel)
+
+    def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[Chunk]:
+        """Yield chunks as they are generated; closing the iterator early cancels the request."""
+        call = self._stub.Generate(generate_request(prompt, **kwargs), metadata=self._metadata, timeout=self._timeout)
+        try:
+            for message in call:
+                yield Chunk.from_proto(message)
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc(e) from None
+        finally:
+            call.cancel()  # no-op once the call is complete
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> Completion:
+        return Completion.from_chunks(list(self.stream(prompt, **kwargs)))
+
+    def upload(self, directory: str | Path, name: str, *, public: bool = False,
+               progress: Progress | None = None) -> AdapterInfo:
+        messages = upload_messages(name, collect_files(directory), public=public, progress=progress)
+        return AdapterInfo.from_proto(self._call(self._stub.UploadAdapter, messages))
+
+    def list_adapters(self, name: str | None = None) -> list[AdapterInfo]:
+        reply = self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(name=name or ""))
+        return [AdapterInfo.from_proto(a) for a in reply.adapters]
+
+    def get_adapter(self, ref: str) -> AdapterInfo:
+        return AdapterInfo.from_proto(self._call(self._stub.GetAdapter, pb.GetAdapterRequest(ref=ref)))
+
+    def delete_adapter(self, ref: str) -> list[str]:
+        """Delete `name@version`, or every version of `name`; returns the refs deleted."""
+        return list(self._call(self._stub.DeleteAdapter, pb.DeleteAdapterRequest(ref=ref)).deleted)
+
+    def server_info(self) -> ServerInfo:
+        return ServerInfo.from_proto(self._call(self._stub.ServerInfo, pb.ServerInfoRequest()))
+
+    def health(self) -> str:
+        """'SERVING' or 'NOT_SERVING' (grpc.health.v1)."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        reply = self._call(stub.Check, health_pb2.HealthCheckRequest())
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def _call(self, method, request):
+        try:
+            return method(request, metadata=self._metadata, timeout=self._timeout)
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc(e) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client with the same methods as Client, as coroutines / async iterators."""
+
+    def __init__(self, server: str | None = None, api_key: str | None = None, *, timeout: float | None = None):
+        self.server = server or default_server()
+        self._metadata = _metadata(api_key if api_key is not None else os.environ.get("ADAPTERSERVE_API_KEY"))
+        self._timeout = timeout
+        self._channel = grpc.aio.insecure_channel(self.server, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.AdapterServeStub(self._channel)
+
+    async def stream(self, prompt: str | Sequence[int], **kwargs) -> AsyncIterator[Chunk]:
+        """Yield chunks as they are generated; closing the iterator (or cancelling) cancels the request."""
+        call = self._stub.Generate(generate_request(prompt, **kwargs), metadata=self._metadata, timeout=self._timeout)
+        try:
+            async for message in call:
+                yield Chunk.from_proto(message)
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc(e) from None
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt: str | Sequence[int], **kwargs) -> Completion:
+        return Completion.from_chunks([c async for c in self.stream(prompt, **kwargs)])
+
+    async def upload(self, directory: str | Path, name: str, *, public: bool = False,
+                     progress: Progress | None = None) -> AdapterInfo:
+        messages = upload_messages(name, collect_files(directory), public=public, progress=progress)
+        return AdapterInfo.from_proto(await self._call(self._stub.UploadAdapter, messages))
+
+    async def list_adapters(self, name: str | None = None) -> list[AdapterInfo]:
+        reply = await self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(name=name or ""))
+        return [AdapterInfo.from_proto(a) for a in reply.adapters]
+
+    async def get_adapter(self, ref: str) -> AdapterInfo:
+        return AdapterInfo.from_proto(await self._call(self._stub.GetAdapter, pb.GetAdapterRequest(ref=ref)))
+
+    async def delete_adapter(self, ref: str) -> list[str]:
+        return list((await self._call(self._stub.DeleteAdapter, pb.DeleteAdapterRequest(ref=ref))).deleted)
+
+    async def server_info(self) -> ServerInfo:
+        return ServerInfo.from_proto(await self._call(self._stub.ServerInfo, pb.ServerInfoRequest()))
+
+    async def _call(self, method, request):
+        try:
+            return await method(request, metadata=self._metadata, timeout=self._timeout)
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc(e) from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,118 @@
+"""What the client returns: plain dataclasses made from the gRPC messages."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from adapterserve.server.proto import adapterserve_pb2 as pb
+
+
+class ClientError(Exception):
+    """The server refused or failed a call; `code` is the gRPC status code."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+    @classmethod
+    def from_rpc(cls, error: grpc.RpcError) -> ClientError:
+        return cls(error.code(), error.details() or "")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed piece: the tokens and text new since the previous chunk."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # set on the last chunk: "stop", "length" or "abort"
+    adapter: str  # resolved "name@version" (first chunk only; "" for the base model)
+    prompt_tokens: int  # first chunk only
+    request_id: str
+
+    @classmethod
+    def from_proto(cls, m: pb.GenerateResponse) -> Chunk:
+        return cls(list(m.token_ids), m.text, m.finish_reason or None, m.adapter, m.prompt_tokens, m.request_id)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole generation: every chunk put together."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    adapter: str
+    prompt_tokens: int
+    request_id: str
+
+    @classmethod
+    def from_chunks(cls, chunks: Sequence[Chunk]) -> Completion:
+        if not chunks:
+            raise ClientError(grpc.StatusCode.UNKNOWN, "the server sent no tokens")
+        return cls(
+            token_ids=[t for c in chunks for t in c.token_ids],
+            text="".join(c.text for c in chunks),
+            finish_reason=chunks[-1].finish_reason,
+            adapter=chunks[0].adapter,
+            prompt_tokens=chunks[0].prompt_tokens,
+            request_id=chunks[0].request_id,
+        )
+
+    def to_json(self) -> dict:
+        return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
+                "adapter": self.adapter or None, "prompt_tokens": self.prompt_tokens}
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    name: str
+    version: int
+    ref: str
+    content_hash: str
+    tenant: str | None
+    public: bool
+    created_at: str
+    size_bytes: int
+    files: list[str]
+    kind: str
+    rank: int
+    target_modules: list[str]
+
+    @classmethod
+    def from_proto(cls, m: pb.AdapterInfo) -> AdapterInfo:
+        return cls(m.name, m.version, m.ref, m.content_hash, m.tenant or None, m.public, m.created_at,
+                   m.size_bytes, list(m.files), m.kind, m.rank, list(m.target_modules))
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    backbone_id: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_model_len: int
+    adapter_kinds: list[str]
+    max_lora_rank: int
+    linear_shapes: dict[str, tuple[int, int]]  # module kind -> (in_features, out_features)
+    max_upload_bytes: int
+    max_upload_files: int
+    num_kv_blocks: int
+    free_kv_blocks: int
+    running_requests: int
+    loaded_adapters: list[str] = field(default_factory=list)
+    cancelled_requests: int = 0
+
+    @classmethod
+    def from_proto(cls, m: pb.ServerInfoResponse) -> ServerInfo:
+        return cls(
+            m.backbone_id, m.model_type, m.num_layers, m.hidden_size, m.vocab_size, m.max_model_len,
+            list(m.adapter_kinds), m.max_lora_rank,
+            {s.module: (s.in_features, s.out_features) for s in m.linear_shapes},
+            m.max_upload_bytes, m.max_upload_files, m.num_kv_blocks, m.free_kv_blocks, m.running_requests,
+            list(m.loaded_adapters), m.cancelled_requests,
+        )

@@ -1,0 +1,45 @@
+"""Builds the Serve application: an Ingress in front of engine replicas.
+
+    from ray import serve
+    serve.run(build_app({"model": "/models/llama", "engine": {"device": "cuda"}}))
+
+As a Serve config (deploy/serve_config.yaml):
+
+    applications:
+      - name: adapterserve
+        import_path: adapterserve.server.app:app_builder
+        args: {model: /models/llama, store: s3://bucket/adapters}
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ray.serve import Application
+
+from adapterserve.config import EngineConfig
+from adapterserve.server.ingress import Ingress
+from adapterserve.server.replica import EngineReplica
+from adapterserve.server.settings import merge_config, replica_actor_options, resolve_paths
+
+
+def build_app(config: Mapping[str, Any] | None = None) -> Application:
+    """The application for `config` (overrides of settings.DEFAULTS); ValueError on bad settings."""
+    cfg = resolve_paths(merge_config(config))
+    EngineConfig(**cfg["engine"])  # refuse bad engine settings here, not in every replica
+    replica = EngineReplica.options(name="EngineReplica", **_replica_options(cfg)).bind(cfg)
+    return Ingress.options(name="Ingress", **cfg["ingress"]).bind(replica, cfg)
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """Entry point for a Serve config's `import_path`; `args` are the config overrides."""
+    return build_app(args)
+
+
+def _replica_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    opts = {k: v for k, v in cfg["replica"].items() if k != "ray_actor_options"}
+    if opts.get("autoscaling_config"):
+        opts["num_replicas"] = "auto"  # Serve: autoscaling replaces a fixed count
+    else:
+        opts.pop("autoscaling_config", None)
+    return {**opts, "ray_actor_options": replica_actor_options(cfg)}

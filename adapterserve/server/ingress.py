@@ -1,0 +1,252 @@
+"""The entry deployment: gRPC (through Serve's gRPC proxy) and HTTP (through its HTTP proxy).
+
+Every call: authenticate (API key -> tenant), validate, resolve the adapter name
+to an immutable version, then forward to an engine replica with the version's
+content hash as `multiplexed_model_id`, so replicas that hold it are preferred.
+Errors become gRPC status codes (see status.py) or OpenAI-style HTTP errors.
+"""
+# No `from __future__ import annotations`: FastAPI reads the route signatures at run time.
+import asyncio
+import logging
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from grpc_health.v1 import health_pb2
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from adapterserve import errors
+from adapterserve.adapters_store.records import AdapterVersion, parse_ref
+from adapterserve.adapters_store.staging import StoreLimits
+from adapterserve.adapters_store.store import open_store
+from adapterserve.engine.request import SamplingParams
+from adapterserve.server import messages, openai_http
+from adapterserve.server.auth import grpc_tenant, http_tenant, load_keys
+from adapterserve.server.metrics import IngressMetrics
+from adapterserve.server.proto import adapterserve_pb2 as pb
+from adapterserve.server.status import grpc_error, http_status, status_of
+from adapterserve.server.uploads import receive_upload
+from adapterserve.server.validation import adapter_validator
+
+SERVICE_NAME = "adapterserve.v1.AdapterServe"
+logger = logging.getLogger("adapterserve.server")
+http_app = FastAPI(title="adapterserve", description="OpenAI-compatible completions over many adapters")
+
+
+# Helpers come before the class: serve.ingress captures the class when it is decorated.
+async def _json(request: Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError as exc:
+        raise errors.RequestError(f"the request body is not valid JSON ({exc})") from exc
+
+
+async def _prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+def _http_error(exc: BaseException) -> JSONResponse:
+    return JSONResponse(openai_http.error_body(exc), status_code=http_status(exc))
+
+
+@serve.deployment
+@serve.ingress(http_app)
+class Ingress:
+    def __init__(self, replica: DeploymentHandle, config: dict[str, Any]) -> None:
+        self.replica = replica
+        self.backbone_id = config["model_id"]
+        self.limits = StoreLimits(max_total_bytes=config["max_upload_bytes"], max_files=config["max_upload_files"])
+        self.store = open_store(config["store"], limits=self.limits, **config["store_options"])
+        self.keys = load_keys(config["api_keys_file"])
+        self.metrics = IngressMetrics()
+        self._gc_every, self._gc_grace = config["gc_interval_s"], config["gc_grace_s"]
+        self._gc_task: asyncio.Task | None = None
+        self._static: dict[str, Any] | None = None  # the backbone's fixed facts, from a replica
+
+    # --- gRPC: generation ---------------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context) -> AsyncIterator[pb.GenerateResponse]:
+        started, code = time.monotonic(), "OK"
+        try:
+            tenant = grpc_tenant(self.keys, grpc_context)
+            chunks = self._generate(messages.prompt_of(request), messages.sampling_of(request.sampling),
+                                    messages.adapter_ref_of(request.adapter), tenant)
+            async for chunk in self._measured(chunks, started):
+                yield messages.chunk_message(chunk)
+        except Exception as exc:
+            code = status_of(exc).name
+            raise grpc_error(grpc_context, exc)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        finally:
+            self.metrics.finished("Generate", code, time.monotonic() - started)
+
+    async def _generate(
+        self, prompt: messages.Prompt, sampling: SamplingParams, ref: str | None, tenant: str | None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Resolve the adapter, then stream the replica's chunks (errors raised as ours)."""
+        self._ensure_gc()
+        version = await self._resolve(ref, tenant) if ref else None
+        routing = {"multiplexed_model_id": version.content_hash} if version else {}
+        handle = self.replica.options(stream=True, **routing)
+        request = {"prompt": prompt, "sampling": sampling, "adapter": version, "request_id": uuid.uuid4().hex}
+        async for chunk in handle.generate.remote(request):
+            if "error" in chunk:
+                raise getattr(errors, chunk["error"], RuntimeError)(chunk["message"])
+            yield chunk
+
+    async def _measured(self, chunks: AsyncIterator[dict], started: float) -> AsyncIterator[dict]:
+        first = True
+        async for chunk in chunks:
+            if first:
+                self.metrics.ttft.observe(time.monotonic() - started)
+                self.metrics.prompt_tokens.inc(chunk.get("prompt_tokens", 0))
+                first = False
+            self.metrics.generated_tokens.inc(len(chunk["token_ids"]))
+            yield chunk
+
+    async def _resolve(self, ref: str, tenant: str | None) -> AdapterVersion:
+        return await asyncio.to_thread(self.store.resolve, ref, tenant=tenant)
+
+    # --- gRPC: adapters -----------------------------------------------------
+
+    async def UploadAdapter(self, request_stream, grpc_context) -> pb.AdapterInfo:
+        return await self._unary("UploadAdapter", grpc_context, self._upload, request_stream)
+
+    async def _upload(self, tenant: str | None, request_stream) -> pb.AdapterInfo:
+        static = await self._static_info()
+        with tempfile.TemporaryDirectory(prefix="adapterserve-upload-") as tmp:
+            header = await receive_upload(request_stream, Path(tmp), self.limits)
+            validator = adapter_validator(static, header.name)
+            version = await asyncio.to_thread(
+                self.store.publish, header.name, tmp, tenant=tenant, public=header.public, validator=validator
+            )
+        return messages.adapter_info(version)
+
+    async def ListAdapters(self, request: pb.ListAdaptersRequest, grpc_context) -> pb.ListAdaptersResponse:
+        async def run(tenant: str | None, request: pb.ListAdaptersRequest) -> pb.ListAdaptersResponse:
+            found = await asyncio.to_thread(self.store.list, tenant=tenant, name=request.name or None)
+            return pb.ListAdaptersResponse(adapters=[messages.adapter_info(v) for v in found])
+
+        return await self._unary("ListAdapters", grpc_context, run, request)
+
+    async def GetAdapter(self, request: pb.GetAdapterRequest, grpc_context) -> pb.AdapterInfo:
+        async def run(tenant: str | None, request: pb.GetAdapterRequest) -> pb.AdapterInfo:
+            return messages.adapter_info(await asyncio.to_thread(self.store.describe, request.ref, tenant=tenant))
+
+        return await self._unary("GetAdapter", grpc_context, run, request)
+
+    async def DeleteAdapter(self, request: pb.DeleteAdapterRequest, grpc_context) -> pb.DeleteAdapterResponse:
+        """Tombstones the version(s): new requests are refused at once, running ones finish."""
+        async def run(tenant: str | None, request: pb.DeleteAdapterRequest) -> pb.DeleteAdapterResponse:
+            name, number = parse_ref(request.ref)
+            gone = await asyncio.to_thread(self.store.delete, name, number, tenant=tenant)
+            return pb.DeleteAdapterResponse(deleted=[v.ref for v in gone])
+
+        return await self._unary("DeleteAdapter", grpc_context, run, request)
+
+    async def ServerInfo(self, request: pb.ServerInfoRequest, grpc_context) -> pb.ServerInfoResponse:
+        async def run(tenant: str | None, request: pb.ServerInfoRequest) -> pb.ServerInfoResponse:
+            facts = await self.replica.describe.remote()
+            self._static = facts["static"]
+            limits = {"max_upload_bytes": self.limits.max_total_bytes, "max_upload_files": self.limits.max_files}
+            return messages.server_info(self.backbone_id, facts["static"], facts["live"], limits)
+
+        return await self._unary("ServerInfo", grpc_context, run, request)
+
+    async def _unary(self, method: str, grpc_context, run, request):
+        """Authenticate, run, and turn errors into status codes; counts the call."""
+        started, code = time.monotonic(), "OK"
+        try:
+            return await run(grpc_tenant(self.keys, grpc_context), request)
+        except Exception as exc:
+            code = status_of(exc).name
+            raise grpc_error(grpc_context, exc)
+        finally:
+            self.metrics.finished(method, code, time.monotonic() - started)
+
+    async def _static_info(self) -> dict[str, Any]:
+        if self._static is None:
+            self._static = (await self.replica.describe.remote())["static"]
+        return self._static
+
+    # --- gRPC: grpc.health.v1 -----------------------------------------------
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, grpc_context) -> health_pb2.HealthCheckResponse:
+        if request.service not in ("", SERVICE_NAME):
+            grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
+            grpc_context.set_details(f"unknown service {request.service!r}; this server has {SERVICE_NAME!r}")
+            raise LookupError(request.service)
+        return health_pb2.HealthCheckResponse(status=await self._health())
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, grpc_context):
+        """Sends the status now and again whenever it changes (checked every few seconds)."""
+        last = None
+        while True:
+            status = await self._health()
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            await asyncio.sleep(5.0)
+
+    async def _health(self) -> int:
+        try:
+            await asyncio.wait_for(self.replica.describe.remote(), timeout=5.0)
+            return health_pb2.HealthCheckResponse.SERVING
+        except Exception:
+            return health_pb2.HealthCheckResponse.NOT_SERVING
+
+    # --- HTTP (OpenAI-compatible) ---------------------------------------------
+
+    @http_app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        try:
+            tenant = http_tenant(self.keys, request.headers)
+            versions = await asyncio.to_thread(self.store.list, tenant=tenant)
+            return JSONResponse(openai_http.models_body(self.backbone_id, versions))
+        except Exception as exc:
+            return _http_error(exc)
+
+    @http_app.post("/v1/completions")
+    async def completions(self, request: Request):
+        started, code = time.monotonic(), "OK"
+        try:
+            tenant = http_tenant(self.keys, request.headers)
+            call = openai_http.parse_completion(await _json(request), self.backbone_id)
+            chunks = self._measured(self._generate(call.prompt, call.sampling, call.adapter, tenant), started)
+            first = await anext(chunks)  # errors before the first token get a proper HTTP status
+            if call.stream:
+                events = openai_http.sse_events(call, _prepend(first, chunks))
+                return StreamingResponse(events, media_type="text/event-stream")
+            rest = [c async for c in chunks]
+            return JSONResponse(openai_http.completion_body(call, [first, *rest]))
+        except Exception as exc:
+            code = status_of(exc).name
+            return _http_error(exc)
+        finally:
+            self.metrics.finished("completions", code, time.monotonic() - started)
+
+    # --- housekeeping -------------------------------------------------------
+
+    def _ensure_gc(self) -> None:
+        """Start the loop that removes files of versions deleted over gc_grace_s ago."""
+        if self._gc_task is None or self._gc_task.done():
+            self._gc_task = asyncio.get_running_loop().create_task(self._gc_loop())
+
+    async def _gc_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._gc_every)
+            try:
+                await asyncio.to_thread(self.store.gc, grace_s=self._gc_grace)
+            except Exception:  # a store hiccup must not stop later collections
+                logger.exception("removing deleted adapter files failed; retrying in %.0f s", self._gc_every)

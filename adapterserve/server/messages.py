@@ -1,0 +1,97 @@
+"""Conversions between the gRPC messages and the engine's and store's types."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from adapterserve.adapters_store.records import AdapterVersion
+from adapterserve.engine.request import SamplingParams
+from adapterserve.errors import RequestError
+from adapterserve.server.proto import adapterserve_pb2 as pb
+
+Prompt = str | list[int]
+
+
+def prompt_of(request: pb.GenerateRequest) -> Prompt:
+    which = request.WhichOneof("prompt")
+    if which == "text":
+        if not request.text:
+            raise RequestError("prompt text is empty")
+        return request.text
+    if which == "token_ids":
+        if not request.token_ids.ids:
+            raise RequestError("prompt token_ids is empty")
+        return list(request.token_ids.ids)
+    raise RequestError("set the prompt: either text or token_ids")
+
+
+def sampling_of(p: pb.SamplingParams) -> SamplingParams:
+    """Unset optional fields keep the engine's defaults; invalid values raise RequestError."""
+    fields: dict[str, Any] = {
+        "top_k": p.top_k,
+        "stop_token_ids": tuple(p.stop_token_ids),
+        "stop": tuple(p.stop),
+        "ignore_eos": p.ignore_eos,
+    }
+    for name in ("max_tokens", "temperature", "top_p", "seed"):
+        if p.HasField(name):
+            fields[name] = getattr(p, name)
+    return SamplingParams(**fields)
+
+
+def adapter_ref_of(ref: str) -> str | None:
+    return ref.strip() or None
+
+
+def adapter_info(v: AdapterVersion) -> pb.AdapterInfo:
+    info = v.info or {}
+    return pb.AdapterInfo(
+        name=v.name,
+        version=v.version,
+        ref=v.ref,
+        content_hash=v.content_hash,
+        tenant=v.tenant or "",
+        public=v.public,
+        created_at=v.created_at.isoformat(),
+        size_bytes=v.size_bytes,
+        files=list(v.files),
+        kind=str(info.get("kind", "")),
+        rank=int(info.get("rank", 0)),
+        target_modules=list(info.get("target_modules", [])),
+    )
+
+
+def server_info(backbone_id: str, static: Mapping[str, Any], live: Mapping[str, Any],
+                limits: Mapping[str, int]) -> pb.ServerInfoResponse:
+    """`static`/`live` come from a replica's `describe()`; `limits` from the ingress's store."""
+    return pb.ServerInfoResponse(
+        backbone_id=backbone_id,
+        model_type=static["model_type"],
+        num_layers=static["num_layers"],
+        hidden_size=static["hidden_size"],
+        vocab_size=static["vocab_size"],
+        max_model_len=static["max_model_len"],
+        adapter_kinds=list(static["adapter_kinds"]),
+        max_lora_rank=static["max_lora_rank"],
+        linear_shapes=[
+            pb.LinearShape(module=k, in_features=i, out_features=o) for k, (i, o) in static["linear_shapes"].items()
+        ],
+        max_upload_bytes=limits["max_upload_bytes"],
+        max_upload_files=limits["max_upload_files"],
+        num_kv_blocks=static["num_kv_blocks"],
+        free_kv_blocks=live["free_kv_blocks"],
+        running_requests=live["running_requests"],
+        loaded_adapters=list(live["loaded_adapters"]),
+        cancelled_requests=live["cancelled_requests"],
+    )
+
+
+def chunk_message(chunk: Mapping[str, Any]) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        token_ids=chunk["token_ids"],
+        text=chunk["text"],
+        finish_reason=chunk["finish_reason"] or "",
+        adapter=chunk.get("adapter") or "",
+        prompt_tokens=chunk.get("prompt_tokens", 0),
+        request_id=chunk["request_id"],
+    )

@@ -1,0 +1,155 @@
+"""The engine deployment: one Engine per replica, adapters loaded through Serve's multiplexer.
+
+A request names its adapter by content hash (`multiplexed_model_id`), so Serve
+routes it to a replica that already holds it. Loading reads the files from the
+store into the host cache and registers the adapter with the engine, all off
+the event loop, so running requests keep streaming while another adapter loads.
+Many requests run at once on one replica: the engine batches them.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from ray import serve
+
+from adapterserve.adapters_store.cache import HostAdapterCache
+from adapterserve.adapters_store.formats.read import read_adapter
+from adapterserve.adapters_store.records import AdapterVersion
+from adapterserve.adapters_store.store import open_store
+from adapterserve.engine.engine import Engine
+from adapterserve.errors import AdapterError, AdapterIntegrityError, AdapterNotFound, CapacityError, RequestError
+from adapterserve.server.loaded import LoadedAdapter
+from adapterserve.server.metrics import ReplicaMetrics
+
+ADAPTER_KINDS = ("lora", "ia3", "prompt_tuning", "p_tuning", "prefix_tuning", "bottleneck", "classifier_head")
+# Errors a request can meet in the replica; sent back as data so their type survives Ray.
+_REQUEST_ERRORS = (AdapterError, AdapterNotFound, AdapterIntegrityError, RequestError, CapacityError)
+_MAX_LOAD_ATTEMPTS = 3
+
+
+@serve.deployment
+class EngineReplica:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.engine = Engine.from_pretrained(config["model"], **config["engine"])
+        self.store = open_store(config["store"], **config["store_options"])
+        self.cache = HostAdapterCache(config["host_cache_bytes"], self._read, fetch=self.store.fetch)
+        self.metrics = ReplicaMetrics()
+        self._pending: dict[str, AdapterVersion] = {}  # content hash -> version, for the loader
+        self._resident: dict[str, LoadedAdapter] = {}  # content hash -> registration
+        self._ids = itertools.count()
+        self._cancelled = 0  # requests stopped because the caller went away
+
+        async def load(content_hash: str) -> LoadedAdapter:  # a plain function: Serve keeps its LRU on it
+            return await self._load(content_hash)
+
+        self._adapter = serve.multiplexed(max_num_models_per_replica=config["max_adapters_per_replica"])(load)
+
+    def _read(self, path):
+        return read_adapter(path, self.engine.backbone_spec, self.engine.adapter_limits)
+
+    # adapters
+
+    async def _load(self, content_hash: str) -> LoadedAdapter:
+        version = self._pending[content_hash]
+        self.metrics.lookup("host", version in self.cache)
+        lora = await asyncio.to_thread(self.cache.get_or_load, version)
+        engine_id = f"{version.ref}#{next(self._ids)}"
+        await asyncio.to_thread(self.engine.add_adapter, engine_id, lora)
+        self.metrics.adapter_loads.inc()
+        loaded = LoadedAdapter(engine_id, self._unload)
+        self._resident[content_hash] = loaded
+        self._pending.pop(content_hash, None)
+        return loaded
+
+    def _unload(self, loaded: LoadedAdapter) -> None:
+        """Called once per registration, when it is evicted and no request uses it."""
+        for key, value in list(self._resident.items()):
+            if value is loaded:
+                self._resident.pop(key, None)
+        try:
+            self.engine.unload_adapter(loaded.engine_id)
+            self.metrics.adapter_unloads.inc()
+        except AdapterNotFound:
+            pass
+
+    async def _acquire(self, version: AdapterVersion) -> LoadedAdapter:
+        """The engine registration of `version`, counted as in use by the caller."""
+        key = version.content_hash
+        for _ in range(_MAX_LOAD_ATTEMPTS):
+            self.metrics.lookup("engine", key in self._resident)
+            self._pending[key] = version  # read by _load if this call loads
+            loaded = await self._adapter(key)
+            if loaded.acquire():
+                return loaded
+        raise CapacityError(f"adapter {version.ref} was evicted while loading {_MAX_LOAD_ATTEMPTS} times; retry")
+
+    # requests
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream chunks {token_ids, text, finish_reason, request_id, ...}; a request error
+        arrives as one chunk {"error": class name, "message": ...}."""
+        version: AdapterVersion | None = request["adapter"]
+        loaded = None
+        try:
+            loaded = await self._acquire(version) if version else None
+            stream = self.engine.stream(
+                request["prompt"], request["sampling"], adapter_id=loaded.engine_id if loaded else None,
+                request_id=request["request_id"],
+            )
+            async with aclosing(stream):  # closing it aborts the engine request (frees its KV blocks)
+                first = True
+                async for out in stream:
+                    chunk = {"request_id": out.request_id, "token_ids": out.token_ids, "text": out.text,
+                             "finish_reason": out.finish_reason}
+                    if first:
+                        chunk.update(adapter=version.ref if version else "", prompt_tokens=len(out.prompt_token_ids))
+                        first = False
+                    self._report_queues()
+                    yield chunk
+        except _REQUEST_ERRORS as exc:
+            yield {"error": type(exc).__name__, "message": str(exc)}
+        except (asyncio.CancelledError, GeneratorExit):  # the caller went away
+            self._cancelled += 1
+            raise
+        finally:
+            if loaded is not None:
+                loaded.release()
+            self._report_queues()
+
+    def _report_queues(self) -> None:
+        scheduler = self.engine.scheduler
+        self.metrics.queues(len(scheduler.waiting), len(scheduler.running))
+
+    # facts
+
+    def describe(self) -> dict[str, Any]:
+        """What the ingress and ServerInfo report: fixed facts and the current load."""
+        engine, spec = self.engine, self.engine.backbone_spec
+        return {
+            "static": {
+                "model_type": spec.model_type,
+                "num_layers": spec.num_layers,
+                "hidden_size": spec.hidden_size,
+                "linear_shapes": dict(spec.linear_shapes),
+                "num_kv_heads": spec.num_kv_heads,
+                "head_dim": spec.head_dim,
+                "layers_prefix": spec.layers_prefix,
+                "limits": dataclasses.asdict(engine.adapter_limits),
+                "vocab_size": engine.model_config.vocab_size,
+                "max_model_len": engine.max_model_len,
+                "adapter_kinds": list(ADAPTER_KINDS),
+                "max_lora_rank": engine.config.max_lora_rank,
+                "num_kv_blocks": engine.blocks.num_blocks,
+            },
+            "live": {
+                "free_kv_blocks": engine.blocks.num_free,
+                "running_requests": len(engine.requests),
+                "loaded_adapters": sorted(self._resident),
+                "cancelled_requests": self._cancelled,
+            },
+        }

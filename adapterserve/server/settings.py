@@ -1,0 +1,110 @@
+"""Server configuration: one dict of defaults, merged with the user's overrides.
+
+    config = merge_config({"model": "/models/llama-3.2-1b", "engine": {"device": "cuda"}})
+
+Nested dicts merge key by key; an unknown key is refused (a typo must not be
+silently ignored). `model: None` is the embedded default backbone: a tiny
+random-weight Llama written once under ~/.adapterserve/models (no download).
+"""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+HOME = Path("~/.adapterserve")
+OPEN_KEYS = None  # api_keys_file value for open mode
+# dicts whose keys belong to someone else (EngineConfig, the store backend): merged unchecked
+_FREE_FORM = {"engine", "store_options"}
+
+DEFAULTS: dict[str, Any] = {
+    "app_name": "adapterserve",
+    "model": None,  # checkpoint directory; None = the embedded tiny Llama
+    "model_id": None,  # the base model's name for clients; default: the directory's name
+    "store": str(HOME / "store"),  # directory or s3://bucket/prefix
+    "store_options": {},  # passed to the store backend (S3: endpoint_url, cache_dir)
+    "api_keys_file": OPEN_KEYS,  # 'KEY TENANT' lines; None = open (loopback demo)
+    "engine": {"device": "cpu", "dtype": "float32", "max_lora_rank": 64},  # EngineConfig fields
+    "max_upload_bytes": 2 << 30,
+    "max_upload_files": 32,
+    "host_cache_bytes": 2 << 30,  # adapters read into host memory, per replica
+    "max_adapters_per_replica": 32,  # multiplexed adapters registered with one engine
+    "gc_interval_s": 600.0,  # how often the ingress removes files of deleted versions
+    "gc_grace_s": 3600.0,  # ... deleted longer ago than this (longer than any request)
+    "replica": {  # Ray Serve options of the engine deployment
+        "num_replicas": 1,
+        "max_ongoing_requests": 64,
+        "max_queued_requests": 256,
+        "autoscaling_config": None,
+        "ray_actor_options": None,  # None: 1 CPU, plus 1 GPU when the engine device is cuda
+    },
+    "ingress": {  # Ray Serve options of the gRPC/HTTP entry deployment
+        "num_replicas": 1,
+        "max_ongoing_requests": 1024,
+        "max_queued_requests": 1024,
+        "ray_actor_options": {"num_cpus": 0},
+    },
+}
+
+
+def merge_config(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """DEFAULTS updated with `overrides` (nested dicts merge); ValueError on unknown keys."""
+    return _merge(copy.deepcopy(DEFAULTS), dict(overrides or {}), "config")
+
+
+def _merge(base: dict, overrides: Mapping, where: str) -> dict:
+    for key, value in overrides.items():
+        if key not in base:
+            raise ValueError(f"unknown {where} key {key!r}; known keys: {', '.join(sorted(base))}")
+        if key in _FREE_FORM and isinstance(value, Mapping):
+            base[key].update(copy.deepcopy(dict(value)))
+        elif isinstance(base[key], dict) and isinstance(value, Mapping):
+            _merge(base[key], value, f"{where}.{key}")
+        else:
+            base[key] = copy.deepcopy(value)
+    return base
+
+
+
+def resolve_paths(config: dict[str, Any]) -> dict[str, Any]:
+    """Expand '~' in local paths, write the default model if none is given, fill model_id."""
+    config = copy.deepcopy(config)
+    if "://" not in config["store"]:
+        config["store"] = str(Path(config["store"]).expanduser().absolute())
+    config["model"] = str(Path(config["model"]).expanduser().absolute()) if config["model"] else str(default_model())
+    if not Path(config["model"], "config.json").is_file():
+        raise ValueError(f"model directory {config['model']!r} has no config.json; point --model at a checkpoint")
+    config["model_id"] = config["model_id"] or Path(config["model"]).name
+    if config["api_keys_file"]:
+        config["api_keys_file"] = str(Path(config["api_keys_file"]).expanduser().absolute())
+    return config
+
+
+def default_model(home: str | os.PathLike = HOME) -> Path:
+    """The embedded default backbone, written on first use (atomically, so a crash leaves none)."""
+    target = Path(home).expanduser() / "models" / "tiny-llama"
+    if (target / "config.json").is_file():
+        return target
+    from adapterserve.models.tiny import write_tiny_checkpoint
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-llama-", dir=target.parent))
+    write_tiny_checkpoint(tmp, "llama")
+    try:
+        tmp.rename(target)
+    except OSError:  # another process wrote it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def replica_actor_options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Ray actor options of an engine replica: given ones, or 1 CPU (+1 GPU on cuda)."""
+    given = config["replica"]["ray_actor_options"]
+    if given is not None:
+        return dict(given)
+    on_gpu = str(config["engine"].get("device", "cpu")).startswith("cuda")
+    return {"num_cpus": 1, "num_gpus": 1 if on_gpu else 0}

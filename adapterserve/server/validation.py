@@ -1,0 +1,40 @@
+"""Checking an upload against the served backbone before the store keeps it."""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.adapters_store.formats.read import AdapterLimits, read_adapter
+from adapterserve.adapters_store.formats.types import BackboneSpec
+
+
+def backbone_spec(static: Mapping[str, Any]) -> BackboneSpec:
+    """The spec a replica reported (its `describe()["static"]`)."""
+    shapes = {kind: (int(i), int(o)) for kind, (i, o) in static["linear_shapes"].items()}
+    return BackboneSpec(static["model_type"], static["num_layers"], static["hidden_size"], shapes,
+                        static["num_kv_heads"], static["head_dim"], static["layers_prefix"])
+
+
+def describe_adapter(adapter: Adapter) -> dict[str, Any]:
+    """What the store records about an upload (shown by list/describe)."""
+    info: dict[str, Any] = {"kind": adapter.kind}
+    if adapter.lora is not None:
+        info["rank"] = adapter.lora.rank
+        info["target_modules"] = sorted({kind for _, kind in adapter.lora.modules})
+    if adapter.num_virtual or adapter.prefix_len:
+        info["virtual_tokens"] = adapter.num_virtual or adapter.prefix_len
+    if adapter.head is not None:
+        info["labels"] = [adapter.head.id2label[i] for i in range(adapter.head.num_labels)]
+    return info
+
+
+def adapter_validator(static: Mapping[str, Any], name: str) -> Callable[[Path], dict[str, Any]]:
+    """A store validator: reads the staged copy in any supported format; AdapterError if it does not fit."""
+    spec, limits = backbone_spec(static), AdapterLimits(**static["limits"])
+
+    def validate(path: Path) -> dict[str, Any]:
+        return describe_adapter(read_adapter(path, spec, limits, name=name))
+
+    return validate

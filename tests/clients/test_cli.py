@@ -1,0 +1,58 @@
+"""The command line without a server: argument handling, config from flags, exit codes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from adapterserve.clients import cli
+from adapterserve.clients.client import generate_request
+
+
+def _serve_args(*extra: str):
+    return cli._parser().parse_args(["serve", *extra])
+
+
+def test_serve_without_flags_is_the_embedded_default():
+    assert cli.serve_config(_serve_args()) == {}
+
+
+def test_serve_flags_become_config_overrides(tmp_path):
+    (tmp_path / "c.yaml").write_text("engine: {max_loras: 4}\nreplica: {max_queued_requests: 9}\n")
+    args = _serve_args("--model", "/m", "--store", "s3://b/p", "--replicas", "3", "--device", "cuda",
+                       "--api-keys", "/k", "--config", str(tmp_path / "c.yaml"))
+    assert cli.serve_config(args) == {
+        "model": "/m", "store": "s3://b/p", "api_keys_file": "/k",
+        "engine": {"max_loras": 4, "device": "cuda"},
+        "replica": {"max_queued_requests": 9, "num_replicas": 3},
+    }
+
+
+def test_generate_needs_exactly_one_prompt(capsys):
+    assert cli.main(["generate", "--server", "127.0.0.1:1"]) == 2
+    assert "either PROMPT or --prompt-token-ids" in capsys.readouterr().err
+    assert cli.main(["generate", "--server", "127.0.0.1:1", "--prompt-token-ids", "1,x"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_unreachable_server_is_reported(capsys):
+    status = cli.main(["list", "--server", "127.0.0.1:1"])
+    assert status == 1
+    assert capsys.readouterr().err.startswith("error: UNAVAILABLE")
+
+
+def test_upload_of_a_missing_directory_is_a_local_error(capsys, tmp_path):
+    assert cli.main(["upload", str(tmp_path / "none"), "--name", "x", "--server", "127.0.0.1:1"]) == 2
+
+
+def test_request_fields():
+    r = generate_request([1, 2], adapter="a@2", max_tokens=5, temperature=0.0, seed=3, stop=["."])
+    assert list(r.token_ids.ids) == [1, 2] and r.adapter == "a@2"
+    assert r.sampling.HasField("temperature") and r.sampling.temperature == 0.0
+    assert not r.sampling.HasField("top_p")
+    assert json.loads(json.dumps(list(r.sampling.stop))) == ["."]
+
+
+def test_missing_command_is_a_usage_error():
+    with pytest.raises(SystemExit):
+        cli.main([])
