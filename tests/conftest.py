@@ -1,7 +1,17 @@
-"""Fixtures shared across the suite: one local Ray per test session."""
+"""Fixtures shared across the suite: one local Ray per test session.
+
+Without a GPU, Triton kernels run under Triton's CPU interpreter. TRITON_INTERPRET
+must be set before anything imports triton (peft and transformers may), so it is
+set here, in the first conftest pytest loads.
+"""
+import os
 import socket
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def free_port() -> int:
