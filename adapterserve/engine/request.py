@@ -78,6 +78,12 @@ class Request:
         """Token ids of the request's own KV entries (virtual tokens as 0)."""
         return [0] * self.num_virtual + self.prompt_ids + self.output_ids
 
+    def ids_from(self, start: int) -> list[int]:
+        """all_ids[start:] without building the whole list (decode needs one id)."""
+        if start >= self.num_virtual + len(self.prompt_ids):
+            return self.output_ids[start - self.num_virtual - len(self.prompt_ids):]
+        return self.all_ids[start:]
+
     @property
     def num_tokens(self) -> int:
         """Tokens in the request's own KV blocks: virtual, prompt and output."""

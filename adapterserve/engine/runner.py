@@ -134,7 +134,7 @@ class ModelRunner:
     def _add_request(self, host: _HostBatch, request: Request, n: int) -> None:
         start = request.num_tokens - n
         first_row = len(host.ids)
-        host.ids.extend(request.all_ids[start:])
+        host.ids.extend(request.ids_from(start))
         host.positions.extend(range(request.prefix_len + start, request.prefix_len + request.num_tokens))
         prefix = self.prefix_pages(request.slot) if request.prefix_len else []
         aligned = len(prefix) * self.blocks.block_size

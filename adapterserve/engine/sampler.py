@@ -39,10 +39,10 @@ def sample(
 ) -> list[int]:
     """logits: [B, V] float32 -> one token id per row."""
     device = logits.device
-    greedy = torch.tensor([p.greedy for p in params], device=device)
     chosen = logits.argmax(dim=-1)
-    if bool(greedy.all()):
+    if all(p.greedy for p in params):
         return chosen.tolist()
+    greedy = torch.tensor([p.greedy for p in params], device=device)
     temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
     scaled = logits / temps.unsqueeze(1)
     if any(p.top_k for p in params):

@@ -56,15 +56,17 @@ class Scheduler:
         return batch
 
     def _schedule_decodes(self, batch: ScheduledBatch) -> None:
+        preempted: set[int] = set()
         for request in list(self.running):
-            if request not in self.running:  # preempted below by an older request
+            if id(request) in preempted:  # preempted below for an older request
                 continue
             while not self.blocks.can_allocate(request.blocks, request.num_tokens):
                 victim = self.running[-1]
                 self._preempt(victim)
+                preempted.add(id(victim))
                 if victim is request:
                     break
-            if request in self.running:
+            if id(request) not in preempted:
                 self.blocks.grow(request.blocks, request.num_tokens)
                 batch.requests.append(request)
                 batch.num_new_tokens.append(request.num_tokens - request.num_computed)

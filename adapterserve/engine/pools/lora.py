@@ -2,8 +2,13 @@
 
 An adapter takes one row range per projection kind (shared by all layers), as
 long as its largest rank for that kind; kinds it does not target take nothing.
+Linears of the same shape in every layer share stacked tensors ([layers, ...]),
+each layer's LoraSlices a view of its row: placing an adapter is then a few large
+copies per projection, not one per layer.
 """
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 
@@ -14,17 +19,64 @@ from adapterserve.engine.row_allocator import RowAllocator
 from adapterserve.kernels import LoraSlices
 
 
+class _Stack:
+    """The pooled tensors of one linear role (e.g. every layer's qkv_proj)."""
+
+    def __init__(self, linears: list[tuple[int, AdapterLinear]], num_slots: int, pool_rows: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        self.layers = [layer for layer, _ in linears]
+        first = linears[0][1]
+        self.kinds, n = first.slice_kinds, len(first.slice_kinds)
+        self.offsets = [0]
+        for width in first.slice_widths:
+            self.offsets.append(self.offsets[-1] + width)
+        count = len(linears)
+        self.a = torch.zeros(count, n, pool_rows, first.in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(count, pool_rows, self.offsets[-1], dtype=dtype, device=device)
+        self.row_start = torch.zeros(count, n, num_slots, dtype=torch.int32, device=device)
+        self.rank = torch.zeros(count, n, num_slots, dtype=torch.int32, device=device)
+        for i, (_, linear) in enumerate(linears):
+            linear.lora = LoraSlices(self.a[i], self.b[i], self.row_start[i], self.rank[i], tuple(self.offsets), max_rank)
+
+    @torch.no_grad()
+    def write(self, slot: int, adapter: LoraAdapter, rows: dict[str, tuple[int, int]]) -> None:
+        for s, kind in enumerate(self.kinds):
+            start, width = rows[kind]
+            ranks = [adapter.modules[(l, kind)].rank if (l, kind) in adapter.modules else 0 for l in self.layers]
+            self.row_start[:, s, slot] = start
+            self.rank[:, s, slot] = torch.tensor(ranks, dtype=torch.int32).to(self.rank.device)
+            if width:
+                a, b = self._packed(adapter, kind, width, self.offsets[s + 1] - self.offsets[s])
+                self.a[:, s, start : start + width].copy_(a, non_blocking=True)
+                self.b[:, start : start + width, self.offsets[s] : self.offsets[s + 1]].copy_(b, non_blocking=True)
+
+    def _packed(self, adapter: LoraAdapter, kind: str, width: int, out: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host tensors [layers, width, in] of A and [layers, width, out] of scaled B^T, zero-padded."""
+        a = torch.zeros(len(self.layers), width, self.a.shape[-1], dtype=self.a.dtype)
+        b = torch.zeros(len(self.layers), width, out, dtype=self.b.dtype)
+        for i, layer in enumerate(self.layers):
+            module = adapter.modules.get((layer, kind))
+            if module is not None:
+                a[i, : module.rank] = module.a
+                b[i, : module.rank] = (module.b * module.scaling).T
+        if self.a.is_cuda:
+            a, b = a.pin_memory(), b.pin_memory()
+        return a, b
+
+    def clear(self, slot: int) -> None:
+        self.rank[:, :, slot] = 0
+
+
 class LoraPool:
     family = "lora"
 
     def __init__(self, linears: list[tuple[int, AdapterLinear]], num_slots: int, pool_rows: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
-        self.linears = linears
-        kinds = sorted({kind for _, linear in linears for kind in linear.slice_kinds})
-        for _, linear in linears:
-            linear.lora = LoraSlices.allocate(
-                linear.in_features, linear.slice_widths, pool_rows, num_slots, max_rank, dtype, device
-            )
+        roles: dict[tuple, list[tuple[int, AdapterLinear]]] = defaultdict(list)
+        for layer, linear in linears:
+            roles[(linear.slice_kinds, linear.slice_widths, linear.in_features)].append((layer, linear))
+        self.stacks = [_Stack(group, num_slots, pool_rows, max_rank, dtype, device) for group in roles.values()]
+        kinds = sorted({kind for stack in self.stacks for kind in stack.kinds})
         self.allocators = {kind: RowAllocator(pool_rows) for kind in kinds}
         self._rows: dict[int, dict[str, tuple[int, int]]] = {}  # slot -> kind -> (start, rows)
 
@@ -36,9 +88,8 @@ class LoraPool:
         if rows is None:
             return False
         self._rows[slot] = rows
-        with torch.no_grad():
-            for layer, linear in self.linears:
-                _write_linear(linear, layer, slot, adapter.lora, rows)
+        for stack in self.stacks:
+            stack.write(slot, adapter.lora, rows)
         return True
 
     def clear(self, slot: int) -> None:
@@ -46,8 +97,8 @@ class LoraPool:
         if rows is None:
             return
         self._free(rows)
-        for _, linear in self.linears:
-            linear.lora.rank[:, slot] = 0
+        for stack in self.stacks:
+            stack.clear(slot)
 
     def _alloc(self, need: dict[str, int]) -> dict[str, tuple[int, int]] | None:
         got: dict[str, tuple[int, int]] = {}
@@ -62,22 +113,3 @@ class LoraPool:
     def _free(self, rows: dict[str, tuple[int, int]]) -> None:
         for kind, (start, n) in rows.items():
             self.allocators[kind].free(start, n)
-
-
-def _write_linear(
-    linear: AdapterLinear, layer: int, slot: int, adapter: LoraAdapter, rows: dict[str, tuple[int, int]]
-) -> None:
-    lora = linear.lora
-    starts, ranks = [], []
-    for s, kind in enumerate(linear.slice_kinds):
-        module = adapter.modules.get((layer, kind))
-        start = rows[kind][0]
-        rank = module.rank if module is not None else 0
-        if module is not None:
-            cols = slice(lora.out_offsets[s], lora.out_offsets[s + 1])
-            lora.a[s, start : start + rank] = module.a.to(lora.a.device, lora.a.dtype)
-            lora.b[start : start + rank, cols] = (module.b * module.scaling).T.to(lora.b.device, lora.b.dtype)
-        starts.append(start)
-        ranks.append(rank)
-    lora.row_start[:, slot] = torch.tensor(starts, dtype=torch.int32, device=lora.row_start.device)
-    lora.rank[:, slot] = torch.tensor(ranks, dtype=torch.int32, device=lora.rank.device)
