@@ -27,6 +27,7 @@ class EngineConfig:
     max_head_layers:  1, or 2 for heads with a hidden layer (costs [slots, D, D] of memory)
     max_bottleneck_rank: widest bottleneck adapter accepted (hidden / reduction_factor)
     cuda_graphs:      replay decode steps as CUDA graphs (on CUDA devices)
+    max_staged_adapters: adapters kept with ready-to-copy (pinned) host copies for fast loads
     """
 
     device: str = "cpu"
@@ -44,6 +45,7 @@ class EngineConfig:
     max_head_layers: int = 1
     max_bottleneck_rank: int = 64
     cuda_graphs: bool = True
+    max_staged_adapters: int = 32
     seed: int = 0
 
     def __post_init__(self) -> None:

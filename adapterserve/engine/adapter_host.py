@@ -3,6 +3,7 @@ place into slots. Subclasses say which pools they have and what the backbone is.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 from adapterserve.adapters_store.formats.families import Adapter
@@ -22,6 +23,7 @@ class AdapterHost:
 
     def __init__(self) -> None:
         self.adapters: dict[str, Adapter] = {}  # host copies of loaded adapters
+        self._staged: OrderedDict[str, Adapter] = OrderedDict()  # adapters holding loading copies
         self._lock = threading.RLock()
 
     @property
@@ -57,10 +59,24 @@ class AdapterHost:
         if isinstance(adapter, LoraAdapter):
             adapter = Adapter("lora", lora=adapter, config=adapter.config)
         self.check_servable(adapter, adapter_id)
+        self._stage(adapter_id, adapter)
         with self._lock:
             if adapter_id in self.adapters:
                 raise AdapterError(f"an adapter with id {adapter_id!r} is already loaded; unload it first")
             self.adapters[adapter_id] = adapter
+
+    def _stage(self, adapter_id: str, adapter: Adapter) -> None:
+        """Prepare the adapter's loading copies (pinned on a GPU) for the most recently
+        added adapters; older ones drop theirs and restage when next placed."""
+        for pool in self.slots.pools:
+            prepare = getattr(pool, "prepare", None)
+            if prepare is not None:
+                prepare(adapter)
+        with self._lock:
+            self._staged[adapter_id] = adapter
+            while len(self._staged) > self.config.max_staged_adapters:
+                _, oldest = self._staged.popitem(last=False)
+                oldest.staged.clear()
 
     def unload_adapter(self, adapter_id: str) -> None:
         """Forget an adapter. New requests for it are refused; its slot is freed once
@@ -69,6 +85,9 @@ class AdapterHost:
             if adapter_id not in self.adapters:
                 raise AdapterNotFound(f"no adapter {adapter_id!r} is loaded")
             del self.adapters[adapter_id]
+            dropped = self._staged.pop(adapter_id, None)
+            if dropped is not None:
+                dropped.staged.clear()
             self.slots.evict(adapter_id)
 
     def list_adapters(self) -> list[str]:

@@ -60,6 +60,7 @@ class Adapter:
     bottleneck: object | None = None  # BottleneckAdapter (AdapterHub format)
     head: ClassifierHead | None = None
     config: dict = field(default_factory=dict)
+    staged: dict = field(default_factory=dict, repr=False)  # pools' host copies, ready to load
 
     @property
     def num_virtual(self) -> int:

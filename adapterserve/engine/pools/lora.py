@@ -39,16 +39,31 @@ class _Stack:
             linear.lora = LoraSlices(self.a[i], self.b[i], self.row_start[i], self.rank[i], tuple(self.offsets), max_rank)
 
     @torch.no_grad()
-    def write(self, slot: int, adapter: LoraAdapter, rows: dict[str, tuple[int, int]]) -> None:
+    def write(self, slot: int, adapter: LoraAdapter, rows: dict[str, tuple[int, int]], staged: dict) -> None:
+        """Copy an adapter in; the copies are asynchronous from pinned memory on a GPU, so the
+        host goes on scheduling and the next step's kernels queue behind them."""
         for s, kind in enumerate(self.kinds):
             start, width = rows[kind]
-            ranks = [adapter.modules[(l, kind)].rank if (l, kind) in adapter.modules else 0 for l in self.layers]
             self.row_start[:, s, slot] = start
-            self.rank[:, s, slot] = torch.tensor(ranks, dtype=torch.int32).to(self.rank.device)
+            if kind not in staged:
+                staged.update(self.stage(adapter))
+            ranks, a, b = staged[kind]
+            self.rank[:, s, slot].copy_(ranks, non_blocking=True)
             if width:
-                a, b = self._packed(adapter, kind, width, self.offsets[s + 1] - self.offsets[s])
                 self.a[:, s, start : start + width].copy_(a, non_blocking=True)
                 self.b[:, start : start + width, self.offsets[s] : self.offsets[s + 1]].copy_(b, non_blocking=True)
+
+    def stage(self, adapter: LoraAdapter) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per kind: ranks [layers], A [layers, r, in], scaled B^T [layers, r, out] in the pool's
+        dtype, in pinned host memory on a GPU: the host copy that loads fast."""
+        staged = {}
+        for s, kind in enumerate(self.kinds):
+            width = adapter.kind_rank(kind)
+            ranks = torch.tensor([adapter.modules[(l, kind)].rank if (l, kind) in adapter.modules else 0
+                                  for l in self.layers], dtype=torch.int32)
+            a, b = self._packed(adapter, kind, width, self.offsets[s + 1] - self.offsets[s])
+            staged[kind] = (ranks.pin_memory(), a, b) if self.a.is_cuda else (ranks, a, b)
+        return staged
 
     def _packed(self, adapter: LoraAdapter, kind: str, width: int, out: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Host tensors [layers, width, in] of A and [layers, width, out] of scaled B^T, zero-padded."""
@@ -88,9 +103,15 @@ class LoraPool:
         if rows is None:
             return False
         self._rows[slot] = rows
-        for stack in self.stacks:
-            stack.write(slot, adapter.lora, rows)
+        staged = adapter.staged.setdefault("lora", [{} for _ in self.stacks])
+        for stack, stack_staged in zip(self.stacks, staged):
+            stack.write(slot, adapter.lora, rows, stack_staged)
         return True
+
+    def prepare(self, adapter: Adapter) -> None:
+        """Stage the adapter's host copy now (on add), so placing it later only copies."""
+        if adapter.lora is not None and "lora" not in adapter.staged:
+            adapter.staged["lora"] = [stack.stage(adapter.lora) for stack in self.stacks]
 
     def clear(self, slot: int) -> None:
         rows = self._rows.pop(slot, None)
