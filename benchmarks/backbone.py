@@ -1,0 +1,44 @@
+"""One loaded decoder shared by successive engines.
+
+An Engine binds its KV caches and adapter pools onto the model's modules. Before
+the next engine is built, every module is put back as it was after loading
+(attributes, submodules, parameters and buffers), so the last engine's device
+memory is freed first, whatever the engine attached.
+"""
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from adapterserve.config import EngineConfig
+from adapterserve.engine.engine import Engine
+from adapterserve.models.decoder import DecoderModel
+
+_REGISTRIES = ("_parameters", "_buffers", "_modules")
+
+
+class Backbone:
+    def __init__(self, model: DecoderModel) -> None:
+        self.model = model
+        self._state = [(m, dict(vars(m)), {r: dict(vars(m)[r]) for r in _REGISTRIES}) for m in model.modules()]
+
+    def engine(self, config: EngineConfig) -> Engine:
+        """A fresh engine (tokenizer-less: prompts are token ids) on the backbone as loaded."""
+        self.reset()
+        return Engine(self.model, None, config)
+
+    def reset(self) -> None:
+        """Detach whatever the last engine bound, and free its device memory."""
+        for module, attrs, registries in self._state:
+            for name in set(vars(module)) - set(attrs):
+                del module.__dict__[name]
+            for name, value in attrs.items():
+                if name not in _REGISTRIES:
+                    module.__dict__[name] = value
+            for name, content in registries.items():
+                vars(module)[name].clear()
+                vars(module)[name].update(content)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

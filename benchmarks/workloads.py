@@ -1,0 +1,207 @@
+"""The benchmark's workloads: which adapter each request uses, and the engine built
+for it around an already loaded backbone (one backbone, a fresh Engine per run).
+
+Per workload the engine gets just the adapter slots and LoRA pool rows it needs
+(every adapter of the batch resident at once; Zipf: a fixed number of slots), KV
+blocks for every request's prompt, virtual tokens and output, and max_model_len
+set to the longest request, so block tables stay narrow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.config import EngineConfig
+from adapterserve.engine.engine import Engine
+from adapterserve.engine.graphs import BUCKETS
+from benchmarks.backbone import Backbone
+from benchmarks.measure import StepTrace, decode_summary, floor_for, run_requests, sync
+from benchmarks.random_adapters import BOTTLENECK_RANK, AdapterFactory, decode_read_bytes
+
+WORKLOADS = ("base", "one", "uniform8", "distinct", "zipf", "ranks", "families")
+PEFT_ID = "peft-file"
+
+
+@dataclass
+class Plan:
+    name: str
+    adapter_ids: list[str | None]  # one per request
+    adapters: dict[str, Adapter] = field(default_factory=dict)  # registered with add_adapter
+    files: dict[str, Path] = field(default_factory=dict)  # registered with load_adapter (PEFT directories)
+    max_loras: int = 1
+    max_rank: int = 16
+    pool_rows: int = 16
+    cold: bool = False  # evict every adapter after warm-up: the run includes its slot loads
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: str
+    dtype: str
+    max_tokens: int
+    prompt_range: tuple[int, int]
+    block_size: int
+    max_batched_tokens: int
+    zipf_adapters: int
+    zipf_slots: int
+    zipf_alpha: float
+    seed: int
+
+
+def make_prompts(batch: int, vocab: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(lengths[0], lengths[1] + 1, size=batch)
+    return [rng.integers(3, vocab, size=int(n)).tolist() for n in sizes]
+
+
+def plan(name: str, batch: int, factory: AdapterFactory, peft_dir: Path | dict, s: Settings,
+         bottleneck: bool) -> Plan:
+    """``peft_dir``: the PEFT LoRA directory, or the error entry of writing it."""
+    if name == "base":
+        return Plan(name, [None] * batch)
+    if name == "one":
+        if not isinstance(peft_dir, Path):
+            raise RuntimeError(f"no PEFT LoRA directory: {peft_dir.get('error')}")
+        return Plan(name, [PEFT_ID] * batch, files={PEFT_ID: peft_dir}, note="PEFT files")
+    if name == "uniform8":
+        ids = [f"u{i % 8}" for i in range(batch)]
+        return _lora_plan(name, ids, factory, {a: 16 for a in ids})
+    if name == "distinct":
+        ids = [f"d{i}" for i in range(batch)]
+        return _lora_plan(name, ids, factory, {a: 16 for a in ids})
+    if name == "ranks":
+        ids = [f"r{i}" for i in range(batch)]
+        return _lora_plan(name, ids, factory, {a: (8, 16, 64)[i % 3] for i, a in enumerate(ids)})
+    if name == "zipf":
+        return _zipf_plan(batch, factory, s)
+    if name == "families":
+        return _families_plan(batch, factory, bottleneck)
+    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+def _lora_plan(name: str, ids: list[str], factory: AdapterFactory, ranks: dict[str, int]) -> Plan:
+    adapters = {a: factory.lora(i, r) for i, (a, r) in enumerate(ranks.items())}
+    return Plan(name, ids, adapters, max_loras=len(adapters), max_rank=max(ranks.values()),
+                pool_rows=sum(ranks.values()))
+
+
+def _zipf_plan(batch: int, factory: AdapterFactory, s: Settings) -> Plan:
+    weights = 1.0 / np.arange(1, s.zipf_adapters + 1) ** s.zipf_alpha
+    picks = np.random.default_rng(s.seed + 7).choice(s.zipf_adapters, size=batch, p=weights / weights.sum())
+    ids = [f"z{k}" for k in picks]
+    adapters = {f"z{k}": factory.lora(k) for k in range(s.zipf_adapters)}
+    slots = min(s.zipf_slots, s.zipf_adapters)
+    return Plan("zipf", ids, adapters, max_loras=slots, pool_rows=slots * 16, cold=True,
+                note=f"{len(set(ids))} distinct/{s.zipf_adapters}, {slots} slots")
+
+
+def _families_plan(batch: int, factory: AdapterFactory, bottleneck: bool) -> Plan:
+    families = ["lora", "ia3", "prompt", "prefix"] + (["bottleneck"] if bottleneck else []) + ["base"]
+    ids: list[str | None] = []
+    adapters: dict[str, Adapter] = {}
+    for i in range(batch):
+        family = families[i % len(families)]
+        if family == "base":
+            ids.append(None)
+            continue
+        ids.append(f"f{i}-{family}")
+        adapters[ids[-1]] = factory.family(family, i)
+    loras = sum(a.lora is not None for a in adapters.values())
+    note = "+".join(families) + ("" if bottleneck else "; no bottleneck in engine")
+    return Plan("families", ids, adapters, max_loras=max(1, len(adapters)), pool_rows=16 * max(1, loras), note=note)
+
+
+def engine_config(p: Plan, prompts: list[list[int]], virtual: list[int], s: Settings) -> EngineConfig:
+    """Capacity for this plan: every request resident at once, nothing to spare."""
+    bs = s.block_size
+    longest = max(len(x) + v for x, v in zip(prompts, virtual)) + s.max_tokens
+    blocks = sum(-(-(len(x) + v + s.max_tokens + 1) // bs) + 1 for x, v in zip(prompts, virtual))
+    prefix_blocks = sum(-(-a.prefix_len // bs) for a in p.adapters.values())
+    return EngineConfig(
+        device=s.device, dtype=s.dtype, max_loras=p.max_loras, max_lora_rank=p.max_rank,
+        lora_pool_rows=max(p.pool_rows, p.max_rank), max_bottleneck_rank=BOTTLENECK_RANK, block_size=bs,
+        num_kv_blocks=blocks + prefix_blocks + 8, max_num_seqs=len(prompts),
+        max_num_batched_tokens=s.max_batched_tokens, max_model_len=-(-(longest + 2 * bs) // bs) * bs,
+        cuda_graphs=True, seed=s.seed,
+    )
+
+
+def supports_bottleneck(backbone: Backbone, s: Settings) -> bool:
+    """Whether the engine has a bottleneck-adapter pool (asked of a minimal engine)."""
+    config = EngineConfig(device=s.device, dtype=s.dtype, max_loras=1, max_lora_rank=16, num_kv_blocks=4,
+                          max_num_seqs=1, max_num_batched_tokens=64, max_model_len=32, cuda_graphs=False)
+    try:
+        engine = backbone.engine(config)
+        return any(getattr(pool, "family", None) == "bottleneck" for pool in engine.slots.pools)
+    finally:
+        engine = None
+        backbone.reset()
+
+
+def register(engine: Engine, p: Plan) -> None:
+    for adapter_id, adapter in p.adapters.items():
+        engine.add_adapter(adapter_id, adapter)
+    for adapter_id, path in p.files.items():
+        engine.load_adapter(adapter_id, path)
+
+
+def warm_up(engine: Engine, trace: StepTrace, p: Plan, batch: int, vocab: int, s: Settings) -> None:
+    """Same adapters, short prompts; request i stops after 1 + (buckets >= batch - i)
+    tokens, so the decode batch shrinks through every graph bucket, keeping the
+    requests added last (as the timed run's tail does)."""
+    buckets = [b for b in BUCKETS if b < batch] + [batch]
+    max_tokens = [1 + sum(b >= batch - i for b in buckets) for i in range(batch)]
+    prompts = make_prompts(batch, vocab, (4, min(24, s.prompt_range[0])), s.seed + 1)
+    run_requests(engine, trace, prompts, p.adapter_ids, max_tokens)
+
+
+def run_workload(backbone: Backbone, p: Plan, prompts: list[list[int]], s: Settings, bandwidth: float) -> dict:
+    """Warm up, then time the workload; the summary row (without the adapter tax)."""
+    batch, model = len(prompts), backbone.model
+    engine = None
+    try:
+        virtual = [_virtual(p.adapters.get(a)) for a in p.adapter_ids]
+        engine = backbone.engine(engine_config(p, prompts, virtual, s))
+        register(engine, p)
+        trace = StepTrace(engine)
+        warm_up(engine, trace, p, batch, model.cfg.vocab_size, s)
+        if p.cold:
+            for adapter_id in list(engine.slots.slot_of):
+                engine.slots.evict(adapter_id)
+        loads = engine.slots.loads
+        reset_peak(s.device)
+        sync(s.device)
+        run = run_requests(engine, trace, prompts, p.adapter_ids, [s.max_tokens] * batch)
+        floor = floor_for(model, _adapter_bytes(engine, p, model), bandwidth)
+        row = decode_summary(run, batch, floor)
+        row.update({"loads": engine.slots.loads - loads, "peak_gib": peak_gib(s.device), "note": p.note})
+        return row
+    finally:
+        engine = None
+        backbone.reset()
+
+
+def _virtual(adapter: Adapter | None) -> int:
+    return 0 if adapter is None else adapter.num_virtual + adapter.prefix_len
+
+
+def _adapter_bytes(engine: Engine, p: Plan, model) -> dict[str, int]:
+    size = model.embed_tokens.weight.element_size()
+    return {a: decode_read_bytes(engine.adapters[a], size) for a in set(p.adapter_ids) if a is not None}
+
+
+def reset_peak(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device: str) -> float | None:
+    if torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated() / 2**30
+
