@@ -1,6 +1,8 @@
-"""`adapterserve` command line: serve, upload, list, delete, generate, info.
+"""`adapterserve` command line: serve, upload, list, delete, generate, classify, embed, info.
 
-    adapterserve serve                                  # embedded default: local Ray, tiny Llama
+    adapterserve serve                                  # embedded default: local Ray, tiny Llama + MiniLM
+    adapterserve classify --adapter sentiment "a wonderful film"   # positive 0.9674
+    adapterserve embed "a wonderful film"               # 384 dims: [0.0123, ...]
     adapterserve upload ./my-lora --name sql            # prints sql@1
     adapterserve generate --adapter sql --max-tokens 32 "SELECT"
     adapterserve list
@@ -41,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="start the server (local Ray unless --ray-address)")
     p.add_argument("--model", help="Hugging Face checkpoint directory (default: a tiny random Llama)")
+    p.add_argument("--encoder", help="BERT-family checkpoint for classify/embed (default: all-MiniLM-L6-v2 "
+                   "with the example adapters sentiment and topic)")
+    p.add_argument("--no-encoder", action="store_true", help="serve generation only (no encoder deployment)")
     p.add_argument("--store", help="adapter store: a directory or s3://bucket/prefix (default ~/.adapterserve/store)")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000)
@@ -86,6 +91,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text, finish_reason")
     p.set_defaults(run=_generate)
+
+    p = sub.add_parser("classify", parents=[client], help="label texts with an adapter's classification head")
+    p.add_argument("texts", nargs="+", metavar="TEXT")
+    p.add_argument("--adapter", required=True, help="NAME or NAME@VERSION of an adapter with a head")
+    p.add_argument("--json", action="store_true", help="print one JSON object per text")
+    p.set_defaults(run=_classify)
+
+    p = sub.add_parser("embed", parents=[client], help="sentence vectors from the encoder")
+    p.add_argument("texts", nargs="+", metavar="TEXT")
+    p.add_argument("--adapter", help="NAME or NAME@VERSION (default: the base encoder)")
+    p.add_argument("--json", action="store_true", help="print one JSON list of floats per text")
+    p.set_defaults(run=_embed)
     return parser
 
 
@@ -107,6 +124,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"  open mode (no --api-keys): anyone who reaches gRPC port {args.grpc_port} may use and change "
               "adapters; it listens on all interfaces", flush=True)
     print(f"  try: adapterserve generate --server {endpoints.grpc} --max-tokens 16 \"Hello\"", flush=True)
+    if not args.no_encoder:
+        print(f"       adapterserve classify --server {endpoints.grpc} --adapter sentiment \"a wonderful film\"",
+              flush=True)
     _wait_for_signal()
     from ray import serve
 
@@ -126,6 +146,10 @@ def serve_config(args: argparse.Namespace) -> dict:
     for flag, key in (("model", "model"), ("store", "store"), ("api_keys", "api_keys_file")):
         if getattr(args, flag):
             config[key] = getattr(args, flag)
+    if args.no_encoder and args.encoder:
+        raise ValueError("give --encoder or --no-encoder, not both")
+    if args.encoder or args.no_encoder:
+        config["encoder"] = False if args.no_encoder else args.encoder
     if args.replicas is not None:
         config["replica"] = {**config.get("replica", {}), "num_replicas": args.replicas}
     return config
@@ -179,8 +203,21 @@ def check_locally(client: Client, directory: str, name: str, total_bytes: int, n
             f"{directory!r} holds {num_files} files, {total_bytes} bytes; the server takes at most "
             f"{info.max_upload_files} files, {info.max_upload_bytes} bytes"
         )
+    if info.encoder_id and not _targets_any(directory, info.linear_shapes):
+        return  # made for the encoder, which ServerInfo does not describe: the server checks it
     spec = BackboneSpec(info.model_type, info.num_layers, info.hidden_size, info.linear_shapes)
     read_peft_lora(directory, spec, info.max_lora_rank, name=name)
+
+
+def _targets_any(directory: str, modules) -> bool:
+    """Whether the PEFT config in `directory` targets any of `modules` (the generation backbone's)."""
+    try:
+        with open(os.path.join(directory, "adapter_config.json")) as f:
+            targets = json.load(f).get("target_modules") or []
+    except (OSError, ValueError):
+        return False
+    targets = [targets] if isinstance(targets, str) else targets
+    return any(t.split(".")[-1] in modules for t in targets)
 
 
 def _progress_bar(files):
@@ -232,6 +269,26 @@ def _generate(args: argparse.Namespace) -> int:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
     sys.stdout.write("\n")
+    return 0
+
+
+# encoder tasks
+
+
+def _classify(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        results = client.classify(args.texts, args.adapter)
+    for text, r in zip(args.texts, results):
+        print(json.dumps({"text": text, **r.to_json()}) if args.json else f"{r.label}\t{r.probability:.4f}\t{text}")
+    return 0
+
+
+def _embed(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        vectors = client.embed(args.texts, args.adapter)
+    for text, v in zip(args.texts, vectors):
+        preview = ", ".join(f"{x:.4f}" for x in v[:4])
+        print(json.dumps(v) if args.json else f"{len(v)} dims: [{preview}, ...]\t{text}")
     return 0
 
 

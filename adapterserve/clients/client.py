@@ -5,6 +5,8 @@
         print(c.generate("SELECT", adapter="sql", max_tokens=32, temperature=0).text)
         for chunk in c.stream("Hello", max_tokens=16):      # leaving the loop cancels the request
             print(chunk.text, end="")
+        c.classify(["a wonderful film"], adapter="sentiment")[0].label  # -> "positive"
+        c.embed(["a wonderful film"])[0]                                # -> 384 floats
 
     async with AsyncClient() as c:
         async for chunk in c.stream("Hello"):
@@ -23,7 +25,14 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from adapterserve.clients.types import AdapterInfo, Chunk, ClientError, Completion, ServerInfo
+from adapterserve.clients.types import (
+    AdapterInfo,
+    Chunk,
+    Classification,
+    ClientError,
+    Completion,
+    ServerInfo,
+)
 from adapterserve.clients.upload_stream import Progress, collect_files, upload_messages
 from adapterserve.server.proto import adapterserve_pb2 as pb
 from adapterserve.server.proto import adapterserve_pb2_grpc as pb_grpc
@@ -60,6 +69,20 @@ def generate_request(
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(prompt)), adapter=adapter or "", sampling=sampling)
 
 
+def classify_request(texts: Sequence[str], adapter: str) -> pb.ClassifyRequest:
+    return pb.ClassifyRequest(texts=_texts(texts), adapter=adapter)
+
+
+def embed_request(texts: Sequence[str], adapter: str | None = None) -> pb.EmbedRequest:
+    return pb.EmbedRequest(texts=_texts(texts), adapter=adapter or "")
+
+
+def _texts(texts: Sequence[str]) -> list[str]:
+    if isinstance(texts, str):
+        raise TypeError("pass a list of texts; use [text] for one")
+    return list(texts)
+
+
 def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
@@ -87,6 +110,16 @@ class Client:
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Completion:
         return Completion.from_chunks(list(self.stream(prompt, **kwargs)))
+
+    def classify(self, texts: Sequence[str], adapter: str) -> list[Classification]:
+        """Label each text with `adapter`'s classification head ("name" or "name@N")."""
+        reply = self._call(self._stub.Classify, classify_request(texts, adapter))
+        return [Classification.from_proto(r) for r in reply.results]
+
+    def embed(self, texts: Sequence[str], adapter: str | None = None) -> list[list[float]]:
+        """One vector per text from the encoder (through `adapter` if given)."""
+        reply = self._call(self._stub.Embed, embed_request(texts, adapter))
+        return [list(e.values) for e in reply.embeddings]
 
     def upload(self, directory: str | Path, name: str, *, public: bool = False,
                progress: Progress | None = None) -> AdapterInfo:
@@ -152,6 +185,14 @@ class AsyncClient:
 
     async def generate(self, prompt: str | Sequence[int], **kwargs) -> Completion:
         return Completion.from_chunks([c async for c in self.stream(prompt, **kwargs)])
+
+    async def classify(self, texts: Sequence[str], adapter: str) -> list[Classification]:
+        reply = await self._call(self._stub.Classify, classify_request(texts, adapter))
+        return [Classification.from_proto(r) for r in reply.results]
+
+    async def embed(self, texts: Sequence[str], adapter: str | None = None) -> list[list[float]]:
+        reply = await self._call(self._stub.Embed, embed_request(texts, adapter))
+        return [list(e.values) for e in reply.embeddings]
 
     async def upload(self, directory: str | Path, name: str, *, public: bool = False,
                      progress: Progress | None = None) -> AdapterInfo:

@@ -106,6 +106,7 @@ class ServerInfo:
     running_requests: int
     loaded_adapters: list[str] = field(default_factory=list)
     cancelled_requests: int = 0
+    encoder_id: str = ""  # the encoder serving classify/embed; "" if none
 
     @classmethod
     def from_proto(cls, m: pb.ServerInfoResponse) -> ServerInfo:
@@ -114,5 +115,27 @@ class ServerInfo:
             list(m.adapter_kinds), m.max_lora_rank,
             {s.module: (s.in_features, s.out_features) for s in m.linear_shapes},
             m.max_upload_bytes, m.max_upload_files, m.num_kv_blocks, m.free_kv_blocks, m.running_requests,
-            list(m.loaded_adapters), m.cancelled_requests,
+            list(m.loaded_adapters), m.cancelled_requests, m.encoder_id,
         )
+
+
+@dataclass(frozen=True)
+class Classification:
+    """One text's label from an adapter's classification head."""
+
+    label: str
+    label_index: int
+    probabilities: list[float]  # one per label, in label order
+    labels: list[str]
+
+    @property
+    def probability(self) -> float:
+        return self.probabilities[self.label_index]
+
+    @classmethod
+    def from_proto(cls, m: pb.Classification) -> Classification:
+        return cls(m.label, m.label_index, list(m.probabilities), list(m.labels))
+
+    def to_json(self) -> dict:
+        return {"label": self.label, "label_index": self.label_index, "probabilities": self.probabilities,
+                "labels": self.labels}

@@ -1,4 +1,5 @@
-"""Builds the Serve application: an Ingress in front of engine replicas.
+"""Builds the Serve application: an Ingress in front of engine replicas (the generation
+backbone's EngineReplica and, unless `encoder: false`, the EncoderReplica for Classify/Embed).
 
     from ray import serve
     serve.run(build_app({"model": "/models/llama", "engine": {"device": "cuda"}}))
@@ -27,8 +28,13 @@ def build_app(config: Mapping[str, Any] | None = None) -> Application:
     """The application for `config` (overrides of settings.DEFAULTS); ValueError on bad settings."""
     cfg = resolve_paths(merge_config(config))
     EngineConfig(**cfg["engine"])  # refuse bad engine settings here, not in every replica
-    replica = EngineReplica.options(name="EngineReplica", **_replica_options(cfg)).bind(cfg)
-    return Ingress.options(name="Ingress", **cfg["ingress"]).bind(replica, cfg)
+    replica = EngineReplica.options(name="EngineReplica", **_replica_options(cfg, "replica")).bind(cfg)
+    encoder = None
+    if cfg["encoder"]:
+        EngineConfig(**cfg["encoder_engine"])
+        options = _replica_options(cfg, "encoder_replica")
+        encoder = EngineReplica.options(name="EncoderReplica", **options).bind(cfg, "encoder")
+    return Ingress.options(name="Ingress", **cfg["ingress"]).bind(replica, cfg, encoder)
 
 
 def app_builder(args: dict[str, Any]) -> Application:
@@ -36,10 +42,11 @@ def app_builder(args: dict[str, Any]) -> Application:
     return build_app(args)
 
 
-def _replica_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    opts = {k: v for k, v in cfg["replica"].items() if k != "ray_actor_options"}
+def _replica_options(cfg: Mapping[str, Any], key: str) -> dict[str, Any]:
+    opts = {k: v for k, v in cfg[key].items() if k != "ray_actor_options"}
     if opts.get("autoscaling_config"):
         opts["num_replicas"] = "auto"  # Serve: autoscaling replaces a fixed count
     else:
         opts.pop("autoscaling_config", None)
-    return {**opts, "ray_actor_options": replica_actor_options(cfg)}
+    actor = replica_actor_options(cfg) if key == "replica" else dict(cfg[key]["ray_actor_options"] or {})
+    return {**opts, "ray_actor_options": actor}

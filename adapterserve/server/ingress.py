@@ -3,6 +3,8 @@
 Every call: authenticate (API key -> tenant), validate, resolve the adapter name
 to an immutable version, then forward to an engine replica with the version's
 content hash as `multiplexed_model_id`, so replicas that hold it are preferred.
+Generate goes to the generation backbone, Classify and Embed to the encoder
+(backends.py picks the deployment; an adapter goes where it was validated).
 Errors become gRPC status codes (see status.py) or OpenAI-style HTTP errors.
 """
 # No `from __future__ import annotations`: FastAPI reads the route signatures at run time.
@@ -29,6 +31,7 @@ from adapterserve.adapters_store.store import open_store
 from adapterserve.engine.request import SamplingParams
 from adapterserve.server import messages, openai_http
 from adapterserve.server.auth import grpc_tenant, http_tenant, load_keys
+from adapterserve.server.backends import Backends
 from adapterserve.server.metrics import IngressMetrics
 from adapterserve.server.proto import adapterserve_pb2 as pb
 from adapterserve.server.status import grpc_error, http_status, status_of
@@ -61,8 +64,11 @@ def _http_error(exc: BaseException) -> JSONResponse:
 @serve.deployment
 @serve.ingress(http_app)
 class Ingress:
-    def __init__(self, replica: DeploymentHandle, config: dict[str, Any]) -> None:
-        self.replica = replica
+    def __init__(self, replica: DeploymentHandle, config: dict[str, Any],
+                 encoder: DeploymentHandle | None = None) -> None:
+        self.replica = replica  # the generation backbone: ServerInfo and health ask it
+        self.backends = Backends(replica, encoder, config)
+        self.max_texts = config["max_texts_per_request"]
         self.backbone_id = config["model_id"]
         self.limits = StoreLimits(max_total_bytes=config["max_upload_bytes"], max_files=config["max_upload_files"])
         self.store = open_store(config["store"], limits=self.limits, **config["store_options"])
@@ -70,7 +76,6 @@ class Ingress:
         self.metrics = IngressMetrics()
         self._gc_every, self._gc_grace = config["gc_interval_s"], config["gc_grace_s"]
         self._gc_task: asyncio.Task | None = None
-        self._static: dict[str, Any] | None = None  # the backbone's fixed facts, from a replica
 
     # --- gRPC: generation ---------------------------------------------------
 
@@ -98,7 +103,7 @@ class Ingress:
         self._ensure_gc()
         version = await self._resolve(ref, tenant) if ref else None
         routing = {"multiplexed_model_id": version.content_hash} if version else {}
-        handle = self.replica.options(stream=True, **routing)
+        handle = (await self.backends.for_call("generate", version)).options(stream=True, **routing)
         request = {"prompt": prompt, "sampling": sampling, "adapter": version, "request_id": uuid.uuid4().hex}
         async for chunk in handle.generate.remote(request):
             if "error" in chunk:
@@ -118,16 +123,50 @@ class Ingress:
     async def _resolve(self, ref: str, tenant: str | None) -> AdapterVersion:
         return await asyncio.to_thread(self.store.resolve, ref, tenant=tenant)
 
+    # --- gRPC: encoder tasks ------------------------------------------------
+
+    async def Classify(self, request: pb.ClassifyRequest, grpc_context) -> pb.ClassifyResponse:
+        async def run(tenant: str | None, request: pb.ClassifyRequest) -> pb.ClassifyResponse:
+            texts = messages.texts_of(request.texts, self.max_texts)
+            ref = messages.adapter_ref_of(request.adapter)
+            if ref is None:
+                raise errors.RequestError("classify needs an adapter with a classification head: set adapter")
+            version = await self._resolve(ref, tenant)
+            messages.check_has_head(version)
+            return messages.classify_response(await self._pooled("classify", texts, version))
+
+        return await self._unary("Classify", grpc_context, run, request)
+
+    async def Embed(self, request: pb.EmbedRequest, grpc_context) -> pb.EmbedResponse:
+        async def run(tenant: str | None, request: pb.EmbedRequest) -> pb.EmbedResponse:
+            texts = messages.texts_of(request.texts, self.max_texts)
+            ref = messages.adapter_ref_of(request.adapter)
+            version = await self._resolve(ref, tenant) if ref else None
+            return messages.embed_response(await self._pooled("embed", texts, version))
+
+        return await self._unary("Embed", grpc_context, run, request)
+
+    async def _pooled(self, task: str, texts: list[str], version: AdapterVersion | None) -> dict[str, Any]:
+        """Run classify/embed on the backbone that serves it; replica errors raised as ours."""
+        self._ensure_gc()
+        handle = await self.backends.for_call(task, version)
+        if version:
+            handle = handle.options(multiplexed_model_id=version.content_hash)
+        reply = await getattr(handle, task).remote({"texts": texts, "adapter": version})
+        if "error" in reply:
+            raise getattr(errors, reply["error"], RuntimeError)(reply["message"])
+        return reply
+
     # --- gRPC: adapters -----------------------------------------------------
 
     async def UploadAdapter(self, request_stream, grpc_context) -> pb.AdapterInfo:
         return await self._unary("UploadAdapter", grpc_context, self._upload, request_stream)
 
     async def _upload(self, tenant: str | None, request_stream) -> pb.AdapterInfo:
-        static = await self._static_info()
+        statics = await self.backends.statics()
         with tempfile.TemporaryDirectory(prefix="adapterserve-upload-") as tmp:
             header = await receive_upload(request_stream, Path(tmp), self.limits)
-            validator = adapter_validator(static, header.name)
+            validator = adapter_validator(statics, header.name)
             version = await asyncio.to_thread(
                 self.store.publish, header.name, tmp, tenant=tenant, public=header.public, validator=validator
             )
@@ -158,9 +197,10 @@ class Ingress:
     async def ServerInfo(self, request: pb.ServerInfoRequest, grpc_context) -> pb.ServerInfoResponse:
         async def run(tenant: str | None, request: pb.ServerInfoRequest) -> pb.ServerInfoResponse:
             facts = await self.replica.describe.remote()
-            self._static = facts["static"]
             limits = {"max_upload_bytes": self.limits.max_total_bytes, "max_upload_files": self.limits.max_files}
-            return messages.server_info(self.backbone_id, facts["static"], facts["live"], limits)
+            info = messages.server_info(self.backbone_id, facts["static"], facts["live"], limits)
+            info.encoder_id = self.backends.encoder_id or ""
+            return info
 
         return await self._unary("ServerInfo", grpc_context, run, request)
 
@@ -174,11 +214,6 @@ class Ingress:
             raise grpc_error(grpc_context, exc)
         finally:
             self.metrics.finished(method, code, time.monotonic() - started)
-
-    async def _static_info(self) -> dict[str, Any]:
-        if self._static is None:
-            self._static = (await self.replica.describe.remote())["static"]
-        return self._static
 
     # --- gRPC: grpc.health.v1 -----------------------------------------------
 

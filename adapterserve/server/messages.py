@@ -1,7 +1,7 @@
 """Conversions between the gRPC messages and the engine's and store's types."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from adapterserve.adapters_store.records import AdapterVersion
@@ -41,6 +41,30 @@ def sampling_of(p: pb.SamplingParams) -> SamplingParams:
 
 def adapter_ref_of(ref: str) -> str | None:
     return ref.strip() or None
+
+
+def texts_of(texts: Sequence[str], limit: int) -> list[str]:
+    """The texts of a Classify/Embed call; RequestError if there are none or too many."""
+    if not texts:
+        raise RequestError("texts is empty: send at least one text")
+    if len(texts) > limit:
+        raise RequestError(f"{len(texts)} texts in one call; this server takes at most {limit}: split the call")
+    return list(texts)
+
+
+def check_has_head(version: AdapterVersion) -> None:
+    """RequestError unless the store recorded a classification head for this version."""
+    if not (version.info or {}).get("labels"):
+        raise RequestError(f"adapter {version.ref!r} ({(version.info or {}).get('kind', 'unknown kind')}) has no "
+                           "classification head; classify needs one (use embed, or an adapter saved with its head)")
+
+
+def classify_response(reply: Mapping[str, Any]) -> pb.ClassifyResponse:
+    return pb.ClassifyResponse(results=[pb.Classification(**r) for r in reply["results"]], adapter=reply["adapter"])
+
+
+def embed_response(reply: Mapping[str, Any]) -> pb.EmbedResponse:
+    return pb.EmbedResponse(embeddings=[pb.Embedding(values=v) for v in reply["embeddings"]], adapter=reply["adapter"])
 
 
 def adapter_info(v: AdapterVersion) -> pb.AdapterInfo:

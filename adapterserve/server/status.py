@@ -19,6 +19,7 @@ from adapterserve.errors import (
     RequestError,
     Unauthenticated,
 )
+from adapterserve.server.backends import NotServed
 
 logger = logging.getLogger("adapterserve.server")
 
@@ -29,6 +30,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (AdapterNotFound, grpc.StatusCode.NOT_FOUND),
     (AdapterError, grpc.StatusCode.INVALID_ARGUMENT),
     (RequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotServed, grpc.StatusCode.FAILED_PRECONDITION),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (BackPressureError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeploymentUnavailableError, grpc.StatusCode.UNAVAILABLE),
@@ -40,6 +42,7 @@ _HTTP = {
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DATA_LOSS: 500,

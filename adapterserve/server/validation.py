@@ -1,13 +1,14 @@
 """Checking an upload against the served backbone before the store keeps it."""
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.adapters_store.formats.read import AdapterLimits, read_adapter
 from adapterserve.adapters_store.formats.types import BackboneSpec
+from adapterserve.errors import AdapterError
 
 
 def backbone_spec(static: Mapping[str, Any]) -> BackboneSpec:
@@ -30,11 +31,21 @@ def describe_adapter(adapter: Adapter) -> dict[str, Any]:
     return info
 
 
-def adapter_validator(static: Mapping[str, Any], name: str) -> Callable[[Path], dict[str, Any]]:
-    """A store validator: reads the staged copy in any supported format; AdapterError if it does not fit."""
-    spec, limits = backbone_spec(static), AdapterLimits(**static["limits"])
+def adapter_validator(statics: Sequence[Mapping[str, Any]], name: str) -> Callable[[Path], dict[str, Any]]:
+    """A store validator: reads the staged copy in any supported format against each served
+    backbone in turn; records the first that fits as "backbone"; AdapterError if none does."""
 
     def validate(path: Path) -> dict[str, Any]:
-        return describe_adapter(read_adapter(path, spec, limits, name=name))
+        refusals = []
+        for static in statics:
+            spec, limits = backbone_spec(static), AdapterLimits(**static["limits"])
+            try:
+                return {**describe_adapter(read_adapter(path, spec, limits, name=name)),
+                        "backbone": static["backbone_id"]}
+            except AdapterError as exc:
+                refusals.append(exc)
+        if len(refusals) == 1:
+            raise refusals[0]
+        raise AdapterError("; ".join(f"for backbone {s['backbone_id']!r}: {e}" for s, e in zip(statics, refusals)))
 
     return validate

@@ -56,3 +56,17 @@ def test_request_fields():
 def test_missing_command_is_a_usage_error():
     with pytest.raises(SystemExit):
         cli.main([])
+
+
+def test_serve_encoder_flags():
+    assert cli.serve_config(_serve_args("--encoder", "/enc")) == {"encoder": "/enc"}
+    assert cli.serve_config(_serve_args("--no-encoder")) == {"encoder": False}
+    with pytest.raises(ValueError, match="not both"):
+        cli.serve_config(_serve_args("--encoder", "/enc", "--no-encoder"))
+
+
+def test_classify_needs_an_adapter_and_texts():
+    with pytest.raises(SystemExit):
+        cli.main(["classify", "--server", "127.0.0.1:1", "some text"])
+    with pytest.raises(SystemExit):
+        cli.main(["classify", "--server", "127.0.0.1:1", "--adapter", "sentiment"])

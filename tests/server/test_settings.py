@@ -30,9 +30,9 @@ def test_gpu_engines_ask_ray_for_a_gpu():
 
 def test_autoscaling_config_passes_through():
     autoscaling = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16}
-    opts = _replica_options(merge_config({"replica": {"autoscaling_config": autoscaling}}))
+    opts = _replica_options(merge_config({"replica": {"autoscaling_config": autoscaling}}), "replica")
     assert opts["autoscaling_config"] == autoscaling and opts["num_replicas"] == "auto"
-    fixed = _replica_options(merge_config({"replica": {"num_replicas": 2}}))
+    fixed = _replica_options(merge_config({"replica": {"num_replicas": 2}}), "replica")
     assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
 
 
@@ -60,3 +60,21 @@ def test_app_builder_is_a_serve_config_entry_point(tmp_path):
     assert isinstance(app_builder({"model": str(model), "store": str(tmp_path / "store")}), Application)
     with pytest.raises(ValueError, match="max_loras"):
         app_builder({"model": str(model), "engine": {"max_loras": 0}})
+
+
+def test_default_encoder_preloads_the_examples(tmp_path):
+    config = resolve_paths(merge_config({"model": str(default_model(tmp_path)), "store": str(tmp_path / "s")}))
+    assert config["encoder_id"] == "all-MiniLM-L6-v2"
+    assert sorted(config["preload_adapters"]) == ["sentiment", "topic"]
+
+
+def test_no_encoder_and_a_chosen_encoder_preload_nothing(tmp_path):
+    model = str(default_model(tmp_path))
+    off = resolve_paths(merge_config({"model": model, "encoder": False}))
+    assert off["encoder"] is None and off["preload_adapters"] == {}
+    from adapterserve.models.encoder_loader import default_encoder_dir
+
+    chosen = resolve_paths(merge_config({"model": model, "encoder": str(default_encoder_dir())}))
+    assert chosen["preload_adapters"] == {}
+    with pytest.raises(ValueError, match="--encoder"):
+        resolve_paths(merge_config({"model": model, "encoder": str(tmp_path)}))

@@ -59,6 +59,56 @@ class GenerateResponse(_message.Message):
     request_id: str
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., adapter: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
+class ClassifyRequest(_message.Message):
+    __slots__ = ("texts", "adapter")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    adapter: str
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., adapter: _Optional[str] = ...) -> None: ...
+
+class Classification(_message.Message):
+    __slots__ = ("label", "label_index", "probabilities", "labels")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    LABEL_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITIES_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    label_index: int
+    probabilities: _containers.RepeatedScalarFieldContainer[float]
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, label: _Optional[str] = ..., label_index: _Optional[int] = ..., probabilities: _Optional[_Iterable[float]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ClassifyResponse(_message.Message):
+    __slots__ = ("results", "adapter")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[Classification]
+    adapter: str
+    def __init__(self, results: _Optional[_Iterable[_Union[Classification, _Mapping]]] = ..., adapter: _Optional[str] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("texts", "adapter")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    adapter: str
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., adapter: _Optional[str] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "adapter")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    adapter: str
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., adapter: _Optional[str] = ...) -> None: ...
+
 class FileEntry(_message.Message):
     __slots__ = ("path", "size", "sha256")
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -170,7 +220,7 @@ class LinearShape(_message.Message):
     def __init__(self, module: _Optional[str] = ..., in_features: _Optional[int] = ..., out_features: _Optional[int] = ...) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("backbone_id", "model_type", "num_layers", "hidden_size", "vocab_size", "max_model_len", "adapter_kinds", "max_lora_rank", "linear_shapes", "max_upload_bytes", "max_upload_files", "num_kv_blocks", "free_kv_blocks", "running_requests", "loaded_adapters", "cancelled_requests")
+    __slots__ = ("backbone_id", "model_type", "num_layers", "hidden_size", "vocab_size", "max_model_len", "adapter_kinds", "max_lora_rank", "linear_shapes", "max_upload_bytes", "max_upload_files", "num_kv_blocks", "free_kv_blocks", "running_requests", "loaded_adapters", "cancelled_requests", "encoder_id")
     BACKBONE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +237,7 @@ class ServerInfoResponse(_message.Message):
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_ID_FIELD_NUMBER: _ClassVar[int]
     backbone_id: str
     model_type: str
     num_layers: int
@@ -203,4 +254,5 @@ class ServerInfoResponse(_message.Message):
     running_requests: int
     loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
     cancelled_requests: int
-    def __init__(self, backbone_id: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., adapter_kinds: _Optional[_Iterable[str]] = ..., max_lora_rank: _Optional[int] = ..., linear_shapes: _Optional[_Iterable[_Union[LinearShape, _Mapping]]] = ..., max_upload_bytes: _Optional[int] = ..., max_upload_files: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., running_requests: _Optional[int] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., cancelled_requests: _Optional[int] = ...) -> None: ...
+    encoder_id: str
+    def __init__(self, backbone_id: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., adapter_kinds: _Optional[_Iterable[str]] = ..., max_lora_rank: _Optional[int] = ..., linear_shapes: _Optional[_Iterable[_Union[LinearShape, _Mapping]]] = ..., max_upload_bytes: _Optional[int] = ..., max_upload_files: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., running_requests: _Optional[int] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., cancelled_requests: _Optional[int] = ..., encoder_id: _Optional[str] = ...) -> None: ...

@@ -64,6 +64,16 @@ class AdapterServeStub(object):
                 request_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ServerInfoRequest.SerializeToString,
                 response_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ServerInfoResponse.FromString,
                 _registered_method=True)
+        self.Classify = channel.unary_unary(
+                '/adapterserve.v1.AdapterServe/Classify',
+                request_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ClassifyRequest.SerializeToString,
+                response_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ClassifyResponse.FromString,
+                _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/adapterserve.v1.AdapterServe/Embed',
+                request_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class AdapterServeServicer(object):
@@ -102,9 +112,20 @@ class AdapterServeServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def ServerInfo(self, request, context):
-        """Reserved for a later version of this service (do not reuse these names):
-        rpc Classify(ClassifyRequest) returns (ClassifyResponse);
-        rpc Embed(EmbedRequest) returns (EmbedResponse);
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Classify(self, request, context):
+        """Labels every text with the adapter's classification head (encoder backbone).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """Sentence vectors with the encoder's own pooling, optionally through an adapter.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -142,6 +163,16 @@ def add_AdapterServeServicer_to_server(servicer, server):
                     servicer.ServerInfo,
                     request_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ServerInfoRequest.FromString,
                     response_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ServerInfoResponse.SerializeToString,
+            ),
+            'Classify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Classify,
+                    request_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ClassifyRequest.FromString,
+                    response_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ClassifyResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.EmbedRequest.FromString,
+                    response_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +337,60 @@ class AdapterServe(object):
             '/adapterserve.v1.AdapterServe/ServerInfo',
             adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ServerInfoRequest.SerializeToString,
             adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Classify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adapterserve.v1.AdapterServe/Classify',
+            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ClassifyRequest.SerializeToString,
+            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ClassifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/adapterserve.v1.AdapterServe/Embed',
+            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.EmbedRequest.SerializeToString,
+            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,72 @@
+"""The engine deployments behind the ingress, and which one serves a call.
+
+The generation backbone (`model`) answers Generate; the encoder (`encoder`, when
+configured) answers Classify and Embed. An adapter is recorded at upload with the
+backbone it was validated for, so a call that names one goes to that backbone;
+a call the chosen backbone cannot serve is refused with FAILED_PRECONDITION.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+
+from adapterserve.adapters_store.records import AdapterVersion
+
+_HINTS = {
+    "generate": "use `adapterserve generate` with an adapter made for the generation backbone",
+    "classify": "use `adapterserve classify` with an adapter made for the encoder",
+    "embed": "use `adapterserve embed` with an adapter made for the encoder, or none",
+}
+
+
+class NotServed(Exception):
+    """The call needs a backbone (or a task) this server does not run for it."""
+
+
+class Backends:
+    def __init__(self, model: DeploymentHandle, encoder: DeploymentHandle | None, config: Mapping[str, Any]) -> None:
+        self.model_id: str = config["model_id"]
+        self.encoder_id: str | None = config["encoder_id"] if encoder is not None else None
+        self._handles = {self.model_id: model}
+        if encoder is not None:
+            self._handles[self.encoder_id] = encoder
+        self._static: dict[str, dict[str, Any]] = {}
+
+    @property
+    def model(self) -> DeploymentHandle:
+        return self._handles[self.model_id]
+
+    def handle(self, backbone: str) -> DeploymentHandle:
+        return self._handles[backbone]
+
+    async def static(self, backbone: str) -> dict[str, Any]:
+        """The backbone's fixed facts (from one replica's describe(), asked once)."""
+        if backbone not in self._static:
+            self._static[backbone] = (await self._handles[backbone].describe.remote())["static"]
+        return self._static[backbone]
+
+    async def statics(self) -> list[dict[str, Any]]:
+        """Every backbone's facts, the generation backbone first (the upload validation order)."""
+        return [await self.static(b) for b in self._handles]
+
+    async def for_call(self, task: str, version: AdapterVersion | None) -> DeploymentHandle:
+        """The deployment for `task` with `version`; NotServed if none can serve it."""
+        backbone = self._backbone_of(version) if version else self._default_for(task)
+        static = await self.static(backbone)
+        if task not in static["tasks"]:
+            what = f"adapter {version.ref!r} is made for backbone" if version else "this server's backbone is"
+            raise NotServed(f"{task}: {what} {backbone!r}, which serves {' and '.join(static['tasks'])} "
+                            f"only; {_HINTS[task]}")
+        return self._handles[backbone]
+
+    def _default_for(self, task: str) -> str:
+        return self.encoder_id if task != "generate" and self.encoder_id else self.model_id
+
+    def _backbone_of(self, version: AdapterVersion) -> str:
+        backbone = (version.info or {}).get("backbone") or self.model_id  # older records: the model
+        if backbone not in self._handles:
+            raise NotServed(f"adapter {version.ref!r} was validated for backbone {backbone!r}, which this server "
+                            f"does not run (it runs {', '.join(self._handles)}); upload it again for one of those")
+        return backbone
