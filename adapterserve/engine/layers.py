@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from adapterserve.engine.context import get_context
 from adapterserve.kernels import LoraSlices, ia3_scale, lora_expand, lora_shrink
+from adapterserve.kernels.fused import rms_norm
 
 
 class AdapterLinear(torch.nn.Module):
@@ -67,6 +68,4 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

@@ -11,6 +11,9 @@ import triton
 import triton.language as tl
 
 
+DEFAULT_BLOCK_N = 64  # keys per tile on a GPU: best at B=64 and 256 (benchmarks/attention_decode.py)
+
+
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, start_ptr, out_ptr,
@@ -66,6 +69,9 @@ def paged_decode_attention(
     page_size: int,
     window: int | None,
     out: torch.Tensor,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> None:
     """Attention of each sequence's newest token over its cached context.
 
@@ -87,6 +93,7 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         head_dim ** -0.5, window or 0,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page_size, BLOCK_N=32 if q.is_cuda else 16,
-        HAS_WINDOW=window is not None,
+        DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page_size,
+        BLOCK_N=block_n or (DEFAULT_BLOCK_N if q.is_cuda else 16), HAS_WINDOW=window is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )

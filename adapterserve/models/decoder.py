@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from adapterserve.engine.attention import PagedAttention
 from adapterserve.engine.context import get_context
 from adapterserve.engine.layers import AdapterLinear, RMSNorm
+from adapterserve.kernels.fused import silu_mul
 from adapterserve.models.decoder_config import DecoderConfig
 from adapterserve.models.encoder_adapters import BottleneckPool, residual_sublayer
 from adapterserve.models.rope import RotaryEmbedding
@@ -54,8 +55,8 @@ class DecoderLayer(torch.nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
         hidden = residual_sublayer(self.o_proj(self.attn(q, k, v)), hidden, None, self.bottleneck_mh)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
-        return residual_sublayer(self.down_proj(F.silu(gate) * up), hidden, None, self.bottleneck_output)
+        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
+        return residual_sublayer(self.down_proj(silu_mul(gate_up)), hidden, None, self.bottleneck_output)
 
 
 class DecoderModel(torch.nn.Module):

@@ -46,6 +46,14 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
+        if q.is_cuda:  # one fused launch each, in place on contiguous copies
+            from adapterserve.kernels.fused import rope_
+
+            q, k = q.contiguous(), k.contiguous()
+            half = q.shape[-1] // 2
+            rope_(q, positions, self.cos[:, :half], self.sin[:, :half])
+            rope_(k, positions, self.cos[:, :half], self.sin[:, :half])
+            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
