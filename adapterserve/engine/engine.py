@@ -68,6 +68,7 @@ class Engine(AdapterHost):
         self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, asyncio.Queue] = {}
+        self._pooling: dict[str, tuple[Request, asyncio.Future]] = {}  # async classify/embed waiters
         self._loop_task: asyncio.Task | None = None
 
     @classmethod
@@ -311,18 +312,49 @@ class Engine(AdapterHost):
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
 
+    async def classify_async(self, texts: Sequence[Prompt], adapter_ids: Sequence[str] | str) -> list[ClassifyOutput]:
+        """classify, batched by the running step loop with streams and other requests."""
+        return await self._pool_async(texts, adapter_ids, "classify")
+
+    async def embed_async(self, texts: Sequence[Prompt],
+                          adapter_ids: Sequence[str | None] | str | None = None) -> list[EmbedOutput]:
+        return await self._pool_async(texts, adapter_ids, "embed")
+
+    async def _pool_async(self, texts, adapter_ids, task: str) -> list:
+        if isinstance(texts, str):
+            raise RequestError(f"{task} takes a list of texts; use [text] for one")
+        ids = _per_prompt(adapter_ids, len(texts), "adapter_ids")
+        loop = asyncio.get_running_loop()
+        requests = [self.add_request(t, SamplingParams(max_tokens=1), a, task=task) for t, a in zip(texts, ids)]
+        futures = [loop.create_future() for _ in requests]
+        self._pooling.update({r.request_id: (r, f) for r, f in zip(requests, futures)})
+        self._ensure_loop()
+        try:
+            return list(await asyncio.gather(*futures))
+        finally:
+            for r in requests:
+                self._pooling.pop(r.request_id, None)
+                if not r.finished:
+                    self.abort(r.request_id)
+
     async def _run_loop(self) -> None:
         while self.has_unfinished():
             try:
                 outputs = await asyncio.to_thread(self.step)
-            except Exception as exc:  # deliver to every waiting stream, then stop
+            except Exception as exc:  # deliver to every waiter, then stop
                 for queue in self._streams.values():
                     queue.put_nowait(exc)
+                for _, future in self._pooling.values():
+                    if not future.done():
+                        future.set_exception(exc)
                 raise
             for out in outputs:
                 queue = self._streams.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
+            for request, future in list(self._pooling.values()):
+                if request.finished and not future.done():
+                    future.set_result(request.result)
             await asyncio.sleep(0)
 
 

@@ -93,3 +93,26 @@ def test_embed_returns_pooled_vectors(llama_dir, heads):
     base, adapted = engine.embed(["The river runs", "The river runs"], [None, "sentiment"])
     assert len(base.embedding) == engine.model_config.hidden_size
     assert base.embedding != adapted.embedding
+
+
+def test_async_classify_shares_the_loop_with_streams(llama_dir, heads):
+    import asyncio
+
+    engine = Engine.from_pretrained(llama_dir)
+    engine.load_adapter("sentiment", heads["sentiment"])
+    texts = ["The river runs", "A new comet was seen"]
+    expected = engine.classify(texts, "sentiment")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    alone = engine.generate(["Hikers follow"], params)[0].token_ids
+
+    async def both():
+        async def stream():
+            return sum([c.token_ids async for c in engine.stream("Hikers follow", params)], [])
+        return await asyncio.gather(stream(), engine.classify_async(texts, "sentiment"),
+                                    engine.embed_async(texts, None))
+
+    tokens, results, vectors = asyncio.run(both())
+    assert tokens == alone
+    for got, want in zip(results, expected):
+        assert got.probabilities == pytest.approx(want.probabilities, rel=1e-5)
+    assert len(vectors) == 2 and engine.blocks.num_free == engine.config.num_kv_blocks
