@@ -3,6 +3,11 @@
 Built once per engine step on the batch's device, read by every adapter-aware
 layer in that step. Building it never synchronises with the host, so a decode
 step stays capturable in a CUDA graph.
+
+Besides the per-slot segments it holds a *tile list* for the Triton kernels: each
+tile is up to ``block_m`` consecutive tokens of one slot. The list has a fixed
+length computed from host ints (``max_tiles``), so launch grids never depend on
+device values; entries past the last real tile carry slot -1.
 """
 from __future__ import annotations
 
@@ -23,6 +28,10 @@ class AdapterBatchMeta:
     slot_counts:   [S] int32, tokens per slot
     slot_starts:   [S] int32, where slot s's tokens begin in sorted_tokens
     num_tokens, num_slots: host ints (T, S), fixed shapes for launch grids
+    block_m:       host int, tokens per tile (0 when no tile list was built)
+    tile_slots:    [max_tiles] int32, slot of each tile; -1 past the last tile
+    tile_starts:   [max_tiles] int32, first position of the tile in sorted_tokens
+    tile_ends:     [max_tiles] int32, one past its last position
     """
 
     token_slots: torch.Tensor
@@ -31,13 +40,68 @@ class AdapterBatchMeta:
     slot_starts: torch.Tensor
     num_tokens: int
     num_slots: int
+    block_m: int = 0
+    tile_slots: torch.Tensor | None = None
+    tile_starts: torch.Tensor | None = None
+    tile_ends: torch.Tensor | None = None
+
+    @property
+    def max_tiles(self) -> int:
+        return 0 if self.tile_slots is None else int(self.tile_slots.shape[0])
 
 
-def build_adapter_meta(token_slots: torch.Tensor, num_slots: int) -> AdapterBatchMeta:
-    """Group tokens by slot without a host sync. token_slots: [T] int, -1 = none."""
+def default_block_m(num_tokens: int) -> int:
+    """Tokens per tile: small tiles for decode-sized batches, larger for prefill."""
+    return 16 if num_tokens <= 1024 else 32
+
+
+def max_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
+    """Upper bound on tiles: every non-empty slot adds at most one partial tile."""
+    return -(-num_tokens // block_m) + min(num_slots, num_tokens)
+
+
+def build_tiles(
+    slot_counts: torch.Tensor, slot_starts: torch.Tensor, num_tokens: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fixed-length tile list (tile_slots, tile_starts, tile_ends), no host sync.
+
+    slot_counts, slot_starts: [S] int32. Returns three [max_tiles] int32 tensors.
+    """
+    num_slots = int(slot_counts.shape[0])
+    device = slot_counts.device
+    n = max_tiles(num_tokens, num_slots, block_m)
+    if num_slots == 0 or n == 0:
+        empty = torch.full((n,), NO_ADAPTER, dtype=torch.int32, device=device)
+        return empty, torch.zeros_like(empty), torch.zeros_like(empty)
+    per_slot = (slot_counts + (block_m - 1)) // block_m
+    last = torch.cumsum(per_slot, 0, dtype=torch.int32)  # inclusive tile ends per slot
+    idx = torch.arange(n, dtype=torch.int32, device=device)
+    slot = torch.searchsorted(last, idx, right=True).to(torch.int32)
+    valid = slot < num_slots
+    safe = slot.clamp(max=num_slots - 1).long()
+    first_tile = last[safe] - per_slot[safe]
+    seg_end = slot_starts[safe] + slot_counts[safe]
+    starts = slot_starts[safe] + (idx - first_tile) * block_m
+    ends = torch.minimum(starts + block_m, seg_end)
+    tile_slots = torch.where(valid, slot, torch.full_like(slot, NO_ADAPTER))
+    zero = torch.zeros_like(starts)
+    return tile_slots, torch.where(valid, starts, zero), torch.where(valid, ends, zero)
+
+
+def build_adapter_meta(
+    token_slots: torch.Tensor, num_slots: int, block_m: int | None = None
+) -> AdapterBatchMeta:
+    """Group tokens by slot without a host sync. token_slots: [T] int, -1 = none.
+
+    block_m: tokens per kernel tile (default: ``default_block_m(T)``).
+    """
     if token_slots.dim() != 1:
         raise ValueError(f"token_slots must be 1-D, got shape {tuple(token_slots.shape)}")
     slots = token_slots.to(torch.int32)
+    num_tokens = int(slots.shape[0])
+    block_m = default_block_m(num_tokens) if block_m is None else block_m
+    if block_m < 1:
+        raise ValueError(f"block_m must be positive, got {block_m}")
     sorted_tokens = torch.argsort(slots, stable=True).to(torch.int32)
     shifted = (slots.long() + 1).clamp_(min=0)
     counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=slots.device)
@@ -45,11 +109,16 @@ def build_adapter_meta(token_slots: torch.Tensor, num_slots: int) -> AdapterBatc
     ends = torch.cumsum(counts, 0, dtype=torch.int32)
     slot_counts = counts[1:].contiguous()
     slot_starts = (ends[1:] - slot_counts).contiguous()
+    tile_slots, tile_starts, tile_ends = build_tiles(slot_counts, slot_starts, num_tokens, block_m)
     return AdapterBatchMeta(
         token_slots=slots,
         sorted_tokens=sorted_tokens,
         slot_counts=slot_counts,
         slot_starts=slot_starts,
-        num_tokens=int(slots.shape[0]),
+        num_tokens=num_tokens,
         num_slots=num_slots,
+        block_m=block_m,
+        tile_slots=tile_slots,
+        tile_starts=tile_starts,
+        tile_ends=tile_ends,
     )

@@ -1,0 +1,102 @@
+"""CUDA-core Triton kernels for decode-sized batches: one program per token.
+
+Same semantics as ``segment_gemm``, without tensor cores: with one token per slot a
+16-row dot tile is 15/16 padding that still costs shared-memory traffic. Grid axis 0
+is the token itself (its slot read from ``meta.token_slots``; slot -1 exits), so no
+program ever loops over a slot's tokens; tokens of one adapter read its rows from L2
+after the first. Each program streams its rows through registers, loading the next
+chunk while the current one is used.
+
+``seg_down_gemv``: ROWS packed rank rows of one token per program.
+``seg_up_gemv``: BLOCK_N columns of one slice of one token; needs max_rank <= BLOCK_R.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from adapterserve.kernels.segment_common import activate, packed_rows, slice_group
+
+
+@triton.jit
+def seg_down_gemv(
+    x_ptr, a_ptr, out_ptr, bias_ptr, rank_ptr, row_start_ptr, slots_ptr,
+    K, max_rank,
+    stride_xt, stride_xk,
+    stride_as, stride_aslot, stride_ar, stride_ak,
+    stride_os, stride_ot, stride_or,
+    stride_rs, stride_rslot, stride_bias,
+    NUM_SLICES: tl.constexpr, HAS_ROW_START: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr, A_ALIGN: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t, cb = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    slot = tl.load(slots_ptr + t)
+    if slot < 0:
+        return
+    j = cb * ROWS + tl.arange(0, ROWS)
+    a_off, o_off, valid, total = packed_rows(
+        rank_ptr, row_start_ptr, slot, j, j >= 0, max_rank,
+        stride_as, stride_aslot, stride_ar, stride_os, stride_or, stride_rs, stride_rslot,
+        NUM_SLICES, HAS_ROW_START,
+    )
+    if cb * ROWS >= total:
+        return
+    if A_ALIGN > 1:  # tl.where hides that every row offset is a multiple of the strides
+        a_off = tl.multiple_of(a_off, A_ALIGN)
+    a_rows = a_ptr + a_off
+    x_row = x_ptr + t * stride_xt
+    kk = tl.arange(0, BLOCK_K)
+    a_cur = tl.load(a_rows[:, None] + kk[None, :] * stride_ak, mask=valid[:, None] & (kk < K)[None, :], other=0.0)
+    x_cur = tl.load(x_row + kk * stride_xk, mask=kk < K, other=0.0)
+    acc = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+    for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
+        k = k0 + kk  # prefetch chunk k0 while chunk k0 - BLOCK_K is used
+        a_next = tl.load(a_rows[:, None] + k[None, :] * stride_ak, mask=valid[:, None] & (k < K)[None, :], other=0.0)
+        x_next = tl.load(x_row + k * stride_xk, mask=k < K, other=0.0)
+        acc += a_cur.to(tl.float32) * x_cur.to(tl.float32)[None, :]
+        a_cur, x_cur = a_next, x_next
+    res = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        tl.static_assert(NUM_SLICES == 1)
+        res += tl.load(bias_ptr + slot * stride_bias + j, mask=valid, other=0.0).to(tl.float32)
+    res = activate(res, ACT)
+    tl.store(out_ptr + t * stride_ot + o_off, res.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def seg_up_gemv(
+    v_ptr, b_ptr, y_ptr, bias_ptr, rank_ptr, row_start_ptr, slots_ptr,
+    max_rank, c1, c2, c3, c4,
+    stride_vs, stride_vt, stride_vr,
+    stride_bslot, stride_br, stride_bn,
+    stride_yt, stride_yn,
+    stride_rs, stride_rslot, stride_bias,
+    NUM_SLICES: tl.constexpr, HAS_ROW_START: tl.constexpr, HAS_BIAS: tl.constexpr,
+    N_ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    t, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    slot = tl.load(slots_ptr + t)
+    if slot < 0:
+        return
+    sl, n0, n_end = slice_group(pid_n, c1, c2, c3, c4, NUM_SLICES, BLOCK_N)
+    rank = tl.minimum(tl.load(rank_ptr + sl * stride_rs + slot * stride_rslot), max_rank)
+    row0 = 0
+    if HAS_ROW_START:
+        row0 = tl.load(row_start_ptr + sl * stride_rs + slot * stride_rslot)
+    if rank == 0:
+        return
+    n = n0 + tl.arange(0, BLOCK_N)
+    if N_ALIGN > 1:  # tl.where hides that every block starts on a multiple of the offsets
+        n = tl.max_contiguous(tl.multiple_of(n, N_ALIGN), BLOCK_N)
+    nmask = n < n_end
+    r = tl.arange(0, BLOCK_R)
+    rmask = r < rank
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bslot + (row0 + r).to(tl.int64)[:, None] * stride_br
+    bt = tl.load(b_rows + n[None, :] * stride_bn, mask=rmask[:, None] & nmask[None, :], other=0.0)
+    vt = tl.load(v_ptr + sl.to(tl.int64) * stride_vs + t * stride_vt + r * stride_vr, mask=rmask, other=0.0)
+    y = y_ptr + t * stride_yt + n * stride_yn
+    old = tl.load(y, mask=nmask, other=0.0)
+    upd = tl.sum(vt.to(tl.float32)[:, None] * bt.to(tl.float32), axis=0)
+    if HAS_BIAS:
+        upd += tl.load(bias_ptr + slot * stride_bias + n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(y, (old.to(tl.float32) + upd).to(y_ptr.dtype.element_ty), mask=nmask)
