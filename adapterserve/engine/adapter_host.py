@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.adapters_store.formats.read import AdapterLimits, read_adapter
@@ -15,6 +18,21 @@ from adapterserve.errors import AdapterError, AdapterNotFound
 
 # Families whose tokens the kernels group per step (others act once per request).
 TOKEN_FAMILIES = ("lora", "ia3", "bottleneck")
+
+
+def family_slots(slots: list[int], families_of: Callable[[int], frozenset[str]]) -> np.ndarray:
+    """[len(TOKEN_FAMILIES), len(slots)]: each entry's slot in each family, -1 where its
+    adapter has none (or it has no adapter)."""
+    table = np.full((len(TOKEN_FAMILIES), len(slots)), -1, dtype=np.int32)
+    held_by_slot: dict[int, frozenset[str]] = {}
+    for i, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        held = held_by_slot.setdefault(slot, families_of(slot))
+        for f, family in enumerate(TOKEN_FAMILIES):
+            if family in held:
+                table[f, i] = slot
+    return table
 
 
 class AdapterHost:

@@ -14,12 +14,11 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from adapterserve.adapters_store.formats.types import BackboneSpec
 from adapterserve.config import EngineConfig
-from adapterserve.engine.adapter_host import TOKEN_FAMILIES, AdapterHost
+from adapterserve.engine.adapter_host import TOKEN_FAMILIES, AdapterHost, family_slots
 from adapterserve.engine.context import BatchContext, set_context
 from adapterserve.engine.pools.bottleneck import BottleneckPools
 from adapterserve.engine.pools.head import HeadPool
@@ -148,7 +147,7 @@ class EncoderEngine(AdapterHost):
         enc = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
         mask = enc["attention_mask"].to(dev)
         metas = {}
-        for family, row_slots in zip(TOKEN_FAMILIES, self._family_rows(slots)):
+        for family, row_slots in zip(TOKEN_FAMILIES, family_slots(slots, self._families_of)):
             if (row_slots >= 0).any():
                 metas[family] = encoder_adapter_meta(torch.from_numpy(row_slots).to(dev), mask, self.config.max_loras)
         set_context(BatchContext(attention=None, lora_workspace=self.workspace, logits_rows=None, **{
@@ -159,16 +158,6 @@ class EncoderEngine(AdapterHost):
         finally:
             set_context(None)
         return hidden, mask
-
-    def _family_rows(self, slots: list[int]) -> np.ndarray:
-        table = np.full((len(TOKEN_FAMILIES), len(slots)), -1, dtype=np.int32)
-        for row, slot in enumerate(slots):
-            if slot >= 0:
-                held = self._families_of(slot)
-                for f, family in enumerate(TOKEN_FAMILIES):
-                    if family in held:
-                        table[f, row] = slot
-        return table
 
     def _classify_rows(self, hidden, mask, slots: list[int], ids: list[str]) -> list[ClassifyOutput]:
         pooled = torch.empty(hidden.shape[0], hidden.shape[-1], device=hidden.device, dtype=torch.float32)

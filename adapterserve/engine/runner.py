@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from adapterserve.engine.adapter_host import TOKEN_FAMILIES, family_slots
 from adapterserve.engine.attention_meta import SequenceLayout, build_attention_meta
 from adapterserve.engine.context import BatchContext, VirtualTokens, set_context
 from adapterserve.engine.kv_cache import BlockManager
@@ -15,7 +16,7 @@ from adapterserve.engine.scheduler import ScheduledBatch
 from adapterserve.kernels import build_adapter_meta
 from adapterserve.models.decoder import DecoderModel
 
-FAMILIES = ("lora", "ia3", "bottleneck")
+
 
 
 @dataclass
@@ -101,14 +102,7 @@ class ModelRunner:
 
     def _family_slots(self, slots: list[int]) -> np.ndarray:
         """[3, T] each token's slot per family (lora, ia3, bottleneck); -1 where unused."""
-        table = np.full((len(FAMILIES), len(slots)), -1, dtype=np.int32)
-        for t, slot in enumerate(slots):
-            if slot >= 0:
-                held = self.families_of(slot)
-                for f, family in enumerate(FAMILIES):
-                    if family in held:
-                        table[f, t] = slot
-        return table
+        return family_slots(slots, self.families_of)
 
     def _host_batch(self, batch: ScheduledBatch) -> _HostBatch:
         host = _HostBatch()
@@ -126,7 +120,7 @@ class ModelRunner:
             logits_rows=torch.tensor(host.last_rows, device=dev),
             virtual=self._virtual(host),
         )
-        for family, slots in zip(FAMILIES, self._family_slots(host.slots)):
+        for family, slots in zip(TOKEN_FAMILIES, self._family_slots(host.slots)):
             if (slots >= 0).any():
                 setattr(ctx, family, build_adapter_meta(torch.from_numpy(slots).to(dev), self.num_slots))
         return torch.tensor(host.ids, device=dev), torch.tensor(host.positions, device=dev), ctx

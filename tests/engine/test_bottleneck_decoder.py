@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from adapterserve import Engine, SamplingParams
 from tests.helpers.lora import make_peft_lora
+from tests.helpers.recording import record_logits
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "adapterhub"
 
@@ -30,16 +31,7 @@ def test_bottleneck_adapters_match_adapterhub_in_a_mixed_batch(tmp_path):
     ids = [None if run == "base" else run for run in runs for _ in meta["prompts"]]
     prompts.append(meta["prompts"][0])
     ids.append("lora")
-    captured: dict[str, list[torch.Tensor]] = {}
-    run = engine.runner.run
-
-    def recording_run(batch, generators):
-        tokens = run(batch, generators)
-        for row, r in enumerate(batch.requests):
-            captured.setdefault(r.request_id, []).append(engine.runner.last_logits[row].clone())
-        return tokens
-
-    engine.runner.run = recording_run
+    captured = record_logits(engine)
     steps = meta["steps"]
     outs = engine.generate(prompts, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True), adapter_ids=ids)
     for i, out in enumerate(outs[:-1]):

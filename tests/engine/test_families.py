@@ -8,6 +8,7 @@ from adapterserve import Engine, SamplingParams
 from adapterserve.models.tiny import write_tiny_checkpoint
 from tests.helpers.families import family_configs, greedy_by_forward, make_peft_adapter
 from tests.helpers.lora import load_base, make_peft_lora
+from tests.helpers.recording import record_logits
 
 MAX_TOKENS = 7
 
@@ -35,23 +36,14 @@ def test_every_family_in_one_batch_matches_peft_alone(setup):
     ids = [None, *adapter_dirs, *adapter_dirs, None]
     vocab = engine.model_config.vocab_size
     prompts = [torch.randint(3, vocab, (int(torch.randint(1, 14, ())),)).tolist() for _ in ids]
-    last_logits = {}
-    run = engine.runner.run
-
-    def recording_run(batch, generators):
-        tokens = run(batch, generators)
-        for row, r in enumerate(batch.requests):
-            last_logits[r.request_id] = engine.runner.last_logits[row].clone()
-        return tokens
-
-    engine.runner.run = recording_run
+    captured = record_logits(engine)
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), adapter_ids=ids)
     base = load_base(model_dir)
     for adapter, prompt, out in zip(ids, prompts, outs):
         model = base if adapter is None else PeftModel.from_pretrained(load_base(model_dir), adapter_dirs[adapter]).eval()
         tokens, logits = greedy_by_forward(model, prompt, MAX_TOKENS, _eos(engine))
         assert out.token_ids == tokens, adapter
-        rel = (last_logits[out.request_id] - logits).norm() / logits.norm()
+        rel = (captured[out.request_id][-1] - logits).norm() / logits.norm()
         assert rel < 1e-4, (adapter, rel.item())
     assert engine.blocks.num_free + sum(len(b) for b in engine.prefix_pool.pages.values()) == engine.config.num_kv_blocks
 

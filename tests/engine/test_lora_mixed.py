@@ -6,6 +6,7 @@ import torch
 from adapterserve import Engine, SamplingParams
 from adapterserve.models.tiny import write_tiny_checkpoint
 from tests.helpers.lora import load_base, load_peft, make_peft_lora
+from tests.helpers.recording import record_logits
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {
@@ -62,16 +63,7 @@ def test_mixed_batch_matches_peft_alone(setup):
     ids = [None] + list(adapter_dirs) + [None] + list(adapter_dirs)[::-1]
     prompts = [torch.randint(3, vocab, (int(torch.randint(1, 25, ())),)).tolist() for _ in ids]
 
-    last_logits = {}
-    run = engine.runner.run
-
-    def recording_run(batch, generators):
-        tokens = run(batch, generators)
-        for row, r in enumerate(batch.requests):
-            last_logits[r.request_id] = engine.runner.last_logits[row].clone()
-        return tokens
-
-    engine.runner.run = recording_run
+    captured = record_logits(engine)
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), adapter_ids=ids)
 
     base = load_base(model_dir)
@@ -80,7 +72,7 @@ def test_mixed_batch_matches_peft_alone(setup):
         model = base if adapter is None else references[adapter]
         tokens, logits = _reference(model, prompt)
         assert out.token_ids == _trim(tokens, model), adapter
-        rel = (last_logits[out.request_id] - logits).norm() / logits.norm()
+        rel = (captured[out.request_id][-1] - logits).norm() / logits.norm()
         assert rel < 1e-4, (adapter, rel.item())
     assert engine.blocks.num_free == engine.config.num_kv_blocks
 

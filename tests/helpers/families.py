@@ -6,7 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from peft import IA3Config, PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model
+from peft import (
+    IA3Config,
+    PrefixTuningConfig,
+    PromptEncoderConfig,
+    PromptTuningConfig,
+    get_peft_model,
+)
 
 from tests.helpers.lora import load_base
 

@@ -5,6 +5,7 @@ from transformers import AutoModelForCausalLM
 
 from adapterserve import Engine, SamplingParams
 from adapterserve.models.tiny import write_tiny_checkpoint
+from tests.helpers.recording import record_logits
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
@@ -28,16 +29,7 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoint):
     arch, path, hf = checkpoint
     engine = Engine.from_pretrained(path, block_size=8, num_kv_blocks=64)
     prompts = _prompts(hf.config.vocab_size)
-    captured = {}
-    run = engine.runner.run
-
-    def recording_run(batch, generators):
-        tokens = run(batch, generators)
-        for row, request in enumerate(batch.requests):
-            captured.setdefault(request.request_id, []).append(engine.runner.last_logits[row].clone())
-        return tokens
-
-    engine.runner.run = recording_run
+    captured = record_logits(engine)
     outs = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         ref = hf.generate(

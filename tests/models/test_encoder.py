@@ -6,7 +6,14 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoModel, AutoTokenizer, BertConfig, BertForMaskedLM, RobertaConfig, RobertaModel
+from transformers import (
+    AutoModel,
+    AutoTokenizer,
+    BertConfig,
+    BertForMaskedLM,
+    RobertaConfig,
+    RobertaModel,
+)
 
 from adapterserve.engine.context import BatchContext, set_context
 from adapterserve.models.encoder_config import PoolingConfig

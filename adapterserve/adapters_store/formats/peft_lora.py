@@ -9,23 +9,18 @@ matches them. Pickled weights (``adapter_model.bin``) are refused, never opened.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from adapterserve.adapters_store.formats.types import BackboneSpec, LoraAdapter, LoraModule
 from adapterserve.adapters_store.validate import check_kind, check_lora_adapter, module_name, parent_of
+from adapterserve.adapters_store.formats.peft_common import CONFIG_FILE, WEIGHTS_FILE, read_config, read_weights
 from adapterserve.adapters_store.formats.peft_head import check_modules_to_save, is_head_key
 from adapterserve.errors import AdapterError
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-PICKLE_FILE = "adapter_model.bin"
 
 # Config options that change what LoRA computes; each is refused when set.
 _UNSUPPORTED_OPTIONS = {
@@ -85,15 +80,7 @@ def read_peft_lora(path: str | Path, spec: BackboneSpec, max_rank: int, *, name:
 
 
 def _read_config(root: Path, name: str) -> dict:
-    file = root / CONFIG_FILE
-    if not file.is_file():
-        raise AdapterError(f"adapter '{name}' has no {CONFIG_FILE} in {root}; is it a PEFT adapter directory?")
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterError(f"adapter '{name}': {CONFIG_FILE} is not valid JSON ({exc})") from exc
-    if not isinstance(config, dict):
-        raise AdapterError(f"adapter '{name}': {CONFIG_FILE} must hold a JSON object")
+    config = read_config(root, name)
     _check_supported(name, config)
     return config
 
@@ -148,7 +135,7 @@ def _read_pairs(root: Path, name: str, spec: BackboneSpec) -> dict[tuple[int, st
     """(layer, kind) -> (lora_A, lora_B) as stored; refuses keys that are not LoRA on a
     backbone projection (a classification head's tensors are read by peft_head)."""
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in _read_tensors(root, name).items():
+    for key, tensor in read_weights(root, name).items():
         if is_head_key(key):
             continue
         layer, kind, part = _parse_key(name, key, spec)
@@ -166,22 +153,6 @@ def _read_pairs(root: Path, name: str, spec: BackboneSpec) -> dict[tuple[int, st
                 )
         pairs[(layer, kind)] = (parts["A"], parts["B"])
     return pairs
-
-
-def _read_tensors(root: Path, name: str) -> dict[str, torch.Tensor]:
-    file = root / WEIGHTS_FILE
-    if not file.is_file():
-        if (root / PICKLE_FILE).exists():
-            raise AdapterError(
-                f"adapter '{name}' has only {PICKLE_FILE}, a pickle, which is never loaded here (it can run "
-                f"code); re-save it as safetensors in a trusted environment: "
-                f"PeftModel.from_pretrained(...).save_pretrained(dir, safe_serialization=True)"
-            )
-        raise AdapterError(f"adapter '{name}' has no {WEIGHTS_FILE} in {root}")
-    try:
-        return load_file(file, device="cpu")
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise AdapterError(f"adapter '{name}': {WEIGHTS_FILE} is not a readable safetensors file ({exc})") from exc
 
 
 def _parse_key(name: str, key: str, spec: BackboneSpec) -> tuple[int, str, str]:

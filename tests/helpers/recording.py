@@ -1,0 +1,21 @@
+"""Capture the logits an engine samples from, per request and step (for comparing
+against a reference run)."""
+from __future__ import annotations
+
+import torch
+
+
+def record_logits(engine) -> dict[str, list[torch.Tensor]]:
+    """Wrap engine.runner.run; returns request id -> [float32 CPU logits of each step]."""
+    captured: dict[str, list[torch.Tensor]] = {}
+    run = engine.runner.run
+
+    def recording_run(batch, generators):
+        tokens = run(batch, generators)
+        rows = [r for r in batch.requests if not r.pooling]
+        for row, request in enumerate(rows):
+            captured.setdefault(request.request_id, []).append(engine.runner.last_logits[row].float().cpu())
+        return tokens
+
+    engine.runner.run = recording_run
+    return captured
