@@ -24,6 +24,8 @@ def describe_adapter(adapter: Adapter) -> dict[str, Any]:
     if adapter.lora is not None:
         info["rank"] = adapter.lora.rank
         info["target_modules"] = sorted({kind for _, kind in adapter.lora.modules})
+    if adapter.bottleneck is not None:
+        info["rank"] = adapter.bottleneck.rank
     if adapter.num_virtual or adapter.prefix_len:
         info["virtual_tokens"] = adapter.num_virtual or adapter.prefix_len
     if adapter.head is not None:
