@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+import grpc
 import requests
 
+from adapterserve.clients.types import ClientError
 from tests.server.conftest import ADAPTERS, ALICE, run_cli
 
 PROMPTS = ["The lighthouse keeper", "To make bread you need", "A server that answers many questions"]
@@ -30,12 +32,20 @@ def test_concurrent_generate_matches_peft(server, uploaded, reference):
 
     jobs = [(adapter, prompt) for adapter in TARGETS for prompt in PROMPTS[:1]]
 
+    async def generate(client, prompt, adapter):
+        # the replica admits MAX_ONGOING + MAX_QUEUED at once; a request arriving while the
+        # previous test's work drains is told to retry later, as any client would be
+        for attempt in range(20):
+            try:
+                return await client.generate(prompt, adapter=adapter, max_tokens=MAX_TOKENS, temperature=0.0)
+            except ClientError as error:
+                if error.code is not grpc.StatusCode.RESOURCE_EXHAUSTED or attempt == 19:
+                    raise
+                await asyncio.sleep(0.5)
+
     async def run_all():
         async with AsyncClient(server.grpc, api_key=ALICE, timeout=120) as client:
-            return await asyncio.gather(*[
-                client.generate(prompt, adapter=adapter, max_tokens=MAX_TOKENS, temperature=0.0)
-                for adapter, prompt in jobs
-            ])
+            return await asyncio.gather(*[generate(client, prompt, adapter) for adapter, prompt in jobs])
 
     results = asyncio.run(run_all())
     outputs = set()
