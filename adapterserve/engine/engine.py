@@ -289,7 +289,9 @@ class Engine(AdapterHost):
         self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield each step's new tokens and text; the last chunk has finish_reason.
+        """Yield new tokens and text as steps produce them; the last chunk has finish_reason.
+        Steps that finished while the consumer was busy arrive merged in one chunk, so a
+        slow consumer (a server relaying each chunk) pays per chunk, not per token.
         Closing the iterator early (or cancelling its task) aborts the request."""
         queue: asyncio.Queue = asyncio.Queue()
         request = self.add_request(prompt, sampling, adapter_id, request_id)
@@ -297,9 +299,7 @@ class Engine(AdapterHost):
         self._ensure_loop()
         try:
             while True:
-                chunk = await queue.get()
-                if isinstance(chunk, BaseException):
-                    raise chunk
+                chunk = _merged([await queue.get()], queue)
                 yield chunk
                 if chunk.finished:
                     return
@@ -356,6 +356,20 @@ class Engine(AdapterHost):
                 if request.finished and not future.done():
                     future.set_result(request.result)
             await asyncio.sleep(0)
+
+
+def _merged(chunks: list, queue: asyncio.Queue) -> RequestOutput:
+    """One chunk from the first and every chunk already waiting (errors raise)."""
+    while not queue.empty() and not getattr(chunks[-1], "finished", False):
+        chunks.append(queue.get_nowait())
+    errors = [c for c in chunks if isinstance(c, BaseException)]
+    if errors:
+        raise errors[0]
+    if len(chunks) == 1:
+        return chunks[0]
+    last = chunks[-1]
+    return RequestOutput(last.request_id, [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
+                         last.finish_reason, last.adapter_id, last.prompt_token_ids)
 
 
 def _per_prompt(value, n: int, name: str) -> list:

@@ -139,3 +139,21 @@ def test_bad_requests_are_refused(engine, prompt, params, message):
 def test_bad_sampling_params_are_refused(fields):
     with pytest.raises(RequestError):
         SamplingParams(**fields)
+
+
+def test_a_slow_stream_consumer_gets_merged_chunks_that_add_up(engine):
+    prompt = "Hikers follow the path"
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = engine.generate([prompt], params)[0]
+
+    async def collect_slowly():
+        chunks = []
+        async for chunk in engine.stream(prompt, params):
+            chunks.append(chunk)
+            await asyncio.sleep(0.05)  # several steps finish meanwhile
+        return chunks
+
+    chunks = asyncio.run(collect_slowly())
+    assert len(chunks) < 10  # merged
+    assert sum((c.token_ids for c in chunks), []) == expected.token_ids
+    assert "".join(c.text for c in chunks) == expected.text and chunks[-1].finish_reason == "length"
