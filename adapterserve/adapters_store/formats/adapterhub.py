@@ -62,9 +62,8 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
+from adapterserve.adapters_store.formats.peft_common import read_safetensors
 from adapterserve.adapters_store.formats.types import (
     BackboneSpec,
     BottleneckAdapter,
@@ -264,18 +263,7 @@ def _expected_rank(name: str, config: dict, layer: int, hidden: int) -> int:
 
 
 def _read_tensors(root: Path, file_name: str, pickle_name: str, name: str, how: str) -> dict[str, torch.Tensor]:
-    file = root / file_name
-    if not file.is_file():
-        if (root / pickle_name).exists():
-            raise AdapterError(
-                f"adapter '{name}' has only {pickle_name}, a pickle, which is never loaded here (it can run code); "
-                f"re-save it as safetensors in a trusted environment with the adapters library: {how}"
-            )
-        raise AdapterError(f"adapter '{name}' has no {file_name} in {root}")
-    try:
-        return load_file(file, device="cpu")
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise AdapterError(f"adapter '{name}': {file_name} is not a readable safetensors file ({exc})") from exc
+    return read_safetensors(root, file_name, pickle_name, name, f" with the adapters library: {how}")
 
 
 def _parts(name: str, saved_name: str, tensors: dict[str, torch.Tensor], spec: BackboneSpec):

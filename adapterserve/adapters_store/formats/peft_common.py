@@ -30,19 +30,25 @@ def read_config(root: Path, name: str) -> dict:
 
 def read_weights(root: Path, name: str) -> dict[str, torch.Tensor]:
     """The adapter's tensors; a pickle-only directory is refused without opening it."""
-    file = root / WEIGHTS_FILE
+    return read_safetensors(root, WEIGHTS_FILE, PICKLE_FILE, name,
+                            ": PeftModel.from_pretrained(...).save_pretrained(dir, safe_serialization=True)")
+
+
+def read_safetensors(root: Path, file_name: str, pickle_name: str, name: str, resave: str) -> dict[str, torch.Tensor]:
+    """Tensors of ``root/file_name``; if only ``pickle_name`` is there it is refused, never
+    opened, with ``resave`` telling how to convert it (appended to the message)."""
+    file = root / file_name
     if not file.is_file():
-        if (root / PICKLE_FILE).exists():
+        if (root / pickle_name).exists():
             raise AdapterError(
-                f"adapter '{name}' has only {PICKLE_FILE}, a pickle, which is never loaded here (it can run "
-                f"code); re-save it as safetensors in a trusted environment: "
-                f"PeftModel.from_pretrained(...).save_pretrained(dir, safe_serialization=True)"
+                f"adapter '{name}' has only {pickle_name}, a pickle, which is never loaded here (it can run "
+                f"code); re-save it as safetensors in a trusted environment{resave}"
             )
-        raise AdapterError(f"adapter '{name}' has no {WEIGHTS_FILE} in {root}")
+        raise AdapterError(f"adapter '{name}' has no {file_name} in {root}")
     try:
         return load_file(file, device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
-        raise AdapterError(f"adapter '{name}': {WEIGHTS_FILE} is not a readable safetensors file ({exc})") from exc
+        raise AdapterError(f"adapter '{name}': {file_name} is not a readable safetensors file ({exc})") from exc
 
 
 def config_int(name: str, config: dict, key: str, default: int | None = None) -> int:
