@@ -8,6 +8,12 @@
 Each step: the scheduler picks requests (decodes plus new prefills whose adapter
 has a slot), the runner runs the backbone once for all of them, and every
 request gets its next token; finished requests free their KV blocks and slots.
+
+Steps overlap: ``step`` launches step n+1 (its decode inputs are step n's sampled
+ids, still on the device) before it waits for step n's tokens and handles them
+(text, stop checks, streaming). The host's work hides behind the GPU's. A request
+that a stop token ends at step n has one more, discarded, row in step n+1; a
+request's last step by length is known at launch, so it is not scheduled again.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from adapterserve.engine.pools.lora import LoraPool
 from adapterserve.engine.pools.prefix import PrefixPool
 from adapterserve.engine.pools.prompt import PromptPool
 from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput, SamplingParams
-from adapterserve.engine.runner import ModelRunner
+from adapterserve.engine.runner import ModelRunner, StepResult
 from adapterserve.engine.scheduler import Scheduler
 from adapterserve.engine.slots import AdapterSlots
 from adapterserve.engine.stopping import check_stop_token, stream_delta, update_text
@@ -70,6 +76,7 @@ class Engine(AdapterHost):
         self._streams: dict[str, asyncio.Queue] = {}
         self._pooling: dict[str, tuple[Request, asyncio.Future]] = {}  # async classify/embed waiters
         self._loop_task: asyncio.Task | None = None
+        self._in_flight: StepResult | None = None  # launched, results not yet handled
 
     @classmethod
     def from_pretrained(
@@ -197,18 +204,46 @@ class Engine(AdapterHost):
     # the loop
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the new tokens and text of every request that moved."""
+        """Launch the next batch, then return the new tokens and text of every request
+        the previously launched batch moved (waiting for the GPU to finish it)."""
         with self._lock:
             batch = self.scheduler.schedule()
-            if not batch.requests:
-                return []
-            results = self.runner.run(batch, [r.generator for r in batch.requests])
-            self._pool_results(batch.requests, results)
-            return [self._advance(r, t) for r, t in zip(batch.requests, results) if not r.pooling]
+            launched = self._launch(batch) if batch.requests else None
+            done, self._in_flight = self._in_flight, launched
+            return self._resolve(done) if done is not None else []
 
-    def _pool_results(self, requests: list[Request], results: list) -> None:
+    def _launch(self, batch) -> StepResult:
+        result = self.runner.run(batch, [r.generator for r in batch.requests])
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            request.num_computed = request.num_tokens
+            if request.pooling:
+                request.final_launched = True
+            else:
+                request.pending += 1
+                request.final_launched = self._reaches_length(request, request.num_outputs, request.num_tokens)
+        return result
+
+    def _reaches_length(self, request: Request, outputs: int, tokens: int) -> bool:
+        return outputs >= request.sampling.max_tokens or tokens + request.prefix_len >= self.max_model_len
+
+    def _resolve(self, result: StepResult) -> list[RequestOutput]:
+        """Handle a launched step's results; requests finished meanwhile (aborted, or
+        stopped by the step before) are skipped."""
+        tokens = iter(result.token_ids())
+        outputs, pooled = [], []
+        for request, hidden in zip(result.requests, result.pooled):
+            token = None if request.pooling else next(tokens)
+            if request.finished:
+                continue
+            if request.pooling:
+                pooled.append((request, hidden))
+            else:
+                outputs.append(self._advance(request, token))
+        self._pool_results(pooled)
+        return outputs
+
+    def _pool_results(self, pooled: list[tuple[Request, torch.Tensor]]) -> None:
         """Finish pooling requests: classify through their slot's head, embed as is."""
-        pooled = [(r, h) for r, h in zip(requests, results) if r.pooling]
         classify = [(r, h) for r, h in pooled if r.task == "classify"]
         if classify:
             slots = [r.slot for r, _ in classify]
@@ -229,14 +264,13 @@ class Engine(AdapterHost):
         return ClassifyOutput(request.request_id, labels[best], best, values, labels, request.adapter_id)
 
     def _advance(self, request: Request, token: int) -> RequestOutput:
-        request.num_computed = request.num_tokens
+        request.pending -= 1
         request.output_ids.append(token)
         stop_token = check_stop_token(request, self.model_config.eos_token_ids)
         stop_string = update_text(request, self.tokenizer, stop_token)
         if stop_token or stop_string:
             self._finish(request, "stop")
-        elif (len(request.output_ids) >= request.sampling.max_tokens
-              or request.num_tokens + request.prefix_len >= self.max_model_len):
+        elif self._reaches_length(request, len(request.output_ids), request.num_tokens - request.pending):
             self._finish(request, "length")
         return self._chunk(request)
 

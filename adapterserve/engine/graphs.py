@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from adapterserve.engine.context import AttentionMeta, BatchContext, set_context
+from adapterserve.engine.host_copy import copy_into
 from adapterserve.kernels import build_adapter_meta
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -26,6 +27,7 @@ class DecodeGraphs:
         self.trash_slot = trash_slot
         n, dev = max_batch, runner.device
         self.ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.sources = torch.full((n,), -1, dtype=torch.long, device=dev)  # row of runner.sampled, or -1
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.write_slots = torch.full((n,), trash_slot, dtype=torch.long, device=dev)
         self.tables = torch.zeros(n, max_pages, dtype=torch.int32, device=dev)
@@ -56,6 +58,8 @@ class DecodeGraphs:
         page = self.runner.blocks.block_size
         ids = np.zeros(bucket, dtype=np.int64)
         ids[:size] = host.ids
+        sources = np.full(bucket, -1, dtype=np.int64)
+        sources[:size] = host.sources
         positions = np.zeros(bucket, dtype=np.int64)
         positions[:size] = host.positions
         lens = np.zeros(bucket, dtype=np.int32)
@@ -69,11 +73,11 @@ class DecodeGraphs:
             writes[b] = s.pages[last // page] * page + last % page
         slots = np.full((3, bucket), -1, dtype=np.int32)
         slots[:, :size] = family_slots
-        for buffer, values in ((self.ids, ids), (self.positions, positions), (self.lens, lens),
-                               (self.starts, starts), (self.write_slots, writes)):
-            buffer[:bucket].copy_(torch.from_numpy(values))
-        self.tables[:bucket].copy_(torch.from_numpy(tables))
-        self.family_slots[:, :bucket].copy_(torch.from_numpy(slots))
+        for buffer, values in ((self.ids, ids), (self.sources, sources), (self.positions, positions),
+                               (self.lens, lens), (self.starts, starts), (self.write_slots, writes)):
+            copy_into(buffer[:bucket], values)
+        copy_into(self.tables[:bucket], tables)
+        copy_into(self.family_slots[:, :bucket], slots)
 
     def _capture(self, bucket: int, families: tuple[bool, bool, bool]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         stream = torch.cuda.Stream()
@@ -101,7 +105,12 @@ class DecodeGraphs:
                            lora_workspace=runner.lora_workspace, logits_rows=None)
         set_context(ctx)
         try:
-            hidden = runner.model(self.ids[:bucket], self.positions[:bucket])
+            hidden = runner.model(self._input_ids(bucket), self.positions[:bucket])
             return runner.model.compute_logits(hidden)
         finally:
             set_context(None)
+
+    def _input_ids(self, bucket: int) -> torch.Tensor:
+        """Each row's id: from the host, or the id the previous step sampled for it."""
+        sources = self.sources[:bucket]
+        return torch.where(sources >= 0, self.runner.sampled[sources.clamp(min=0)], self.ids[:bucket])

@@ -66,7 +66,10 @@ class Request:
     num_virtual: int = 0  # prompt-tuning virtual tokens in front of the prompt
     prefix_len: int = 0  # prefix-tuning keys/values attended before everything
     blocks: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose k/v are in the cache
+    num_computed: int = 0  # tokens whose k/v are in the cache (or written by a launched step)
+    pending: int = 0  # sampled by a launched step, value not yet on the host (0 or 1)
+    pending_row: int = -1  # where that token sits in the runner's sampled-token buffer
+    final_launched: bool = False  # the launched step gives its last result: schedule it no more
     text: str = ""
     emitted_chars: int = 0  # text already streamed
     emitted_tokens: int = 0  # output ids already streamed
@@ -79,15 +82,21 @@ class Request:
         return [0] * self.num_virtual + self.prompt_ids + self.output_ids
 
     def ids_from(self, start: int) -> list[int]:
-        """all_ids[start:] without building the whole list (decode needs one id)."""
+        """all_ids[start:] without building the whole list (decode needs one id);
+        a pending token is not among them (the runner reads it on the device)."""
         if start >= self.num_virtual + len(self.prompt_ids):
             return self.output_ids[start - self.num_virtual - len(self.prompt_ids):]
         return self.all_ids[start:]
 
     @property
     def num_tokens(self) -> int:
-        """Tokens in the request's own KV blocks: virtual, prompt and output."""
-        return self.num_virtual + len(self.prompt_ids) + len(self.output_ids)
+        """Tokens in the request's own KV blocks: virtual, prompt, output and pending."""
+        return self.num_virtual + len(self.prompt_ids) + len(self.output_ids) + self.pending
+
+    @property
+    def num_outputs(self) -> int:
+        """Output tokens sampled so far, pending included."""
+        return len(self.output_ids) + self.pending
 
     @property
     def finished(self) -> bool:

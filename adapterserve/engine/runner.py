@@ -1,4 +1,10 @@
-"""Runs one step on the device: builds the BatchContext, runs the backbone, samples."""
+"""Runs one step on the device: builds the BatchContext, runs the backbone, samples.
+
+``run`` launches the step and returns at once: the sampled ids stay on the device
+(where the next step reads them as its input) and reach the host through a pinned
+copy the caller waits for later, so the host can prepare step n+1 while the GPU
+runs step n.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,6 +15,7 @@ import torch
 from adapterserve.engine.adapter_host import TOKEN_FAMILIES, family_slots
 from adapterserve.engine.attention_meta import SequenceLayout, build_attention_meta
 from adapterserve.engine.context import BatchContext, VirtualTokens, set_context
+from adapterserve.engine.host_copy import to_device
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.request import Request
 from adapterserve.engine.sampler import sample
@@ -17,6 +24,21 @@ from adapterserve.kernels import build_adapter_meta
 from adapterserve.models.decoder import DecoderModel
 
 
+@dataclass
+class StepResult:
+    """A launched step's results: the generating rows' token ids (host tensor,
+    valid once ``ready`` has fired) and each pooling request's hidden state."""
+
+    requests: list[Request]
+    tokens: torch.Tensor | None  # [G] long, generating requests in batch order
+    ready: torch.cuda.Event | None
+    pooled: list[torch.Tensor | None]  # per request: float32 hidden state of a pooling request
+
+    def token_ids(self) -> list[int]:
+        """Waits for the GPU to finish the step."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return [] if self.tokens is None else self.tokens.tolist()
 
 
 @dataclass
@@ -28,6 +50,7 @@ class _HostBatch:
     layouts: list[SequenceLayout] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     last_rows: list[int] = field(default_factory=list)
+    sources: list[int] = field(default_factory=list)  # per token: row of `sampled` holding its id, or -1
     virtual: tuple[list[int], list[int], list[int]] = field(default_factory=lambda: ([], [], []))
 
 
@@ -53,6 +76,7 @@ class ModelRunner:
             attn.v_cache = torch.zeros_like(attn.k_cache)
         self.windows = sorted({w for w in cfg.sliding_windows if w is not None})
         self.lora_workspace = torch.empty(3, max_tokens, max(max_rank, 1), dtype=self.dtype, device=self.device)
+        self.sampled = torch.zeros(max_tokens, dtype=torch.long, device=self.device)  # last step's token ids
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.families_of = lambda slot: frozenset()  # slot -> families it holds; bound by the engine
@@ -67,33 +91,51 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self, max_batch, max_pages, trash)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, generators: list[torch.Generator | None]) -> list:
-        """One forward pass over the batch. Each generating request gets its next
-        token id; each pooling request (classify, embed) its pooled hidden state."""
+    def run(self, batch: ScheduledBatch, generators: list[torch.Generator | None]) -> StepResult:
+        """Launch one forward pass over the batch: each generating request samples its
+        next token, each pooling request (classify, embed) gets its pooled hidden state."""
         host = self._host_batch(batch)
         requests = batch.requests
+        generating = [i for i, r in enumerate(requests) if not r.pooling]
+        pooled: list[torch.Tensor | None] = [None] * len(requests)
         if self._graph_ready(host, batch):
             slots = self._family_slots(host.slots)
             families = tuple(bool((row >= 0).any()) for row in slots)
             logits = self.graphs.run(host, slots, families, self.graph_signature())
-            self.last_logits = logits
-            return sample(logits, [r.sampling for r in requests], generators, self.generator)
+        else:
+            last = self._forward_eager(host)
+            for i, r in enumerate(requests):
+                if r.pooling:
+                    pooled[i] = last[i].float()
+            logits = self.model.compute_logits(last[generating]) if generating else None
+        self.last_logits = logits
+        if not generating:
+            return StepResult(requests, None, None, pooled)
+        tokens = sample(logits, [requests[i].sampling for i in generating], [generators[i] for i in generating],
+                        self.generator)
+        for row, i in enumerate(generating):
+            requests[i].pending_row = row
+        return self._publish(requests, tokens, pooled)
+
+    def _forward_eager(self, host: _HostBatch) -> torch.Tensor:
+        """The backbone outside a CUDA graph; hidden states of each request's last row [B, D]."""
         input_ids, positions, ctx = self._device_batch(host)
         set_context(ctx)
         try:
-            last = self.model(input_ids, positions)[ctx.logits_rows]  # [B, D]
+            return self.model(input_ids, positions)[ctx.logits_rows]
         finally:
             set_context(None)
-        generating = [i for i, r in enumerate(requests) if not r.pooling]
-        results: list = [last[i].float() for i in range(len(requests))]
-        if generating:
-            logits = self.model.compute_logits(last[generating])
-            self.last_logits = logits
-            tokens = sample(logits, [requests[i].sampling for i in generating],
-                            [generators[i] for i in generating], self.generator)
-            for i, token in zip(generating, tokens):
-                results[i] = token
-        return results
+
+    def _publish(self, requests: list[Request], tokens: torch.Tensor, pooled: list) -> StepResult:
+        """Keep the ids on the device for the next step's input; start their copy to the host."""
+        self.sampled[: tokens.shape[0]].copy_(tokens)
+        if not tokens.is_cuda:
+            return StepResult(requests, tokens.clone(), None, pooled)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return StepResult(requests, host, ready, pooled)
 
     def _graph_ready(self, host: _HostBatch, batch: ScheduledBatch) -> bool:
         return (self.graphs is not None and all(n == 1 for n in batch.num_new_tokens)
@@ -117,18 +159,32 @@ class ModelRunner:
             attention=build_attention_meta(host.layouts, self.blocks.block_size, windows, torch.device(dev)),
             lora=None,
             lora_workspace=self.lora_workspace,
-            logits_rows=torch.tensor(host.last_rows, device=dev),
+            logits_rows=to_device(host.last_rows, dev, torch.long),
             virtual=self._virtual(host),
         )
         for family, slots in zip(TOKEN_FAMILIES, self._family_slots(host.slots)):
             if (slots >= 0).any():
-                setattr(ctx, family, build_adapter_meta(torch.from_numpy(slots).to(dev), self.num_slots))
-        return torch.tensor(host.ids, device=dev), torch.tensor(host.positions, device=dev), ctx
+                setattr(ctx, family, build_adapter_meta(to_device(slots, dev), self.num_slots))
+        return self._input_ids(host), to_device(host.positions, dev, torch.long), ctx
+
+    def _input_ids(self, host: _HostBatch) -> torch.Tensor:
+        """Host ids, with each pending token read from the last step's sampled ids."""
+        ids = to_device(host.ids, self.device, torch.long)
+        rows = [i for i, src in enumerate(host.sources) if src >= 0]
+        if rows:
+            sources = to_device([host.sources[i] for i in rows], self.device, torch.long)
+            ids[to_device(rows, self.device, torch.long)] = self.sampled[sources]
+        return ids
 
     def _add_request(self, host: _HostBatch, request: Request, n: int) -> None:
         start = request.num_tokens - n
         first_row = len(host.ids)
-        host.ids.extend(request.ids_from(start))
+        ids = request.ids_from(start)
+        host.sources.extend([-1] * len(ids))
+        if request.pending:  # the last input: sampled by the step before, not yet on the host
+            ids.append(0)
+            host.sources.append(request.pending_row)
+        host.ids.extend(ids)
         host.positions.extend(range(request.prefix_len + start, request.prefix_len + request.num_tokens))
         prefix = self.prefix_pages(request.slot) if request.prefix_len else []
         aligned = len(prefix) * self.blocks.block_size
@@ -144,6 +200,6 @@ class ModelRunner:
     def _virtual(self, host: _HostBatch) -> VirtualTokens | None:
         if not host.virtual[0]:
             return None
-        rows, slots, index = (torch.tensor(v, device=self.device) for v in host.virtual)
+        rows, slots, index = (to_device(v, self.device, torch.long) for v in host.virtual)
         return VirtualTokens(rows, slots, index)
 

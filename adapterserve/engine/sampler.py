@@ -3,12 +3,14 @@
 Temperature, top-k and top-p are applied to the whole batch at once. The random
 draw uses the exponential-race form of sampling (argmax of p / E, E ~ Exp(1)),
 so a seeded request draws its noise from its own generator and gets the same
-tokens whatever else is in the batch.
+tokens whatever else is in the batch. Nothing here waits for the GPU: the chosen
+ids stay on the device, and the per-row parameters go up through pinned memory.
 """
 from __future__ import annotations
 
 import torch
 
+from adapterserve.engine.host_copy import to_device
 from adapterserve.engine.request import SamplingParams
 
 
@@ -36,23 +38,23 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
-) -> list[int]:
-    """logits: [B, V] float32 -> one token id per row."""
+) -> torch.Tensor:
+    """logits: [B, V] float32 -> one token id per row: [B] long, on the logits' device."""
     device = logits.device
     chosen = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
-        return chosen.tolist()
-    greedy = torch.tensor([p.greedy for p in params], device=device)
-    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        return chosen
+    greedy = to_device([p.greedy for p in params], device, torch.bool)
+    temps = to_device([p.temperature if not p.greedy else 1.0 for p in params], device, torch.float32)
     scaled = logits / temps.unsqueeze(1)
     if any(p.top_k for p in params):
-        scaled = _apply_top_k(scaled, torch.tensor([p.top_k for p in params], device=device))
+        scaled = _apply_top_k(scaled, to_device([p.top_k for p in params], device, torch.long))
     if any(p.top_p < 1.0 for p in params):
-        scaled = _apply_top_p(scaled, torch.tensor([p.top_p for p in params], device=device))
+        scaled = _apply_top_p(scaled, to_device([p.top_p for p in params], device, torch.float32))
     probs = scaled.softmax(dim=-1)
     noise = torch.empty_like(probs).exponential_(generator=default_generator)
     for row, gen in enumerate(generators):
         if gen is not None:
             noise[row].exponential_(generator=gen)
     drawn = (probs / noise).argmax(dim=-1)
-    return torch.where(greedy, chosen, drawn).tolist()
+    return torch.where(greedy, chosen, drawn)

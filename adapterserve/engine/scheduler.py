@@ -3,22 +3,26 @@
 A step holds every running request's next token (decode) plus as many waiting
 prompts (prefill) as the token budget, the KV cache and the adapter slots allow.
 A waiting request is admitted only once its adapter has a slot; a request whose
-adapter cannot be placed now is passed over, not blocking the rest. When the KV
+adapter cannot be placed now is passed over, not blocking the rest. Placing an
+adapter never evicts one that other waiting requests need, except for the oldest
+waiting request, so a stream of requests for resident adapters cannot starve a
+request for a cold one. When the KV
 cache runs out during decode, the newest running request is preempted: its
 blocks are freed and it is recomputed later from its prompt plus output so far.
+A running request whose launched step gives its last result is not scheduled again.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Callable
 
 from adapterserve.config import EngineConfig
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.request import Request, RequestStatus
 
-# acquire(adapter_id) -> slot or None; release(slot)
-AcquireSlot = Callable[[str], "int | None"]
+# acquire(adapter_id, keep: adapter ids not to evict for it) -> slot or None; release(slot)
+AcquireSlot = Callable[[str, Collection[str]], "int | None"]
 ReleaseSlot = Callable[[int], None]
 
 
@@ -58,7 +62,7 @@ class Scheduler:
     def _schedule_decodes(self, batch: ScheduledBatch) -> None:
         preempted: set[int] = set()
         for request in list(self.running):
-            if id(request) in preempted:  # preempted below for an older request
+            if id(request) in preempted or request.final_launched:  # preempted below / last step in flight
                 continue
             while not self.blocks.can_allocate(request.blocks, request.num_tokens):
                 victim = self.running[-1]
@@ -72,16 +76,23 @@ class Scheduler:
                 batch.num_new_tokens.append(request.num_tokens - request.num_computed)
 
     def _schedule_prefills(self, batch: ScheduledBatch) -> None:
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return
         budget = self.config.max_num_batched_tokens - batch.num_tokens
         passed_over: list[Request] = []
+        needed = {r.adapter_id for r in self.waiting if r.adapter_id is not None}
+        oldest = self.waiting[0]
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
+            if request.pending:  # preempted while its last token was in flight: admit once it lands
+                passed_over.append(request)
+                continue
             new_tokens = request.num_tokens - request.num_computed
             if new_tokens > budget or not self.blocks.can_allocate(request.blocks, request.num_tokens):
                 self.waiting.appendleft(request)
                 break
             if request.adapter_id is not None:
-                slot = self.acquire(request.adapter_id)
+                slot = self.acquire(request.adapter_id, () if request is oldest else needed)
                 if slot is None:
                     passed_over.append(request)
                     continue

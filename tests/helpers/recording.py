@@ -6,7 +6,8 @@ import torch
 
 
 def record_logits(engine) -> dict[str, list[torch.Tensor]]:
-    """Wrap engine.runner.run; returns request id -> [float32 CPU logits of each step]."""
+    """Wrap engine.runner.run; returns request id -> [float32 CPU logits of each step].
+    Steps overlap, so a request a stop token ended has one more, discarded, entry."""
     captured: dict[str, list[torch.Tensor]] = {}
     run = engine.runner.run
 
