@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from adapterserve.engine.context import get_context
 from adapterserve.kernels import LoraSlices, ia3_scale, lora_expand, lora_shrink
-from adapterserve.kernels.fused import rms_norm
+from adapterserve.kernels.fused import add_rms_norm, rms_norm
 
 
 class AdapterLinear(torch.nn.Module):
@@ -69,3 +69,7 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x in place; returns the norm of the sum (one fused launch on a GPU)."""
+        return add_rms_norm(x, residual, self.weight, self.eps)

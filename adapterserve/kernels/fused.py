@@ -37,6 +37,36 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 @triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    summed = (x + r).to(res_ptr.dtype.element_ty)
+    tl.store(res_ptr + row * stride_r + cols, summed, mask=mask)
+    h = summed.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, (h * inv).to(out_ptr.dtype.element_ty) * w, mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """residual += x (rounded to its dtype, as the backbone's own add), then return
+    rms_norm(residual): the residual add closing a sublayer fused with the next norm.
+    x, residual: [T, D]."""
+    if not x.is_cuda:
+        residual.add_(x)
+        normed = rms_norm(residual, weight, eps)
+        return normed if out is None else out.copy_(normed)
+    out = torch.empty_like(x) if out is None else out
+    _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0),
+                                        x.shape[1], eps, BLOCK=triton.next_power_of_2(x.shape[1]))
+    return out
+
+
+@triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, stride_g, stride_o, n, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -16,7 +16,7 @@ from adapterserve.engine.context import get_context
 from adapterserve.engine.layers import AdapterLinear, RMSNorm
 from adapterserve.kernels.fused import silu_mul
 from adapterserve.models.decoder_config import DecoderConfig
-from adapterserve.models.encoder_adapters import BottleneckPool, residual_sublayer
+from adapterserve.models.encoder_adapters import BottleneckPool, bottlenecks_active, residual_sublayer
 from adapterserve.models.rope import RotaryEmbedding
 
 
@@ -42,11 +42,26 @@ class DecoderLayer(torch.nn.Module):
         self.bottleneck_mh: BottleneckPool | None = None
         self.bottleneck_output: BottleneckPool | None = None
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [T, D]
+    def forward(self, positions: torch.Tensor, pending: torch.Tensor | None, residual: torch.Tensor
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """residual: [T, D], the residual stream; pending: the previous layer's MLP output
+        not yet added to it (None: nothing to add). Each residual add is fused with the
+        norm after it. Returns this layer's (pending, residual)."""
+        if pending is None:
+            normed = self.input_layernorm(residual)
+        else:
+            normed = self.input_layernorm.add(pending, residual)
+        attn_out = self.o_proj(self._attention(positions, self.qkv_proj(normed)))
+        normed = self._close_sublayer(attn_out, residual, self.bottleneck_mh, self.post_attention_layernorm)
+        mlp_out = self.down_proj(silu_mul(self.gate_up_proj(normed)))
+        if bottlenecks_active(self.bottleneck_output):  # rows with adapters: added here, unfused
+            residual.copy_(residual_sublayer(mlp_out, residual, None, self.bottleneck_output))
+            return None, residual
+        return mlp_out, residual
+
+    def _attention(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        tokens = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        tokens = qkv.shape[0]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.reshape(tokens, cfg.num_heads, cfg.head_dim)
         k = k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -54,9 +69,16 @@ class DecoderLayer(torch.nn.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
-        hidden = residual_sublayer(self.o_proj(self.attn(q, k, v)), hidden, None, self.bottleneck_mh)
-        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
-        return residual_sublayer(self.down_proj(silu_mul(gate_up)), hidden, None, self.bottleneck_output)
+        return self.attn(q, k, v)
+
+    @staticmethod
+    def _close_sublayer(out: torch.Tensor, residual: torch.Tensor, pool: BottleneckPool | None, norm: RMSNorm
+                        ) -> torch.Tensor:
+        """residual += out (through each row's bottleneck adapter, if any); norm of the sum."""
+        if not bottlenecks_active(pool):
+            return norm.add(out, residual)
+        residual.copy_(residual_sublayer(out, residual, None, pool))
+        return norm(residual)
 
 
 class DecoderModel(torch.nn.Module):
@@ -88,10 +110,10 @@ class DecoderModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, D]
-        hidden = self.embed(input_ids)
+        pending, residual = None, self.embed(input_ids)
         for layer in self.layers:
-            hidden = layer(positions, hidden)
-        return self.norm(hidden)
+            pending, residual = layer(positions, pending, residual)
+        return self.norm(residual) if pending is None else self.norm.add(pending, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [B, D] -> float32 logits [B, V]

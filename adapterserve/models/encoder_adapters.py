@@ -124,6 +124,11 @@ def load_bottleneck(layers: Sequence[torch.nn.Module], slot: int, adapter: Bottl
             getattr(layer, f"bottleneck_{place}").load(slot, module, ln_before)
 
 
+def bottlenecks_active(pool: BottleneckPool | None) -> bool:
+    """Whether this step runs any bottleneck adapter of ``pool``."""
+    return pool is not None and get_context().bottleneck is not None and bool(pool.activations())
+
+
 def residual_sublayer(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -136,7 +141,7 @@ def residual_sublayer(
     """
     meta = get_context().bottleneck
     summed = x + residual
-    if pool is None or meta is None or not pool.activations():
+    if not bottlenecks_active(pool):
         return norm(summed) if norm is not None else summed
     normed = norm(summed) if norm is not None else summed
     slots = meta.token_slots.long().clamp(min=0)

@@ -46,3 +46,23 @@ def test_rope_matches_the_torch_rotation(dtype, heads):
     got = x.clone()
     rope_(got, positions, rope.cos[:, :16], rope.sin[:, :16])
     assert _rel(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 100])
+def test_add_rms_norm_updates_the_residual_and_normalises_the_sum(dtype, dim):
+    from adapterserve.kernels.fused import _add_rms_norm_kernel  # the Triton kernel, on CPU too
+    import triton
+
+    x = torch.randn(7, dim, dtype=dtype, device=DEVICE) * 3
+    residual = torch.randn(7, dim, dtype=dtype, device=DEVICE)
+    w = (1 + 0.1 * torch.randn(dim, device=DEVICE)).to(dtype)
+    summed = (x + residual).float()  # the add rounds to dtype, as the backbone's own add
+    want_sum = (x + residual)
+    want = w.float() * (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6))
+    out = torch.full_like(x, float("nan"))
+    got_residual = residual.clone()
+    _add_rms_norm_kernel[(7,)](x, got_residual, w, out, x.stride(0), got_residual.stride(0), out.stride(0), dim,
+                               1e-6, BLOCK=triton.next_power_of_2(dim))
+    assert torch.equal(got_residual, want_sum)
+    assert _rel(out, want) < TOL[dtype]
