@@ -28,6 +28,7 @@ class EngineConfig:
     max_bottleneck_rank: widest bottleneck adapter accepted (hidden / reduction_factor)
     cuda_graphs:      replay decode steps as CUDA graphs (on CUDA devices)
     max_staged_adapters: adapters kept with ready-to-copy (pinned) host copies for fast loads
+    lora_side_stream: run each LoRA shrink on a second CUDA stream, beside the base GEMM
     """
 
     device: str = "cpu"
@@ -46,6 +47,7 @@ class EngineConfig:
     max_bottleneck_rank: int = 64
     cuda_graphs: bool = True
     max_staged_adapters: int = 32
+    lora_side_stream: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

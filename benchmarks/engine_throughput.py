@@ -32,7 +32,7 @@ from benchmarks.hf_baseline import add_peft_loras, load_hf, timed_row
 from benchmarks.hotswap import measure_hotswap
 from benchmarks.measure import Floor, copy_bandwidth, floor_for
 from benchmarks.random_adapters import AdapterFactory, decode_read_bytes, write_peft_lora
-from benchmarks.workloads import WORKLOADS, Settings, make_prompts, plan, run_workload, supports_bottleneck
+from benchmarks.workloads import VARIANTS, WORKLOADS, Settings, make_prompts, plan, run_workload, supports_bottleneck
 
 START = time.monotonic()
 
@@ -76,9 +76,10 @@ def parse_args(argv: list[str] | None) -> Config:
     p.add_argument("--out", type=Path, default=Path("engine_throughput.md"))
     p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny model, few steps: checks every path")
     a = p.parse_args(argv)
-    unknown = set(split(a.workloads)) - set(WORKLOADS)
+    unknown = {w for w in split(a.workloads) if _base_workload(w) not in WORKLOADS}
     if unknown:
-        p.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}")
+        p.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}, "
+                f"each optionally with a variant suffix ({', '.join(VARIANTS)})")
     if a.smoke:
         settings = Settings("cpu", "float32", 6, (8, 24), 16, 48, 40, 6, a.zipf_alpha, a.seed)
         return Config(settings, ("tiny",), {"tiny": (1, 4)}, split(a.workloads), ("tiny",), 4, 2, 8 << 20,
@@ -170,6 +171,12 @@ def _run_batch(name: str, batch: int, backbone: Backbone, factory: AdapterFactor
         log(f"{name} B={batch} {workload}: running")
         rows.append({**key, **guarded(f"{name} B={batch} {workload}", one, workload)})
         log(f"{name} B={batch} {workload}: " + report.text_table([rows[-1]]).splitlines()[-1])
+
+
+def _base_workload(name: str) -> str:
+    for suffix in VARIANTS:
+        name = name.removesuffix(suffix)
+    return name
 
 
 def _run_hotswap(name: str, backbone: Backbone, factory: AdapterFactory, cfg: Config,

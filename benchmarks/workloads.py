@@ -23,6 +23,8 @@ from benchmarks.measure import StepTrace, decode_summary, floor_for, run_request
 from benchmarks.random_adapters import BOTTLENECK_RANK, AdapterFactory, decode_read_bytes
 
 WORKLOADS = ("base", "one", "uniform8", "distinct", "zipf", "ranks", "families")
+# a workload name may end in a variant suffix: the same requests, an engine option changed
+VARIANTS = {"+ss": {"lora_side_stream": True}}
 PEFT_ID = "peft-file"
 
 
@@ -36,6 +38,7 @@ class Plan:
     max_rank: int = 16
     pool_rows: int = 16
     cold: bool = False  # evict every adapter after warm-up: the run includes its slot loads
+    engine_options: dict = field(default_factory=dict)  # EngineConfig fields of a variant
     note: str = ""
 
 
@@ -62,6 +65,11 @@ def make_prompts(batch: int, vocab: int, lengths: tuple[int, int], seed: int) ->
 def plan(name: str, batch: int, factory: AdapterFactory, peft_dir: Path | dict, s: Settings,
          bottleneck: bool) -> Plan:
     """``peft_dir``: the PEFT LoRA directory, or the error entry of writing it."""
+    for suffix, options in VARIANTS.items():
+        if name.endswith(suffix):
+            variant = plan(name.removesuffix(suffix), batch, factory, peft_dir, s, bottleneck)
+            variant.name, variant.engine_options = name, {**variant.engine_options, **options}
+            return variant
     if name == "base":
         return Plan(name, [None] * batch)
     if name == "one":
@@ -127,7 +135,7 @@ def engine_config(p: Plan, prompts: list[list[int]], virtual: list[int], s: Sett
         lora_pool_rows=max(p.pool_rows, p.max_rank), max_bottleneck_rank=BOTTLENECK_RANK, block_size=bs,
         num_kv_blocks=blocks + prefix_blocks + 8, max_num_seqs=len(prompts),
         max_num_batched_tokens=s.max_batched_tokens, max_model_len=-(-(longest + 2 * bs) // bs) * bs,
-        cuda_graphs=True, seed=s.seed,
+        cuda_graphs=True, seed=s.seed, **p.engine_options,
     )
 
 

@@ -67,6 +67,10 @@ class Engine(AdapterHost):
         self.slots = AdapterSlots(config.max_loras, self._pools())
         self.runner.families_of = self._families_of
         self.runner.prefix_pages = self.prefix_pool.pages.__getitem__
+        if config.lora_side_stream and torch.device(config.device).type == "cuda":
+            side = torch.cuda.Stream(device=config.device)
+            for _, linear in model.adapter_linears():
+                linear.side_stream = side
         if config.cuda_graphs and torch.device(config.device).type == "cuda":
             pages = -(-self.max_model_len // config.block_size) + -(-config.max_virtual_tokens // config.block_size)
             self.runner.enable_cuda_graphs(config.max_num_seqs, pages)

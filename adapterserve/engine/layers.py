@@ -43,6 +43,7 @@ class AdapterLinear(torch.nn.Module):
         self.lora: LoraSlices | None = None
         self.ia3_in: torch.Tensor | None = None  # [S, K] (IA)^3 input scales
         self.ia3_out: torch.Tensor | None = None  # [S, N] (IA)^3 output scales
+        self.side_stream: torch.cuda.Stream | None = None  # runs the LoRA shrink beside the base GEMM
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] -> y: [T, N]
@@ -51,13 +52,30 @@ class AdapterLinear(torch.nn.Module):
         if ia3 is not None:
             x = x.clone()
             ia3_scale(x, self.ia3_in, ia3)
-        y = F.linear(x, self.weight, self.bias)
         if self.lora is not None and ctx.lora is not None:
-            workspace = ctx.lora_workspace[: self.lora.num_slices, : x.shape[0]]
-            lora_shrink(x, self.lora, ctx.lora, workspace)
-            lora_expand(workspace, self.lora, ctx.lora, y)
+            y = self._with_lora(x, ctx)
+        else:
+            y = F.linear(x, self.weight, self.bias)
         if ia3 is not None:
             ia3_scale(y, self.ia3_out, ia3)
+        return y
+
+
+    def _with_lora(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """Base output plus each row's LoRA update. With a side stream, the shrink (small,
+        latency-bound) runs concurrently with the base GEMM; the expand adds into its output."""
+        workspace = ctx.lora_workspace[: self.lora.num_slices, : x.shape[0]]
+        if self.side_stream is None:
+            y = F.linear(x, self.weight, self.bias)
+            lora_shrink(x, self.lora, ctx.lora, workspace)
+        else:
+            main = torch.cuda.current_stream()
+            self.side_stream.wait_stream(main)
+            with torch.cuda.stream(self.side_stream):
+                lora_shrink(x, self.lora, ctx.lora, workspace)
+            y = F.linear(x, self.weight, self.bias)
+            main.wait_stream(self.side_stream)
+        lora_expand(workspace, self.lora, ctx.lora, y)
         return y
 
 

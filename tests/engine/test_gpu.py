@@ -93,3 +93,19 @@ def test_cuda_graph_decode_matches_eager(setup):
     assert engines[0].runner.graphs._graphs, "no decode step ran as a graph"
     same = sum(a.token_ids == b.token_ids for a, b in zip(graphed, eager))
     assert same >= 0.9 * len(ids)
+
+
+def test_lora_side_stream_gives_the_same_tokens_and_logits(setup):
+    model_dir, adapters = setup
+    engines = [Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", max_loras=8, lora_side_stream=s)
+               for s in (True, False)]
+    for engine in engines:
+        for name, path in adapters.items():
+            engine.load_adapter(name, path)
+    ids = [None, *adapters] * 3
+    prompts = [torch.randint(3, 2048, (int(torch.randint(1, 50, ())),)).tolist() for _ in ids]
+    (side_logits, side), (plain_logits, plain) = (_first_step_logits(e, prompts, ids) for e in engines)
+    assert engines[0].runner.graphs._graphs, "no decode step ran as a graph"
+    assert [o.token_ids for o in side] == [o.token_ids for o in plain]
+    for a, b in zip(side_logits, plain_logits):
+        assert torch.equal(a, b)  # same kernels, same order of sums: bit-identical
