@@ -95,24 +95,47 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_c, heads, HALF: tl.constexpr,
-                 HEADS_PAD: tl.constexpr):
+def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
+                       stride_cn, stride_ch, q_heads, kv_heads, HALF: tl.constexpr, QH_PAD: tl.constexpr,
+                       KVH_PAD: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
-    h = tl.arange(0, HEADS_PAD)[:, None]
+    slot = tl.load(slot_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF)[None, :]
-    mask = h < heads
-    base = x_ptr + t * stride_t + h * stride_h
-    x1 = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF + d, mask=mask, other=0.0).to(tl.float32)
     cos = tl.load(cos_ptr + pos * stride_c + d)
     sin = tl.load(sin_ptr + pos * stride_c + d)
-    tl.store(base + d, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(base + HALF + d, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    hq = tl.arange(0, QH_PAD)[:, None]
+    q_mask = hq < q_heads
+    q_base = q_ptr + t * stride_qt + hq * stride_qh
+    q1 = tl.load(q_base + d, mask=q_mask, other=0.0).to(tl.float32)
+    q2 = tl.load(q_base + HALF + d, mask=q_mask, other=0.0).to(tl.float32)
+    tl.store(q_base + d, (q1 * cos - q2 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_base + HALF + d, (q2 * cos + q1 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
+    hk = tl.arange(0, KVH_PAD)[:, None]
+    kv_mask = hk < kv_heads
+    k_base = k_ptr + t * stride_kt + hk * stride_kh
+    k1 = tl.load(k_base + d, mask=kv_mask, other=0.0).to(tl.float32)
+    k2 = tl.load(k_base + HALF + d, mask=kv_mask, other=0.0).to(tl.float32)
+    kc = kc_ptr + slot * stride_cn + hk * stride_ch
+    tl.store(kc + d, (k1 * cos - k2 * sin).to(kc_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(kc + HALF + d, (k2 * cos + k1 * sin).to(kc_ptr.dtype.element_ty), mask=kv_mask)
+    v_base = v_ptr + t * stride_vt + hk * stride_vh
+    vc = vc_ptr + slot * stride_cn + hk * stride_ch
+    tl.store(vc + d, tl.load(v_base + d, mask=kv_mask, other=0.0), mask=kv_mask)
+    tl.store(vc + HALF + d, tl.load(v_base + HALF + d, mask=kv_mask, other=0.0), mask=kv_mask)
 
 
-def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate x [T, H, D] in place (rotate-half layout); cos, sin: [P, D] float32 tables."""
-    tokens, heads, dim = x.shape
-    _rope_kernel[(tokens,)](x, positions, cos, sin, x.stride(0), x.stride(1), cos.stride(0), heads,
-                            HALF=dim // 2, HEADS_PAD=triton.next_power_of_2(heads))
+def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_slots: torch.Tensor) -> None:
+    """One launch for RoPE and the KV-cache write: rotate q [T, Hq, D] in place, write
+    rotated k and v ([T, Hkv, D], any token/head strides) to the caches [slots, Hkv, D]
+    at write_slots [T]. cos, sin: [P, D/2] float32 tables (rotate-half layout)."""
+    tokens, q_heads, dim = q.shape
+    kv_heads = k.shape[1]
+    _rope_cache_kernel[(tokens,)](
+        q, k, v, positions, write_slots, cos, sin, k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), q_heads, kv_heads,
+        HALF=dim // 2, QH_PAD=triton.next_power_of_2(q_heads), KVH_PAD=triton.next_power_of_2(kv_heads),
+    )

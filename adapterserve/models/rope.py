@@ -46,17 +46,17 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
-        if q.is_cuda:  # one fused launch each, in place on contiguous copies
-            from adapterserve.kernels.fused import rope_
-
-            q, k = q.contiguous(), k.contiguous()
-            half = q.shape[-1] // 2
-            rope_(q, positions, self.cos[:, :half], self.sin[:, :half])
-            rope_(k, positions, self.cos[:, :half], self.sin[:, :half])
-            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def rotate_into_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, write_slots: torch.Tensor) -> None:
+        """CUDA: rotate q in place and write rotated k and v to the KV cache, one launch."""
+        from adapterserve.kernels.fused import rope_and_cache
+
+        half = q.shape[-1] // 2
+        rope_and_cache(q, k, v, positions, self.cos[:, :half], self.sin[:, :half], k_cache, v_cache, write_slots)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

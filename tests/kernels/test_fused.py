@@ -3,7 +3,7 @@ sizes not multiples of the block sizes."""
 import pytest
 import torch
 
-from adapterserve.kernels.fused import rms_norm_triton, rope_, silu_mul_triton
+from adapterserve.kernels.fused import rms_norm_triton, silu_mul_triton
 from adapterserve.models.rope import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,20 +35,6 @@ def test_silu_mul(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [4, 6])
-def test_rope_matches_the_torch_rotation(dtype, heads):
-    rope = RotaryEmbedding(32, {"rope_type": "default", "rope_theta": 10000.0}, 64, device=DEVICE)
-    x = torch.randn(9, heads, 32, dtype=dtype, device=DEVICE)
-    positions = torch.randint(0, 64, (9,), device=DEVICE)
-    cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    want = x.float() * cos + torch.cat((-x2, x1), dim=-1) * sin
-    got = x.clone()
-    rope_(got, positions, rope.cos[:, :16], rope.sin[:, :16])
-    assert _rel(got, want) < TOL[dtype]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [64, 100])
 def test_add_rms_norm_updates_the_residual_and_normalises_the_sum(dtype, dim):
     from adapterserve.kernels.fused import _add_rms_norm_kernel  # the Triton kernel, on CPU too
@@ -66,3 +52,29 @@ def test_add_rms_norm_updates_the_residual_and_normalises_the_sum(dtype, dim):
                                1e-6, BLOCK=triton.next_power_of_2(dim))
     assert torch.equal(got_residual, want_sum)
     assert _rel(out, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 2), (6, 3)])
+def test_rope_and_cache_rotates_q_and_writes_rotated_k_and_v(dtype, heads):
+    from adapterserve.kernels.fused import rope_and_cache
+
+    q_heads, kv_heads, dim, tokens = *heads, 32, 5
+    rope = RotaryEmbedding(dim, {"rope_type": "default", "rope_theta": 10000.0}, 64)  # CPU: the float32 oracle
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim, dtype=dtype, device=DEVICE)
+    q, k, v = (t.reshape(tokens, -1, dim) for t in qkv.split([q_heads * dim, kv_heads * dim, kv_heads * dim], -1))
+    positions = torch.randint(0, 64, (tokens,), device=DEVICE)
+    slots = torch.randperm(12, device=DEVICE)[:tokens]
+    want_q, want_k = rope(positions.cpu(), q.cpu().float(), k.cpu().float())
+    want_v = v.clone()
+    k_cache = torch.full((12, kv_heads, dim), float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    half = dim // 2
+    rope_and_cache(q, k, v, positions, rope.cos[:, :half].to(DEVICE), rope.sin[:, :half].to(DEVICE), k_cache,
+                   v_cache, slots)
+    assert _rel(q.cpu(), want_q) < TOL[dtype]  # in place, through the strided view of qkv
+    assert _rel(k_cache[slots].cpu(), want_k) < TOL[dtype]
+    assert torch.equal(v_cache[slots], want_v)
+    untouched = torch.ones(12, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert k_cache[untouched].isnan().all() and v_cache[untouched].isnan().all()
