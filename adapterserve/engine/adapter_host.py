@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +14,7 @@ from adapterserve.adapters_store.formats.read import AdapterLimits, read_adapter
 from adapterserve.adapters_store.formats.types import BackboneSpec, LoraAdapter
 from adapterserve.config import EngineConfig
 from adapterserve.engine.slots import AdapterSlots
-from adapterserve.errors import AdapterError, AdapterNotFound
+from adapterserve.errors import AdapterError, AdapterNotFound, CapacityError
 
 # Families whose tokens the kernels group per step (others act once per request).
 TOKEN_FAMILIES = ("lora", "ia3", "bottleneck")
@@ -60,28 +60,41 @@ class AdapterHost:
             if check is not None:
                 check(adapter, adapter_id)
 
-    def load_adapter(self, adapter_id: str, path: str | Path) -> None:
+    def load_adapter(self, adapter_id: str, path: str | Path, pinned: bool = False) -> None:
         """Read and check an adapter directory (PEFT: LoRA, (IA)^3, prompt tuning,
         P-tuning, prefix tuning, heads; AdapterHub: Houlsby, Pfeiffer); the engine
-        is unchanged if it is refused."""
+        is unchanged if it is refused. ``pinned``: as for add_adapter."""
         if not isinstance(adapter_id, str) or not adapter_id:
             raise AdapterError("adapter id must be a non-empty string")
         with self._lock:
-            if adapter_id in self.adapters:
-                raise AdapterError(f"an adapter with id {adapter_id!r} is already loaded; unload it first")
+            self._refuse_loaded(adapter_id)
         adapter = read_adapter(path, self.backbone_spec, self.adapter_limits, name=adapter_id)
-        self.add_adapter(adapter_id, adapter)
+        self.add_adapter(adapter_id, adapter, pinned)
 
-    def add_adapter(self, adapter_id: str, adapter: Adapter | LoraAdapter) -> None:
-        """Register an adapter already read and checked (e.g. from the host cache)."""
+    def add_adapter(self, adapter_id: str, adapter: Adapter | LoraAdapter, pinned: bool = False) -> None:
+        """Register an adapter already read and checked (e.g. from the host cache).
+        ``pinned``: place it in a slot now and keep it there, never evicted, until it
+        is unloaded; CapacityError (and nothing registered) if that would pin every
+        slot or no slot can be freed now."""
         if isinstance(adapter, LoraAdapter):
             adapter = Adapter("lora", lora=adapter, config=adapter.config)
         self.check_servable(adapter, adapter_id)
+        with self._lock:
+            self._refuse_loaded(adapter_id)
         self._stage(adapter_id, adapter)
         with self._lock:
-            if adapter_id in self.adapters:
-                raise AdapterError(f"an adapter with id {adapter_id!r} is already loaded; unload it first")
+            try:
+                self._refuse_loaded(adapter_id)
+                if pinned:
+                    self.slots.pin(adapter_id, adapter)
+            except (AdapterError, CapacityError):
+                self._unstage(adapter_id, adapter)
+                raise
             self.adapters[adapter_id] = adapter
+
+    def _refuse_loaded(self, adapter_id: str) -> None:
+        if adapter_id in self.adapters:
+            raise AdapterError(f"an adapter with id {adapter_id!r} is already loaded; unload it first")
 
     def _stage(self, adapter_id: str, adapter: Adapter) -> None:
         """Prepare the adapter's loading copies (pinned on a GPU) for the most recently
@@ -97,22 +110,28 @@ class AdapterHost:
                 oldest.staged.clear()
 
     def unload_adapter(self, adapter_id: str) -> None:
-        """Forget an adapter. New requests for it are refused; its slot is freed once
-        the requests already using it finish."""
+        """Forget (and unpin) an adapter. New requests for it are refused; its slot is
+        freed once the requests already using it finish."""
         with self._lock:
             if adapter_id not in self.adapters:
                 raise AdapterNotFound(f"no adapter {adapter_id!r} is loaded")
-            del self.adapters[adapter_id]
-            dropped = self._staged.pop(adapter_id, None)
-            if dropped is not None:
-                dropped.staged.clear()
+            adapter = self.adapters.pop(adapter_id)
+            self._unstage(adapter_id, adapter)
             self.slots.evict(adapter_id)
+
+    def _unstage(self, adapter_id: str, adapter: Adapter) -> None:
+        """Drop the adapter's loading copies (only its own, not those of another adapter
+        staged under the same id)."""
+        if self._staged.get(adapter_id) is adapter:
+            del self._staged[adapter_id]
+        adapter.staged.clear()
 
     def list_adapters(self) -> list[str]:
         return sorted(self.adapters)
 
-    def _acquire_slot(self, adapter_id: str) -> int | None:
-        return self.slots.acquire(adapter_id, self.adapters[adapter_id])
+    def _acquire_slot(self, adapter_id: str, keep: Collection[str] = ()) -> int | None:
+        """The adapter's slot (placed if needed); ``keep``: adapter ids not to evict for it."""
+        return self.slots.acquire(adapter_id, self.adapters[adapter_id], keep)
 
     def _families_of(self, slot: int) -> frozenset[str]:
         adapter = self.slots.adapter_in[slot]

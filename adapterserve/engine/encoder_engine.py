@@ -119,23 +119,26 @@ class EncoderEngine(AdapterHost):
         return results
 
     def _batches(self, texts: list[str], ids: list[str | None]) -> list[list[int]]:
-        """Row groups under the token budget with at most max_loras distinct adapters."""
+        """Row groups under the token budget whose unpinned adapters fit the unpinned slots."""
         lengths = [min(len(self.tokenizer(t).input_ids), self.max_length) for t in texts]
+        room = self.config.max_loras - self.slots.num_pinned
         batches, rows, adapters, longest = [], [], set(), 0
         for i, (n, adapter) in enumerate(zip(lengths, ids)):
-            new_adapters = adapters | ({adapter} - {None})
+            new_adapters = adapters | ({adapter} - {None} - self.slots.pinned)
             if rows and (max(longest, n) * (len(rows) + 1) > self.config.max_num_batched_tokens
-                         or len(new_adapters) > self.config.max_loras):
+                         or len(new_adapters) > room):
                 batches.append(rows)
-                rows, new_adapters, longest = [], {adapter} - {None}, 0
+                rows, new_adapters, longest = [], {adapter} - {None} - self.slots.pinned, 0
             rows.append(i)
             adapters, longest = new_adapters, max(longest, n)
         return batches + [rows] if rows else batches
 
     def _pin(self, ids: list[str | None], slots: list[int]) -> None:
-        """Each row's slot, pinned once per row (appended to ``slots`` as pinned)."""
+        """Each row's slot, held once per row (appended to ``slots`` as held); placing one
+        never evicts another adapter of the batch."""
+        batch = set(ids)
         for adapter_id in ids:
-            slot = -1 if adapter_id is None else self._acquire_slot(adapter_id)
+            slot = -1 if adapter_id is None else self._acquire_slot(adapter_id, batch)
             if slot is None:
                 raise RuntimeError(f"no room in the adapter pools for {adapter_id!r} beside this batch's others; "
                                    "raise max_loras or lora_pool_rows")

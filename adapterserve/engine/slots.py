@@ -3,17 +3,28 @@
 A slot is one index into every family pool (LoRA rows, (IA)^3 scales, prompt
 embeddings, prefix KV blocks). Placing an adapter writes its weights into each
 pool, all or nothing; addresses never change. Slots in use by running requests
-are pinned; idle ones are evicted least recently used first, and only when a new
-adapter needs the room (load before evict).
+hold references; a pinned adapter holds one of its own until it is evicted
+(unloaded). An idle slot is given up only when a new adapter needs the room (load
+before evict), never while it holds an adapter the caller keeps (waiting requests
+need it next), and the coldest goes first. Heat is a decayed count of acquires,
+time counted in acquires (one per admitted request):
+
+    heat = sum over the adapter's acquires i of 2 ** (-(now - t_i) / half_life)
+
+Frequent use and recent use both keep an adapter resident; half_life -> 0 is LRU
+(ties go to the longest idle), half_life -> inf least frequently used.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 from typing import Protocol
 
 from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.errors import CapacityError
 
 _RETIRED = "\0retired:"  # prefix of slots whose adapter was unloaded while in use
+HALF_LIFE_PER_SLOT = 8  # default half-life: 8 acquires per slot
 
 
 class Pool(Protocol):
@@ -25,25 +36,36 @@ class Pool(Protocol):
 
 
 class AdapterSlots:
-    def __init__(self, num_slots: int, pools: list[Pool]) -> None:
+    def __init__(self, num_slots: int, pools: list[Pool], half_life: float | None = None) -> None:
         self.num_slots = num_slots
         self.pools = pools
+        self.half_life = HALF_LIFE_PER_SLOT * num_slots if half_life is None else half_life  # in acquires
         self.slot_of: dict[str, int] = {}
         self.refs = [0] * num_slots
         self.adapter_in: dict[int, Adapter] = {}
-        self._idle: OrderedDict[int, str] = OrderedDict()  # resident, unreferenced; LRU first
+        self.pinned: set[str] = set()
+        self._idle: OrderedDict[int, str] = OrderedDict()  # resident, unreferenced; longest idle first
         self._free_slots = list(range(num_slots))
+        self._heat: dict[str, tuple[float, int]] = {}  # adapter id -> (heat at its last acquire, that time)
+        self._clock = 0  # acquires so far
         self.loads = 0  # placements so far (a metric)
 
-    def acquire(self, adapter_id: str, adapter: Adapter) -> int | None:
-        """Slot holding the adapter (placing it if needed), pinned; None if no room now."""
+    @property
+    def num_pinned(self) -> int:
+        return len(self.pinned)
+
+    def acquire(self, adapter_id: str, adapter: Adapter, keep: Collection[str] = ()) -> int | None:
+        """Slot holding the adapter (placing it if needed), referenced; None if no room
+        now. ``keep``: adapter ids not to evict for the room (waiting requests need them)."""
         slot = self.slot_of.get(adapter_id)
         if slot is None:
-            slot = self._place(adapter_id, adapter)
+            slot = self._place(adapter_id, adapter, keep)
             if slot is None:
                 return None
         self._idle.pop(slot, None)
         self.refs[slot] += 1
+        self._clock += 1
+        self._heat[adapter_id] = (self.heat(adapter_id) + 1.0, self._clock)
         return slot
 
     def release(self, slot: int) -> None:
@@ -54,13 +76,38 @@ class AdapterSlots:
             else:
                 self._idle[slot] = self._id_in(slot)
 
+    def pin(self, adapter_id: str, adapter: Adapter) -> int:
+        """Place the adapter now and keep it resident until it is evicted. CapacityError
+        if that would pin every slot, or if no slot can be freed now."""
+        if adapter_id in self.pinned:
+            return self.slot_of[adapter_id]
+        if self.num_pinned + 1 >= self.num_slots:
+            raise CapacityError(
+                f"cannot pin adapter {adapter_id!r}: {self.num_pinned} of {self.num_slots} adapter slots are "
+                "pinned and at least one must stay free for unpinned adapters; raise max_loras or unload a "
+                "pinned adapter"
+            )
+        slot = self.acquire(adapter_id, adapter)
+        if slot is None:
+            raise CapacityError(
+                f"cannot pin adapter {adapter_id!r} now: every adapter slot (or the LoRA pool rows it needs) is "
+                "held by running requests or pinned adapters; retry when requests finish, or raise max_loras "
+                "or lora_pool_rows"
+            )
+        self.pinned.add(adapter_id)
+        return slot
+
     def evict(self, adapter_id: str) -> None:
-        """Free the adapter's slot now, or, while requests still use it, as soon as
-        they finish; either way the id no longer maps to it (a new adapter loaded
-        under the same id gets a fresh placement)."""
+        """Unpin the adapter and free its slot now, or, while requests still use it, as soon
+        as they finish; either way the id no longer maps to it (a new adapter loaded
+        under the same id gets a fresh placement and starts cold)."""
+        self._heat.pop(adapter_id, None)
         slot = self.slot_of.get(adapter_id)
         if slot is None:
             return
+        if adapter_id in self.pinned:
+            self.pinned.discard(adapter_id)
+            self.refs[slot] -= 1
         if self.refs[slot] == 0:
             self._clear(slot)
         else:
@@ -70,10 +117,17 @@ class AdapterSlots:
     def is_resident(self, adapter_id: str) -> bool:
         return adapter_id in self.slot_of
 
+    def heat(self, adapter_id: str) -> float:
+        """The adapter's decayed acquire count now (0 if never acquired)."""
+        value, at = self._heat.get(adapter_id, (0.0, self._clock))
+        if at == self._clock:
+            return value
+        return value * 0.5 ** ((self._clock - at) / self.half_life) if self.half_life > 0 else 0.0
+
     def _id_in(self, slot: int) -> str:
         return next(a for a, s in self.slot_of.items() if s == slot)
 
-    def _place(self, adapter_id: str, adapter: Adapter) -> int | None:
+    def _place(self, adapter_id: str, adapter: Adapter, keep: Collection[str]) -> int | None:
         while True:
             if self._free_slots:
                 slot = self._free_slots.pop(0)
@@ -83,9 +137,15 @@ class AdapterSlots:
                     self.loads += 1
                     return slot
                 self._free_slots.insert(0, slot)
-            if not self._idle:
+            victim = self._victim(keep)
+            if victim is None:
                 return None
-            self._clear(next(iter(self._idle)))
+            self._clear(victim)
+
+    def _victim(self, keep: Collection[str]) -> int | None:
+        """The idle slot of least heat, not kept; ties go to the longest idle."""
+        candidates = [slot for slot, adapter_id in self._idle.items() if adapter_id not in keep]
+        return min(candidates, key=lambda slot: self.heat(self._idle[slot]), default=None)
 
     def _place_in(self, slot: int, adapter: Adapter) -> bool:
         placed: list[Pool] = []

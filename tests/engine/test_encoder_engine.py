@@ -80,3 +80,17 @@ def test_encoder_refusals(engine, tmp_path):
     with pytest.raises(AdapterError):
         engine.load_adapter("bad", FIXTURES / "llama-houlsby")
     assert "bad" not in engine.list_adapters()
+
+
+def test_pinned_adapter_leaves_batches_to_the_other_slots(engine):
+    tight = Engine.from_pretrained(default_encoder_dir(), max_loras=2)
+    tight.load_adapter("houlsby", FIXTURES / "minilm-houlsby", pinned=True)
+    tight.load_adapter("pfeiffer", FIXTURES / "minilm-pfeiffer")
+    tight.load_adapter("sentiment", EXAMPLES / "sentiment-lora")
+    texts = ["a fine film", "dull", "the cast is great"]
+    ids = ["pfeiffer", "sentiment", "houlsby"] * len(texts)  # two unpinned adapters, one free slot
+    rows = [t for t in texts for _ in range(3)]
+    for got, want in zip(tight.classify(rows, ids), engine.classify(rows, ids)):
+        assert got.label == want.label
+        assert torch.allclose(torch.tensor(got.probabilities), torch.tensor(want.probabilities), atol=1e-5)
+    assert tight.slots.is_resident("houlsby") and tight.slots.num_pinned == 1
