@@ -34,3 +34,7 @@ class AccessDenied(PermissionError):
 
 class Unauthenticated(PermissionError):
     """No API key, or an API key that no tenant owns."""
+
+
+class EngineDied(RuntimeError):
+    """The engine's process exited: its requests failed and the replica must restart."""

@@ -4,6 +4,10 @@ and through the in-process engine, on one machine, one after the other.
     PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --device cuda
     PYTHONPATH=. python benchmarks/server_overhead.py --smoke          # CPU, tiny model
 
+The server runs its engine in a child process of the replica (`engine_process: true`,
+row "server"), and, unless --no-inproc, again inside the replica's process as before
+the split (row "server-inproc").
+
 Reports medians of time to first token, whole-request latency and the gap between
 streamed chunks, for one request at a time (latency) and for a concurrent batch,
 and the differences: the added latency per request and per streamed token.
@@ -80,13 +84,15 @@ def _engine_rows(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches
     return rows
 
 
-def _server_rows(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int]) -> dict:
+def _server_rows(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int],
+                 engine_process: bool) -> dict:
     import ray
 
     from adapterserve.clients.client import AsyncClient
     from adapterserve.server import launch
 
     config = {"model": str(path), "engine": engine_cfg, "encoder": False, "store": tempfile.mkdtemp(),
+              "engine_process": engine_process,
               "replica": {"max_ongoing_requests": 512, "max_queued_requests": 1024}}
     endpoints = launch.start(config, grpc_port=_free_port(), http_port=_free_port())
     try:
@@ -110,6 +116,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--no-inproc", action="store_true", help="skip the server with the engine in the replica")
     args = parser.parse_args()
     if args.smoke:
         args.model, args.device, args.requests, args.max_tokens = "tiny", "cpu", 8, 8
@@ -120,20 +127,30 @@ def main() -> None:
     vocab = 500 if args.model == "tiny" else 32000
     prompts = [torch.randint(3, vocab, (256 if args.model != "tiny" else 16,)).tolist() for _ in range(args.requests)]
     batches = [1, min(16, args.requests)]
-    local = _engine_rows(path, engine_cfg, prompts[: max(batches) * 2], args.max_tokens, batches)
-    served = _server_rows(path, engine_cfg, prompts[: max(batches) * 2], args.max_tokens, batches)
+    paths = {"engine": _engine_rows(path, engine_cfg, prompts[: max(batches) * 2], args.max_tokens, batches)}
+    for label, own_process in (("server", True), ("server-inproc", False)):
+        if own_process or not args.no_inproc:
+            paths[label] = _server_rows(path, engine_cfg, prompts[: max(batches) * 2], args.max_tokens, batches,
+                                        own_process)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; medians in ms")
-    print(f"{'path':<10}{'conc':>5}{'ttft':>9}{'total':>10}{'gap':>8}")
-    for label, rows in (("engine", local), ("server", served)):
-        for c, r in rows.items():
-            print(f"{label:<10}{c:>5}{r['ttft']:>9.2f}{r['total']:>10.2f}{r['gap']:>8.3f}")
-    for c in batches:
-        added = served[c]["total"] - local[c]["total"]
-        per_token = served[c]["gap"] - local[c]["gap"]
-        print(f"concurrency {c}: server adds {served[c]['ttft'] - local[c]['ttft']:.2f} ms to first token, "
-              f"{added:.2f} ms per request, {per_token:.3f} ms per streamed token (targets < 2 ms, < 0.5 ms)")
+    _report(paths, batches)
 
+
+def _report(paths: dict[str, dict], batches: list[int]) -> None:
+    print(f"{'path':<15}{'conc':>5}{'ttft':>9}{'total':>10}{'gap':>8}")
+    for label, rows in paths.items():
+        for c, r in rows.items():
+            print(f"{label:<15}{c:>5}{r['ttft']:>9.2f}{r['total']:>10.2f}{r['gap']:>8.3f}")
+    local = paths["engine"]
+    for label, served in paths.items():
+        if label == "engine":
+            continue
+        for c in batches:
+            added = served[c]["total"] - local[c]["total"]
+            per_token = served[c]["gap"] - local[c]["gap"]
+            print(f"{label}, concurrency {c}: adds {served[c]['ttft'] - local[c]['ttft']:.2f} ms to first token, "
+                  f"{added:.2f} ms per request, {per_token:.3f} ms per streamed token (targets < 2 ms, < 0.5 ms)")
 
 if __name__ == "__main__":
     main()

@@ -4,7 +4,9 @@ A request names its adapter by content hash (`multiplexed_model_id`), so Serve
 routes it to a replica that already holds it. Loading reads the files from the
 store into the host cache and registers the adapter with the engine, all off
 the event loop, so running requests keep streaming while another adapter loads.
-Many requests run at once on one replica: the engine batches them.
+Many requests run at once on one replica: the engine batches them. The engine runs
+in a child process of its own (`engine_process: true`, the default), so this
+process's event loop only relays chunks; `false` keeps it in this process.
 
 The same class serves the generation backbone (role "model": Generate) and the
 encoder (role "encoder": Classify and Embed, with the example adapters
@@ -25,16 +27,16 @@ from adapterserve.adapters_store.cache import HostAdapterCache
 from adapterserve.adapters_store.formats.read import read_adapter
 from adapterserve.adapters_store.records import AdapterVersion
 from adapterserve.adapters_store.store import open_store
-from adapterserve.engine.encoder_engine import EncoderEngine
-from adapterserve.engine.engine import Engine
 from adapterserve.engine.request import EmbedOutput
 from adapterserve.errors import (
     AdapterError,
     AdapterIntegrityError,
     AdapterNotFound,
     CapacityError,
+    EngineDied,
     RequestError,
 )
+from adapterserve.server.engine_process import start_engine
 from adapterserve.server.loaded import LoadedAdapter
 from adapterserve.server.metrics import ReplicaMetrics
 from adapterserve.server.validation import describe_adapter
@@ -43,7 +45,7 @@ ADAPTER_KINDS = ("lora", "ia3", "prompt_tuning", "p_tuning", "prefix_tuning", "b
 ENCODER_ADAPTER_KINDS = ("lora", "ia3", "bottleneck", "classifier_head")
 ROLES = {"model": ("model", "model_id", "engine"), "encoder": ("encoder", "encoder_id", "encoder_engine")}
 # Errors a request can meet in the replica; sent back as data so their type survives Ray.
-_REQUEST_ERRORS = (AdapterError, AdapterNotFound, AdapterIntegrityError, RequestError, CapacityError)
+_REQUEST_ERRORS = (AdapterError, AdapterNotFound, AdapterIntegrityError, RequestError, CapacityError, EngineDied)
 _MAX_LOAD_ATTEMPTS = 3
 
 
@@ -51,7 +53,7 @@ _MAX_LOAD_ATTEMPTS = 3
 class EngineReplica:
     def __init__(self, config: dict[str, Any], role: str = "model") -> None:
         path_key, id_key, engine_key = ROLES[role]
-        self.engine = Engine.from_pretrained(config[path_key], **config[engine_key])
+        self.engine = start_engine(config[path_key], config[engine_key], own_process=config["engine_process"])
         self.backbone_id: str = config[id_key]
         self.store = open_store(config["store"], **config["store_options"])
         self.cache = HostAdapterCache(config["host_cache_bytes"], self._read, fetch=self.store.fetch)
@@ -79,7 +81,17 @@ class EngineReplica:
         return {**describe_adapter(self._read(path)), "backbone": self.backbone_id}
 
     def _read(self, path):
-        return read_adapter(path, self.engine.backbone_spec, self.engine.adapter_limits)
+        return read_adapter(path, self.engine.facts.backbone_spec, self.engine.facts.adapter_limits)
+
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose engine process died is restarted."""
+        if not self.engine.alive:
+            raise EngineDied("the engine process is gone; this replica must restart")
+
+    def __del__(self) -> None:  # Serve calls it on a graceful shutdown
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
 
     # adapters
 
@@ -88,7 +100,7 @@ class EngineReplica:
         self.metrics.lookup("host", version in self.cache)
         lora = await asyncio.to_thread(self.cache.get_or_load, version)
         engine_id = f"{version.ref}#{next(self._ids)}"
-        await asyncio.to_thread(self.engine.add_adapter, engine_id, lora)
+        await self.engine.add_adapter(engine_id, lora)
         self.metrics.adapter_loads.inc()
         loaded = LoadedAdapter(engine_id, self._unload)
         self._resident[content_hash] = loaded
@@ -100,11 +112,8 @@ class EngineReplica:
         for key, value in list(self._resident.items()):
             if value is loaded:
                 self._resident.pop(key, None)
-        try:
-            self.engine.unload_adapter(loaded.engine_id)
-            self.metrics.adapter_unloads.inc()
-        except AdapterNotFound:
-            pass
+        self.engine.discard_adapter(loaded.engine_id)
+        self.metrics.adapter_unloads.inc()
 
     async def _acquire(self, version: AdapterVersion) -> LoadedAdapter:
         """The engine registration of `version`, counted as in use by the caller."""
@@ -164,7 +173,7 @@ class EngineReplica:
         self._pooling += 1
         try:
             loaded = await self._acquire(version) if version else None
-            outputs = await asyncio.to_thread(task, request["texts"], loaded.engine_id if loaded else None)
+            outputs = await task(request["texts"], loaded.engine_id if loaded else None)
             return {key: [_plain(o) for o in outputs], "adapter": version.ref if version else ""}
         except _REQUEST_ERRORS as exc:
             return {"error": type(exc).__name__, "message": str(exc)}
@@ -174,17 +183,15 @@ class EngineReplica:
                 loaded.release()
 
     def _report_queues(self) -> None:
-        scheduler = getattr(self.engine, "scheduler", None)  # an encoder has none: it runs each call at once
-        if scheduler is None:
-            return
-        self.metrics.queues(len(scheduler.waiting), len(scheduler.running))
+        load = self.engine.last_load  # no RPC: what the engine process sent with its latest chunks
+        self.metrics.queues(load.waiting, load.running)
 
     # facts
 
-    def describe(self) -> dict[str, Any]:
+    async def describe(self) -> dict[str, Any]:
         """What the ingress and ServerInfo report: fixed facts and the current load."""
-        engine, spec = self.engine, self.engine.backbone_spec
-        encoder = isinstance(engine, EncoderEngine)
+        facts, load = self.engine.facts, await self.engine.load()
+        spec, encoder = facts.backbone_spec, facts.encoder
         static = {
             "backbone_id": self.backbone_id,
             "tasks": ["classify", "embed"] if encoder else ["generate"],
@@ -195,16 +202,16 @@ class EngineReplica:
             "num_kv_heads": spec.num_kv_heads,
             "head_dim": spec.head_dim,
             "layers_prefix": spec.layers_prefix,
-            "limits": dataclasses.asdict(engine.adapter_limits),
-            "vocab_size": engine.model_config.vocab_size,
-            "max_model_len": engine.max_length if encoder else engine.max_model_len,
+            "limits": dataclasses.asdict(facts.adapter_limits),
+            "vocab_size": facts.vocab_size,
+            "max_model_len": facts.max_model_len,
             "adapter_kinds": list(ENCODER_ADAPTER_KINDS if encoder else ADAPTER_KINDS),
-            "max_lora_rank": engine.config.max_lora_rank,
-            "num_kv_blocks": 0 if encoder else engine.blocks.num_blocks,
+            "max_lora_rank": facts.max_lora_rank,
+            "num_kv_blocks": facts.num_kv_blocks,
         }
         live = {
-            "free_kv_blocks": 0 if encoder else engine.blocks.num_free,
-            "running_requests": self._pooling + (0 if encoder else len(engine.requests)),
+            "free_kv_blocks": load.free_kv_blocks,
+            "running_requests": self._pooling + load.requests,
             "loaded_adapters": sorted(self._resident),
             "cancelled_requests": self._cancelled,
         }

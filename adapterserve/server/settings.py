@@ -37,6 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "encoder": None,  # encoder checkpoint for Classify/Embed; None = all-MiniLM-L6-v2, False = none
     "encoder_id": None,  # the encoder's name for clients; default: the directory's name
     "encoder_engine": {"device": "cpu", "dtype": "float32", "max_lora_rank": 64},  # its EngineConfig fields
+    "engine_process": True,  # each replica's engine in a child process (the replica only relays); False: in it
     "preload_adapters": None,  # {name: directory} published public at start; None = the examples
     "max_texts_per_request": 256,  # Classify/Embed texts in one call
     "max_upload_bytes": 2 << 30,

@@ -16,6 +16,7 @@ from adapterserve.errors import (
     AdapterIntegrityError,
     AdapterNotFound,
     CapacityError,
+    EngineDied,
     RequestError,
     Unauthenticated,
 )
@@ -34,6 +35,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (BackPressureError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeploymentUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (EngineDied, grpc.StatusCode.UNAVAILABLE),
     (AdapterIntegrityError, grpc.StatusCode.DATA_LOSS),
 )
 

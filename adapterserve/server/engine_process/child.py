@@ -1,0 +1,134 @@
+"""The engine process: one engine and its own asyncio loop, driven over a pipe.
+
+A reader thread hands each command to the loop. A stream becomes a task relaying
+the engine's stream; a call a task awaiting LocalEngine. What the tasks produce in
+one loop turn (after an engine step: every stream's new chunk) leaves in one
+message, so relaying costs one message per step, not one per token. The process
+ends on "close", when the pipe closes, or when its parent is gone.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from contextlib import aclosing
+from multiprocessing.connection import Connection
+from typing import Any
+
+from adapterserve.server.engine_process import wire
+from adapterserve.server.engine_process.local import LocalEngine
+
+_EXIT_GRACE_S = 10.0  # after the parent went away, how long the loop may take to stop
+
+
+def main(conn: Connection, model_dir: str, engine_kwargs: dict[str, Any], parent_pid: int) -> None:
+    """The process's target: build the engine, report its facts (or the failure), serve."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the parent to handle
+    try:
+        engine = LocalEngine.from_pretrained(model_dir, engine_kwargs)
+    except Exception as exc:
+        traceback.print_exc()
+        wire.send(conn, ("failed", wire.portable(exc)))
+        return
+    wire.send(conn, ("ready", engine.facts))
+    asyncio.run(EngineServer(engine, conn, parent_pid).serve())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # nothing left to clean up but the interpreter, whose teardown (torch) takes a second
+
+
+class EngineServer:
+    def __init__(self, engine: LocalEngine, conn: Connection, parent_pid: int) -> None:
+        self.engine, self.conn, self.parent_pid = engine, conn, parent_pid
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.outbox: list[tuple[int, bool, Any]] = []
+
+    async def serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.stopping = asyncio.Event()
+        threading.Thread(target=self._read, name="engine-commands", daemon=True).start()
+        await self.stopping.wait()
+        for task in list(self.tasks.values()):
+            task.cancel()  # aborts the engine requests
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    # commands
+
+    def _read(self) -> None:
+        """Reader thread: each command to the loop; on EOF (or an orphaned child) stop it."""
+        try:
+            while os.getppid() == self.parent_pid:
+                if self.conn.poll(1.0):
+                    self.loop.call_soon_threadsafe(self._handle, wire.recv(self.conn))
+        except (EOFError, OSError):
+            pass
+        except Exception:  # a command that does not unpickle: stop rather than leave its caller waiting
+            traceback.print_exc()
+        try:
+            self.loop.call_soon_threadsafe(self.stopping.set)
+        except RuntimeError:  # the loop already ended
+            return
+        time.sleep(_EXIT_GRACE_S)
+        os._exit(0)  # the loop did not stop (a step that never ends): nobody is left to serve
+
+    def _handle(self, message: tuple) -> None:
+        op, *args = message
+        if op == "stream":
+            self._start(args[0], self._stream(*args))
+        elif op == "call":
+            self._start(args[0], self._call(*args))
+        elif op == "abort" and args[0] in self.tasks:
+            self.tasks[args[0]].cancel()
+        elif op == "close":
+            self.stopping.set()
+
+    def _start(self, call_id: int, work) -> None:
+        task = self.loop.create_task(work)
+        self.tasks[call_id] = task
+        task.add_done_callback(lambda _: self.tasks.pop(call_id, None))
+
+    async def _stream(self, call_id: int, prompt, sampling, adapter_id, request_id) -> None:
+        try:
+            async with aclosing(self.engine.stream(prompt, sampling, adapter_id, request_id)) as chunks:
+                first = True
+                async for out in chunks:
+                    self._post(call_id, True, out if first else (out.token_ids, out.text, out.finish_reason))
+                    first = False
+        except Exception as exc:
+            self._post(call_id, False, wire.portable(exc))
+
+    async def _call(self, call_id: int, method: str, args: tuple) -> None:
+        try:
+            if method not in wire.CALLS:
+                raise RuntimeError(f"the engine process has no call {method!r}")
+            result = await getattr(self.engine, method)(*args)
+        except Exception as exc:
+            self._post(call_id, False, wire.portable(exc))
+        else:
+            self._post(call_id, True, result)
+
+    # replies
+
+    def _post(self, call_id: int, ok: bool, value: Any) -> None:
+        if not self.outbox:
+            self.loop.call_soon(self._flush)  # after every task this loop turn woke
+        self.outbox.append((call_id, ok, value))
+
+    def _flush(self) -> None:
+        entries, self.outbox = self.outbox, []
+        try:
+            self._send(entries)
+        except Exception as exc:  # a value that does not pickle: its callers must not wait forever
+            traceback.print_exc()
+            error = RuntimeError(f"the engine process could not send a result: {type(exc).__name__}: {exc}")
+            self._send([(call_id, False, error) for call_id, _, _ in entries])
+
+    def _send(self, entries: list[tuple[int, bool, Any]]) -> None:
+        try:
+            wire.send(self.conn, (entries, self.engine.last_load))
+        except OSError:  # the parent is gone
+            self.stopping.set()

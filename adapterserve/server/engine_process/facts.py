@@ -1,0 +1,44 @@
+"""What a replica knows about its engine without touching it: fixed facts, read once
+at start, and the current load, read on demand (by RPC when the engine is elsewhere)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from adapterserve.adapters_store.formats.read import AdapterLimits
+from adapterserve.adapters_store.formats.types import BackboneSpec
+from adapterserve.engine.encoder_engine import EncoderEngine
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    backbone_spec: BackboneSpec
+    adapter_limits: AdapterLimits
+    encoder: bool  # classify/embed only (an EncoderEngine)
+    vocab_size: int
+    max_model_len: int
+    max_lora_rank: int
+    num_kv_blocks: int  # 0 for an encoder
+
+    @classmethod
+    def of(cls, engine) -> EngineFacts:
+        encoder = isinstance(engine, EncoderEngine)
+        return cls(
+            engine.backbone_spec, engine.adapter_limits, encoder, engine.model_config.vocab_size,
+            engine.max_length if encoder else engine.max_model_len, engine.config.max_lora_rank,
+            0 if encoder else engine.blocks.num_blocks,
+        )
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    free_kv_blocks: int = 0
+    requests: int = 0  # requests the engine holds (waiting or running)
+    waiting: int = 0
+    running: int = 0
+
+    @classmethod
+    def of(cls, engine) -> EngineLoad:
+        if isinstance(engine, EncoderEngine):  # runs each call at once: no queues
+            return cls()
+        scheduler = engine.scheduler
+        return cls(engine.blocks.num_free, len(engine.requests), len(scheduler.waiting), len(scheduler.running))

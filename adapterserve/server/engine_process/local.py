@@ -1,0 +1,75 @@
+"""LocalEngine: an engine in this process behind the async API a replica uses.
+
+EngineProcess offers the same API with the engine in a child process (which runs
+a LocalEngine). Decoders batch classify/embed with streams through their step
+loop; an EncoderEngine runs each call at once, off the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.engine.engine import Engine, Prompt
+from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput, SamplingParams
+from adapterserve.errors import AdapterNotFound
+from adapterserve.server.engine_process.facts import EngineFacts, EngineLoad
+
+AdapterIds = Sequence[str | None] | str | None
+
+
+class LocalEngine:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.facts = EngineFacts.of(engine)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, engine_kwargs: Mapping[str, Any] | None = None) -> LocalEngine:
+        return cls(Engine.from_pretrained(model_dir, **dict(engine_kwargs or {})))
+
+    async def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Engine.stream: closing it early (or cancelling its task) aborts the request."""
+        async with aclosing(self.engine.stream(prompt, sampling, adapter_id, request_id)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def classify(self, texts: Sequence[Prompt], adapter_ids: AdapterIds) -> list[ClassifyOutput]:
+        if self.facts.encoder:
+            return await asyncio.to_thread(self.engine.classify, texts, adapter_ids)
+        return await self.engine.classify_async(texts, adapter_ids)
+
+    async def embed(self, texts: Sequence[Prompt], adapter_ids: AdapterIds = None) -> list[EmbedOutput]:
+        if self.facts.encoder:
+            return await asyncio.to_thread(self.engine.embed, texts, adapter_ids)
+        return await self.engine.embed_async(texts, adapter_ids)
+
+    async def add_adapter(self, adapter_id: str, adapter: Adapter) -> None:
+        await asyncio.to_thread(self.engine.add_adapter, adapter_id, adapter)
+
+    async def unload_adapter(self, adapter_id: str) -> None:
+        await asyncio.to_thread(self.engine.unload_adapter, adapter_id)
+
+    def discard_adapter(self, adapter_id: str) -> None:
+        """Unload if loaded; callable from any thread, outside the event loop (Serve's evictions)."""
+        try:
+            self.engine.unload_adapter(adapter_id)
+        except AdapterNotFound:
+            pass
+
+    async def load(self) -> EngineLoad:
+        return self.last_load
+
+    @property
+    def last_load(self) -> EngineLoad:
+        return EngineLoad.of(self.engine)
+
+    @property
+    def alive(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass

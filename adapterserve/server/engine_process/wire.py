@@ -1,0 +1,45 @@
+"""The pipe between a replica and its engine process.
+
+Parent -> child, tuples:
+    ("stream", call_id, prompt, sampling, adapter_id, request_id)
+    ("call", call_id, method, args)       method in CALLS; a reply comes back
+    ("abort", call_id)                    cancel that stream or call (frees its KV blocks)
+    ("close",)
+Child -> parent: ("ready", EngineFacts) or ("failed", exception) once, then
+    (entries, EngineLoad) per loop turn, entries [(call_id, ok, value)]: a stream's
+    first chunk as a RequestOutput, later ones as (token_ids, text, finish_reason);
+    a call's result; or, when not ok, the exception to raise.
+
+Messages are pickled by value (adapter tensors included), not through
+multiprocessing's reducers: nothing is shared between the processes.
+"""
+from __future__ import annotations
+
+import pickle
+from multiprocessing.connection import Connection
+from typing import Any
+
+CALLS = frozenset({"classify", "embed", "add_adapter", "unload_adapter", "load"})
+
+
+def encode(message: Any) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def send(conn: Connection, message: Any) -> None:
+    conn.send_bytes(encode(message))
+
+
+def recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def portable(exc: BaseException) -> BaseException:
+    """`exc` if it crosses a pipe with its type and message intact, else a RuntimeError naming it."""
+    try:
+        copy = pickle.loads(pickle.dumps(exc))
+        if type(copy) is type(exc) and str(copy) == str(exc):
+            return exc
+    except Exception:
+        pass
+    return RuntimeError(f"{type(exc).__name__}: {exc}")
