@@ -79,15 +79,22 @@ def test_gpu_path_agrees_with_float32_reference(setup, dtype):
     assert same_first >= (0.8 if dtype == "bfloat16" else 0.95) * len(ids)
 
 
-def test_cuda_graph_decode_matches_eager(setup):
+def _two_engines(setup, option: str, values=(True, False)):
+    """Two bf16 GPU engines differing in one EngineConfig option, every adapter loaded;
+    with mixed-adapter request ids and random prompts."""
     model_dir, adapters = setup
-    engines = [Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", max_loras=8, cuda_graphs=g)
-               for g in (True, False)]
+    engines = [Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", max_loras=8, **{option: v})
+               for v in values]
     for engine in engines:
         for name, path in adapters.items():
             engine.load_adapter(name, path)
     ids = [None, *adapters] * 3
     prompts = [torch.randint(3, 2048, (int(torch.randint(1, 50, ())),)).tolist() for _ in ids]
+    return engines, ids, prompts
+
+
+def test_cuda_graph_decode_matches_eager(setup):
+    engines, ids, prompts = _two_engines(setup, "cuda_graphs")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     graphed, eager = (e.generate(prompts, params, adapter_ids=ids) for e in engines)
     assert engines[0].runner.graphs._graphs, "no decode step ran as a graph"
@@ -96,14 +103,7 @@ def test_cuda_graph_decode_matches_eager(setup):
 
 
 def test_lora_side_stream_gives_the_same_tokens_and_logits(setup):
-    model_dir, adapters = setup
-    engines = [Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", max_loras=8, lora_side_stream=s)
-               for s in (True, False)]
-    for engine in engines:
-        for name, path in adapters.items():
-            engine.load_adapter(name, path)
-    ids = [None, *adapters] * 3
-    prompts = [torch.randint(3, 2048, (int(torch.randint(1, 50, ())),)).tolist() for _ in ids]
+    engines, ids, prompts = _two_engines(setup, "lora_side_stream")
     (side_logits, side), (plain_logits, plain) = (_first_step_logits(e, prompts, ids) for e in engines)
     assert engines[0].runner.graphs._graphs, "no decode step ran as a graph"
     assert [o.token_ids for o in side] == [o.token_ids for o in plain]
