@@ -2,18 +2,18 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from adapterserve.engine.context import get_context
+from adapterserve.kernels import paged_decode_attention, paged_prefill_attention
 
 
 class PagedAttention(torch.nn.Module):
     """Writes this step's k/v into the cache, then attends each query to its
     sequence's cached context. The caches ([slots, Hkv, D]) are bound by the runner.
 
-    Decode-only steps on a GPU read the cache in place (Triton paged decode
-    kernel); steps with prefills gather each sequence's context and run batched
-    scaled-dot-product attention with a causal mask.
+    Both paths read the cache in place: decode-only steps through the paged decode
+    op, steps with prefills through the paged prefill op (Triton on a GPU, the
+    float32 twins on the CPU).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None) -> None:
@@ -25,28 +25,18 @@ class PagedAttention(torch.nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq * D]
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D] (None: already written with RoPE) -> [T, Hq * D]
         meta = get_context().attention
-        self.k_cache.index_copy_(0, meta.write_slots, k)
-        self.v_cache.index_copy_(0, meta.write_slots, v)
-        if meta.decode and q.is_cuda:
-            return self._decode(q, meta)
-        return self._batched(q, meta)
-
-    def _decode(self, q: torch.Tensor, meta) -> torch.Tensor:
-        from adapterserve.kernels.attention import paged_decode_attention
-
+        if k is not None:
+            self.k_cache.index_copy_(0, meta.write_slots, k)
+            self.v_cache.index_copy_(0, meta.write_slots, v)
         out = torch.empty_like(q)
-        paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, meta.kv_start,
-                               meta.page_size, self.window, out)
+        if meta.decode:
+            paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
+                                   meta.kv_start, meta.page_size, self.window, out)
+        else:
+            paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
+                                    meta.kv_start, meta.cu_q, meta.tiles, meta.page_size, self.window, out)
         return out.view(q.shape[0], self.num_heads * self.head_dim)
-
-    def _batched(self, q: torch.Tensor, meta) -> torch.Tensor:
-        keys = self.k_cache[meta.kv_slots].transpose(1, 2)  # [B, Hkv, Kmax, D]
-        values = self.v_cache[meta.kv_slots].transpose(1, 2)
-        queries = q[meta.query_pad].transpose(1, 2)  # [B, Hq, Qmax, D]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.masks[self.window], enable_gqa=True)
-        batch, _, qmax, _ = out.shape
-        out = out.transpose(1, 2).reshape(batch * qmax, self.num_heads * self.head_dim)
-        return out[meta.token_pad]

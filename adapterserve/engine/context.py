@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from adapterserve.kernels.metadata import AdapterBatchMeta
+from adapterserve.kernels.prefill_tiles import PrefillTiles
 
 
 @dataclass
@@ -26,10 +27,9 @@ class AttentionMeta:
     kv_start:     [B] int32 first valid kv index
     page_size:    tokens per block
     decode:       True when every sequence has exactly one new token (host bool)
-    For batches with prefills, padded views for batched attention:
-    query_pad:    [B, Qmax] token index of each padded query; token_pad: [T] its place
-    kv_slots:     [B, Kmax] cache slot of every kv index (padding: 0)
-    masks:        window (None: full) -> [B, 1, Qmax, Kmax] bool, True where a query may attend
+    For steps with prefills (decode False):
+    cu_q:         [B + 1] int32 first token row of each sequence's new tokens (cu_seqlens)
+    tiles:        query tiles for the paged prefill kernel (no tile straddles sequences)
     """
 
     write_slots: torch.Tensor
@@ -38,10 +38,8 @@ class AttentionMeta:
     kv_start: torch.Tensor
     page_size: int
     decode: bool
-    query_pad: torch.Tensor | None = None
-    token_pad: torch.Tensor | None = None
-    kv_slots: torch.Tensor | None = None
-    masks: dict | None = None
+    cu_q: torch.Tensor | None = None
+    tiles: PrefillTiles | None = None
 
 
 @dataclass

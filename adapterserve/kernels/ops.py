@@ -50,3 +50,29 @@ def ia3_scale(x: torch.Tensor, scales: torch.Tensor, meta: AdapterBatchMeta) -> 
         ia3.ia3_scale(x, scales, meta)
     else:
         reference.ia3_scale(x, scales, meta)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size, window, out) -> None:
+    """See attention.paged_decode_attention."""
+    if _on_gpu(q):
+        from adapterserve.kernels import attention
+
+        attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size,
+                                         window, out)
+    else:
+        reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size,
+                                         window, out)
+
+
+def paged_prefill_attention(
+    q, k_cache, v_cache, block_tables, context_lens, kv_start, cu_q, tiles, page_size, window, out
+) -> None:
+    """See prefill_attention.paged_prefill_attention."""
+    if _on_gpu(q):
+        from adapterserve.kernels import prefill_attention
+
+        prefill_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, cu_q,
+                                                  tiles, page_size, window, out)
+    else:
+        reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, cu_q, tiles,
+                                          page_size, window, out)

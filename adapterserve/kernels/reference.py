@@ -135,3 +135,28 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, kv_s
         values = v_cache[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[b].float(), keys) * head_dim ** -0.5
         out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values).to(out.dtype)
+
+
+def paged_prefill_attention(
+    q, k_cache, v_cache, block_tables, context_lens, kv_start, cu_q, tiles, page_size, window, out
+) -> None:
+    """Float32 twin of kernels.prefill_attention.paged_prefill_attention (same
+    semantics; the tile list is not needed here)."""
+    group = q.shape[1] // k_cache.shape[1]
+    cu, lens, starts = cu_q.tolist(), context_lens.tolist(), kv_start.tolist()
+    for b in range(len(lens)):
+        rows, length = slice(cu[b], cu[b + 1]), lens[b]
+        n = cu[b + 1] - cu[b]
+        if n == 0:
+            continue
+        j = torch.arange(starts[b], length, device=q.device)
+        slots = block_tables[b, j // page_size].long() * page_size + j % page_size
+        keys = k_cache[slots].float().repeat_interleave(group, dim=1)  # [K, Hq, D]
+        values = v_cache[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[rows].float(), keys) * q.shape[2] ** -0.5
+        query_kv = torch.arange(length - n, length, device=q.device)[:, None]
+        visible = j[None, :] <= query_kv
+        if window is not None:
+            visible &= j[None, :] > query_kv - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(out.dtype)
