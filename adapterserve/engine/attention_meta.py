@@ -28,9 +28,8 @@ class SequenceLayout:
 
 
 def build_attention_meta(
-    layouts: list[SequenceLayout], page: int, windows: list[int | None], device: torch.device
+    layouts: list[SequenceLayout], page: int, device: torch.device
 ) -> AttentionMeta:
-    """windows is unused (the kernels apply each layer's window); kept for the runner's call."""
     batch = len(layouts)
     max_pages = max(len(s.pages) for s in layouts)
     tables = np.zeros((batch, max_pages), dtype=np.int32)

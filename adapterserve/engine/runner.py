@@ -74,7 +74,6 @@ class ModelRunner:
         for attn in model.attention_layers():
             attn.k_cache = torch.zeros(num_cache_slots, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros_like(attn.k_cache)
-        self.windows = sorted({w for w in cfg.sliding_windows if w is not None})
         self.lora_workspace = torch.empty(3, max_tokens, max(max_rank, 1), dtype=self.dtype, device=self.device)
         self.sampled = torch.zeros(max_tokens, dtype=torch.long, device=self.device)  # last step's token ids
         self.generator = torch.Generator(device=self.device)
@@ -154,9 +153,8 @@ class ModelRunner:
 
     def _device_batch(self, host: _HostBatch) -> tuple[torch.Tensor, torch.Tensor, BatchContext]:
         dev = self.device
-        windows = list(self.windows) + [None]
         ctx = BatchContext(
-            attention=build_attention_meta(host.layouts, self.blocks.block_size, windows, torch.device(dev)),
+            attention=build_attention_meta(host.layouts, self.blocks.block_size, torch.device(dev)),
             lora=None,
             lora_workspace=self.lora_workspace,
             logits_rows=to_device(host.last_rows, dev, torch.long),
