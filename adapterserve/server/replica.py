@@ -39,6 +39,7 @@ from adapterserve.errors import (
 from adapterserve.server.engine_process import start_engine
 from adapterserve.server.loaded import LoadedAdapter
 from adapterserve.server.metrics import ReplicaMetrics
+from adapterserve.server.relay import RelayPacer
 from adapterserve.server.validation import describe_adapter
 
 ADAPTER_KINDS = ("lora", "ia3", "prompt_tuning", "p_tuning", "prefix_tuning", "bottleneck", "classifier_head")
@@ -63,6 +64,7 @@ class EngineReplica:
         self._ids = itertools.count()
         self._cancelled = 0  # requests stopped because the caller went away
         self._pooling = 0  # classify/embed calls in progress
+        self._pacer = RelayPacer(config["relay_chunk_ms"] / 1000)
 
         async def load(content_hash: str) -> LoadedAdapter:  # a plain function: Serve keeps its LRU on it
             return await self._load(content_hash)
@@ -140,15 +142,9 @@ class EngineReplica:
                 request_id=request["request_id"],
             )
             async with aclosing(stream):  # closing it aborts the engine request (frees its KV blocks)
-                first = True
-                async for out in stream:
-                    chunk = {"request_id": out.request_id, "token_ids": out.token_ids, "text": out.text,
-                             "finish_reason": out.finish_reason}
-                    if first:
-                        chunk.update(adapter=version.ref if version else "", prompt_tokens=len(out.prompt_token_ids))
-                        first = False
-                    self._report_queues()
-                    yield chunk
+                with self._pacer.stream():
+                    async for chunk in self._chunks(stream, version):
+                        yield chunk
         except _REQUEST_ERRORS as exc:
             yield {"error": type(exc).__name__, "message": str(exc)}
         except (asyncio.CancelledError, GeneratorExit):  # the caller went away
@@ -158,6 +154,20 @@ class EngineReplica:
             if loaded is not None:
                 loaded.release()
             self._report_queues()
+
+    async def _chunks(self, stream, version: AdapterVersion | None) -> AsyncIterator[dict[str, Any]]:
+        """The engine's outputs as chunks, paced (server/relay.py) while other streams run."""
+        first = True
+        async for out in stream:
+            chunk = {"request_id": out.request_id, "token_ids": out.token_ids, "text": out.text,
+                     "finish_reason": out.finish_reason}
+            if first:
+                chunk.update(adapter=version.ref if version else "", prompt_tokens=len(out.prompt_token_ids))
+                first = False
+            self._report_queues()
+            yield chunk
+            if out.finish_reason is None and (pause := self._pacer.pause_s()):
+                await asyncio.sleep(pause)  # tokens arriving meanwhile leave as one chunk
 
     async def classify(self, request: dict[str, Any]) -> dict[str, Any]:
         """{"results": [ClassifyOutput fields]} or {"error", "message"}."""

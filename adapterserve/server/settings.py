@@ -38,6 +38,7 @@ DEFAULTS: dict[str, Any] = {
     "encoder_id": None,  # the encoder's name for clients; default: the directory's name
     "encoder_engine": {"device": "cpu", "dtype": "float32", "max_lora_rank": 64},  # its EngineConfig fields
     "engine_process": True,  # each replica's engine in a child process (the replica only relays); False: in it
+    "relay_chunk_ms": 0.5,  # streams pace their chunks by this much per other running stream (server/relay.py)
     "preload_adapters": None,  # {name: directory} published public at start; None = the examples
     "max_texts_per_request": 256,  # Classify/Embed texts in one call
     "max_upload_bytes": 2 << 30,

@@ -1,0 +1,35 @@
+"""Pacing of streamed chunks through Ray Serve.
+
+Every chunk a replica yields costs the Serve path (replica -> ingress -> gRPC proxy)
+a fixed amount of work, whatever it carries; measured on an H100 about 0.6 ms, so
+16 streams at one chunk per 1.5 ms decode step overrun it sixfold. A paced stream
+waits (streams - 1) x chunk_cost_s after each chunk it relays, then takes every
+token that arrived meanwhile as one merged chunk (the engine's streams merge what
+waited). One stream alone is never delayed; many together share a bounded chunk
+rate of about 1 / chunk_cost_s per replica, and carry several tokens per chunk.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class RelayPacer:
+    def __init__(self, chunk_cost_s: float) -> None:
+        if chunk_cost_s < 0:
+            raise ValueError(f"relay chunk cost must be >= 0, got {chunk_cost_s}")
+        self.chunk_cost_s = chunk_cost_s
+        self.streams = 0  # streams relaying now
+
+    @contextmanager
+    def stream(self) -> Iterator[None]:
+        """Counts one relaying stream for as long as the block runs."""
+        self.streams += 1
+        try:
+            yield
+        finally:
+            self.streams -= 1
+
+    def pause_s(self) -> float:
+        """How long a stream waits after relaying a chunk, with this many streams running."""
+        return max(0, self.streams - 1) * self.chunk_cost_s
