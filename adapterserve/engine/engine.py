@@ -64,18 +64,20 @@ class Engine(AdapterHost):
         self.runner = ModelRunner(
             model, self.blocks, config.max_loras, config.max_lora_rank, config.max_num_batched_tokens, config.seed
         )
-        self.slots = AdapterSlots(config.max_loras, self._pools())
+        on_gpu = torch.device(config.device).type == "cuda"
+        copy_stream = torch.cuda.Stream(device=config.device) if on_gpu else None
+        self.slots = AdapterSlots(config.max_loras, self._pools(), copy_stream=copy_stream)
         self.runner.families_of = self._families_of
         self.runner.prefix_pages = self.prefix_pool.pages.__getitem__
-        if config.lora_side_stream and torch.device(config.device).type == "cuda":
+        if config.lora_side_stream and on_gpu:
             side = torch.cuda.Stream(device=config.device)
             for _, linear in model.adapter_linears():
                 linear.side_stream = side
-        if config.cuda_graphs and torch.device(config.device).type == "cuda":
+        if config.cuda_graphs and on_gpu:
             pages = -(-self.max_model_len // config.block_size) + -(-config.max_virtual_tokens // config.block_size)
             self.runner.enable_cuda_graphs(config.max_num_seqs, pages)
             self.runner.graph_signature = self.bottleneck_pools.activations
-        self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release)
+        self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release, self.slots.is_ready)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, asyncio.Queue] = {}
         self._pooling: dict[str, tuple[Request, asyncio.Future]] = {}  # async classify/embed waiters

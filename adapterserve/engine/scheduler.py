@@ -2,8 +2,9 @@
 
 A step holds every running request's next token (decode) plus as many waiting
 prompts (prefill) as the token budget, the KV cache and the adapter slots allow.
-A waiting request is admitted only once its adapter has a slot; a request whose
-adapter cannot be placed now is passed over, not blocking the rest. Placing an
+A waiting request is admitted only once its adapter has a slot and the adapter's
+copies into it have landed; a request whose adapter cannot be placed now, or is
+still loading, is passed over, not blocking the rest. Placing an
 adapter never evicts one that other waiting requests need, except for the oldest
 waiting request, so a stream of requests for resident adapters cannot starve a
 request for a cold one. When the KV
@@ -38,12 +39,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, blocks: BlockManager, acquire: AcquireSlot, release: ReleaseSlot
+        self, config: EngineConfig, blocks: BlockManager, acquire: AcquireSlot, release: ReleaseSlot,
+        slot_ready: Callable[[int], bool] = lambda slot: True,
     ) -> None:
         self.config = config
         self.blocks = blocks
         self.acquire = acquire
         self.release = release
+        self.slot_ready = slot_ready  # whether a slot's adapter copies have landed on the device
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -94,6 +97,10 @@ class Scheduler:
             if request.adapter_id is not None:
                 slot = self.acquire(request.adapter_id, () if request is oldest else needed)
                 if slot is None:
+                    passed_over.append(request)
+                    continue
+                if not self.slot_ready(slot):  # its weights are still being copied in
+                    self.release(slot)
                     passed_over.append(request)
                     continue
                 request.slot = slot

@@ -13,12 +13,20 @@ time counted in acquires (one per admitted request):
 
 Frequent use and recent use both keep an adapter resident; half_life -> 0 is LRU
 (ties go to the longest idle), half_life -> inf least frequently used.
+
+On a GPU, placing copies on a stream of its own (after the work already queued on
+the compute stream, so nothing still reading a freed slot or block is overwritten),
+and ``is_ready`` tells when those copies have landed: the scheduler admits an
+adapter's requests only then, so decode steps never queue behind a load.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from typing import Protocol
+
+import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.errors import CapacityError
@@ -36,9 +44,12 @@ class Pool(Protocol):
 
 
 class AdapterSlots:
-    def __init__(self, num_slots: int, pools: list[Pool], half_life: float | None = None) -> None:
+    def __init__(self, num_slots: int, pools: list[Pool], half_life: float | None = None,
+                 copy_stream: torch.cuda.Stream | None = None) -> None:
         self.num_slots = num_slots
         self.pools = pools
+        self.copy_stream = copy_stream  # placements copy on it (None: on the current stream, at once)
+        self._landing: dict[int, torch.cuda.Event] = {}  # slot -> event of its placement's copies
         self.half_life = HALF_LIFE_PER_SLOT * num_slots if half_life is None else half_life  # in acquires
         self.slot_of: dict[str, int] = {}
         self.refs = [0] * num_slots
@@ -124,6 +135,14 @@ class AdapterSlots:
             return value
         return value * 0.5 ** ((self._clock - at) / self.half_life) if self.half_life > 0 else 0.0
 
+    def is_ready(self, slot: int) -> bool:
+        """Whether the slot's placement copies have landed (always, without a copy stream)."""
+        event = self._landing.get(slot)
+        if event is not None and not event.query():
+            return False
+        self._landing.pop(slot, None)
+        return True
+
     def _id_in(self, slot: int) -> str:
         return next(a for a, s in self.slot_of.items() if s == slot)
 
@@ -149,13 +168,27 @@ class AdapterSlots:
 
     def _place_in(self, slot: int, adapter: Adapter) -> bool:
         placed: list[Pool] = []
-        for pool in self.pools:
-            if not pool.place(slot, adapter):
-                for done in placed:
-                    done.clear(slot)
-                return False
-            placed.append(pool)
+        with self._copying(slot):
+            for pool in self.pools:
+                if not pool.place(slot, adapter):
+                    for done in placed:
+                        done.clear(slot)
+                    return False
+                placed.append(pool)
         return True
+
+    @contextmanager
+    def _copying(self, slot: int) -> Iterator[None]:
+        """Pool writes inside run on the copy stream, behind the compute stream's queued work."""
+        if self.copy_stream is None:
+            yield
+            return
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.copy_stream):
+            yield
+        event = torch.cuda.Event()
+        event.record(self.copy_stream)
+        self._landing[slot] = event
 
     def _clear(self, slot: int) -> None:
         self._idle.pop(slot, None)

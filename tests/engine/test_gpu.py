@@ -109,3 +109,14 @@ def test_lora_side_stream_gives_the_same_tokens_and_logits(setup):
     assert [o.token_ids for o in side] == [o.token_ids for o in plain]
     for a, b in zip(side_logits, plain_logits):
         assert torch.equal(a, b)  # same kernels, same order of sums: bit-identical
+
+
+def test_placements_copy_on_their_own_stream_and_report_when_landed(setup):
+    model_dir, adapters = setup
+    engine = Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", max_loras=8)
+    engine.load_adapter("r16", adapters["lora-r16"])
+    assert engine.slots.copy_stream is not None
+    slot = engine.slots.acquire("r16", engine.adapters["r16"])
+    torch.cuda.synchronize()
+    assert engine.slots.is_ready(slot)
+    engine.slots.release(slot)

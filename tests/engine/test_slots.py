@@ -327,3 +327,28 @@ def test_pinned_adapter_is_placed_at_once_and_stays_until_unloaded(llama_dir, tm
     assert engine.slots.num_pinned == 0 and not engine.slots.is_resident(pinned) and sum(engine.slots.refs) == 0
     engine.load_adapter(pinned, pinned_dir)
     assert not engine.slots.is_resident(pinned)  # unpinned adapters load on demand
+
+
+def test_requests_wait_until_their_adapters_copies_have_landed(llama_dir, tmp_path):
+    (name, path), = _adapters(llama_dir, tmp_path, [8]).items()
+    engine = Engine.from_pretrained(llama_dir)
+    engine.load_adapter(name, path)
+    expected = engine.generate([[5, 6, 7]], GREEDY, adapter_ids=[name])[0].token_ids
+    engine.unload_adapter(name)
+    engine.load_adapter(name, path)
+    landed = {"after": 3}  # the copies land on the fourth look
+
+    def slot_ready(slot: int) -> bool:
+        landed["after"] -= 1
+        return landed["after"] < 0
+
+    engine.scheduler.slot_ready = slot_ready
+    base = engine.add_request([9, 10, 11], GREEDY)
+    waiting = engine.add_request([5, 6, 7], GREEDY, name)
+    for _ in range(3):
+        engine.step()
+        assert waiting.status.value == "waiting" and waiting.slot == -1  # not admitted, base runs on
+    assert engine.slots.is_resident(name) and sum(engine.slots.refs) == 0  # placed, held by nobody yet
+    while engine.has_unfinished():
+        engine.step()
+    assert waiting.output_ids == expected and base.finish_reason == "length"
