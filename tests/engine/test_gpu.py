@@ -88,6 +88,10 @@ def _two_engines(setup, option: str, values=(True, False)):
     for engine in engines:
         for name, path in adapters.items():
             engine.load_adapter(name, path)
+        # place every adapter and let its copies land now: admission then does not depend on
+        # when a copy lands, so both engines schedule the same steps (eager or graph)
+        engine.generate([[1, 2, 3]] * len(adapters), SamplingParams(max_tokens=1), adapter_ids=list(adapters))
+        torch.cuda.synchronize()
     ids = [None, *adapters] * 3
     prompts = [torch.randint(3, 2048, (int(torch.randint(1, 50, ())),)).tolist() for _ in ids]
     return engines, ids, prompts
