@@ -44,16 +44,26 @@ from adapterserve.server.validation import describe_adapter
 
 ADAPTER_KINDS = ("lora", "ia3", "prompt_tuning", "p_tuning", "prefix_tuning", "bottleneck", "classifier_head")
 ENCODER_ADAPTER_KINDS = ("lora", "ia3", "bottleneck", "classifier_head")
-ROLES = {"model": ("model", "model_id", "engine"), "encoder": ("encoder", "encoder_id", "encoder_engine")}
+# role -> config keys of its checkpoint, backbone id, engine options and pinned adapters
+ROLES = {"model": ("model", "model_id", "engine", "pinned_adapters"),
+         "encoder": ("encoder", "encoder_id", "encoder_engine", "encoder_pinned_adapters")}
 # Errors a request can meet in the replica; sent back as data so their type survives Ray.
 _REQUEST_ERRORS = (AdapterError, AdapterNotFound, AdapterIntegrityError, RequestError, CapacityError, EngineDied)
 _MAX_LOAD_ATTEMPTS = 3
 
 
+def check_pinnable(version: AdapterVersion, backbone_id: str) -> None:
+    """A pinned adapter must have been validated for this replica's backbone."""
+    backbone = (version.info or {}).get("backbone")
+    if backbone is not None and backbone != backbone_id:
+        raise AdapterError(f"pinned adapter {version.ref!r} was validated for backbone {backbone!r}; this "
+                           f"replica serves {backbone_id!r}: list it under the other backbone's pinned adapters")
+
+
 @serve.deployment
 class EngineReplica:
-    def __init__(self, config: dict[str, Any], role: str = "model") -> None:
-        path_key, id_key, engine_key = ROLES[role]
+    async def __init__(self, config: dict[str, Any], role: str = "model") -> None:
+        path_key, id_key, engine_key, pinned_key = ROLES[role]
         self.engine = start_engine(config[path_key], config[engine_key], own_process=config["engine_process"])
         self.backbone_id: str = config[id_key]
         self.store = open_store(config["store"], **config["store_options"])
@@ -65,6 +75,7 @@ class EngineReplica:
         self._cancelled = 0  # requests stopped because the caller went away
         self._pooling = 0  # classify/embed calls in progress
         self._pacer = RelayPacer(config["relay_chunk_ms"] / 1000)
+        self._pinned: dict[str, LoadedAdapter] = {}  # content hash -> registration kept for good
 
         async def load(content_hash: str) -> LoadedAdapter:  # a plain function: Serve keeps its LRU on it
             return await self._load(content_hash)
@@ -72,11 +83,23 @@ class EngineReplica:
         self._adapter = serve.multiplexed(max_num_models_per_replica=config["max_adapters_per_replica"])(load)
         if role == "encoder":
             self._preload(config["preload_adapters"])
+        await self._pin(config[pinned_key])
 
     def _preload(self, adapters: dict[str, str]) -> None:
         """Publish each {name: directory} as a public adapter (a no-op when already stored)."""
         for name, path in adapters.items():
             self.store.publish(name, path, tenant=None, public=True, validator=self.validate)
+
+    async def _pin(self, refs: list[str]) -> None:
+        """Load each adapter ref into the engine now and keep it there (never evicted); a
+        ref that is unknown or made for another backbone fails the replica's start."""
+        for ref in refs:
+            version = await asyncio.to_thread(self.store.resolve, ref, tenant=None)
+            check_pinnable(version, self.backbone_id)
+            adapter = await asyncio.to_thread(self.cache.get_or_load, version)
+            engine_id = f"{version.ref}#pinned"
+            await self.engine.add_adapter(engine_id, adapter, pinned=True)
+            self._pinned[version.content_hash] = LoadedAdapter(engine_id, self._unload)
 
     def validate(self, path) -> dict[str, Any]:
         """Store validator for this backbone: what the store records, with the backbone's id."""
@@ -120,6 +143,9 @@ class EngineReplica:
     async def _acquire(self, version: AdapterVersion) -> LoadedAdapter:
         """The engine registration of `version`, counted as in use by the caller."""
         key = version.content_hash
+        pinned = self._pinned.get(key)
+        if pinned is not None and pinned.acquire():
+            return pinned
         for _ in range(_MAX_LOAD_ATTEMPTS):
             self.metrics.lookup("engine", key in self._resident)
             self._pending[key] = version  # read by _load if this call loads
@@ -222,7 +248,8 @@ class EngineReplica:
         live = {
             "free_kv_blocks": load.free_kv_blocks,
             "running_requests": self._pooling + load.requests,
-            "loaded_adapters": sorted(self._resident),
+            "loaded_adapters": sorted(self._resident.keys() | self._pinned.keys()),
+            "pinned_adapters": sorted(self._pinned),
             "cancelled_requests": self._cancelled,
         }
         return {"static": static, "live": live}

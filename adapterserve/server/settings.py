@@ -40,6 +40,8 @@ DEFAULTS: dict[str, Any] = {
     "engine_process": True,  # each replica's engine in a child process (the replica only relays); False: in it
     "relay_chunk_ms": 0.5,  # streams pace their chunks by this much per other running stream (server/relay.py)
     "preload_adapters": None,  # {name: directory} published public at start; None = the examples
+    "pinned_adapters": [],  # adapter refs (name or name@N) each generation replica loads at start and keeps
+    "encoder_pinned_adapters": [],  # the same for the encoder's replicas (e.g. ["sentiment"])
     "max_texts_per_request": 256,  # Classify/Embed texts in one call
     "max_upload_bytes": 2 << 30,
     "max_upload_files": 32,
@@ -92,6 +94,7 @@ def _merge(base: dict, overrides: Mapping, where: str) -> dict:
 def resolve_paths(config: dict[str, Any]) -> dict[str, Any]:
     """Expand '~' in local paths, write the default model if none is given, fill model_id."""
     config = copy.deepcopy(config)
+    _check_pinned(config)
     if "://" not in config["store"]:
         config["store"] = str(Path(config["store"]).expanduser().absolute())
     config["model"] = str(Path(config["model"]).expanduser().absolute()) if config["model"] else str(default_model())
@@ -126,6 +129,15 @@ def _resolve_encoder(config: dict[str, Any]) -> None:
     if config["preload_adapters"] is None:
         config["preload_adapters"] = example_adapters() if default else {}
     config["preload_adapters"] = {k: str(Path(v).expanduser().absolute()) for k, v in config["preload_adapters"].items()}
+
+
+def _check_pinned(config: dict[str, Any]) -> None:
+    for key in ("pinned_adapters", "encoder_pinned_adapters"):
+        refs = config[key]
+        if not isinstance(refs, list) or not all(isinstance(r, str) and r for r in refs):
+            raise ValueError(f"{key} must be a list of adapter refs (name or name@N), got {refs!r}")
+    if config["encoder_pinned_adapters"] and config["encoder"] is False:
+        raise ValueError("encoder_pinned_adapters is set but this server runs no encoder")
 
 
 def example_adapters() -> dict[str, str]:

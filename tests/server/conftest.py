@@ -77,6 +77,7 @@ def server(ray_session, tiny_model, tmp_path_factory) -> Server:
         "max_upload_bytes": MAX_UPLOAD_BYTES,
         "engine": {"max_lora_rank": 16, "max_loras": 4, "num_kv_blocks": NUM_KV_BLOCKS, "max_num_seqs": 8},
         "replica": {"max_ongoing_requests": MAX_ONGOING, "max_queued_requests": MAX_QUEUED},
+        "encoder_pinned_adapters": ["sentiment"],  # an example adapter, published by the encoder at start
     }
     (root / "config.json").write_text(json.dumps(overrides))
     grpc_port, http_port = free_port(), free_port()

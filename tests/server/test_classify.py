@@ -176,3 +176,19 @@ def test_async_client_classify(server):
 
     results, vectors = asyncio.run(run())
     assert results[0].label == "positive" and len(vectors[0]) == 384
+
+
+def test_a_pinned_adapter_is_loaded_at_start_and_kept(server):
+    from ray import serve
+
+    from adapterserve.adapters_store.store import open_store
+    from adapterserve.server.settings import DEFAULTS
+
+    app = server.config.get("app_name", DEFAULTS["app_name"])
+    sentiment = open_store(str(server.store_dir)).resolve("sentiment", tenant=None)
+    handle = serve.get_deployment_handle("EncoderReplica", app_name=app)
+    live = handle.describe.remote().result()["live"]
+    assert live["pinned_adapters"] == [sentiment.content_hash]
+    assert sentiment.content_hash in live["loaded_adapters"]
+    model = serve.get_deployment_handle("EngineReplica", app_name=app)
+    assert model.describe.remote().result()["live"]["pinned_adapters"] == []

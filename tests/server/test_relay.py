@@ -27,3 +27,4 @@ def test_zero_turns_pacing_off_and_negative_is_refused():
         assert pacer.pause_s() == 0
     with pytest.raises(ValueError, match="relay chunk cost"):
         RelayPacer(-1.0)
+

@@ -47,8 +47,8 @@ class LocalEngine:
             return await asyncio.to_thread(self.engine.embed, texts, adapter_ids)
         return await self.engine.embed_async(texts, adapter_ids)
 
-    async def add_adapter(self, adapter_id: str, adapter: Adapter) -> None:
-        await asyncio.to_thread(self.engine.add_adapter, adapter_id, adapter)
+    async def add_adapter(self, adapter_id: str, adapter: Adapter, pinned: bool = False) -> None:
+        await asyncio.to_thread(self.engine.add_adapter, adapter_id, adapter, pinned)
 
     async def unload_adapter(self, adapter_id: str) -> None:
         await asyncio.to_thread(self.engine.unload_adapter, adapter_id)

@@ -115,11 +115,12 @@ class EngineProcess:
     async def embed(self, texts: Sequence[Prompt], adapter_ids: AdapterIds = None) -> list[EmbedOutput]:
         return await self._call("embed", list(texts), adapter_ids)
 
-    async def add_adapter(self, adapter_id: str, adapter: Adapter) -> None:
-        """Register an adapter already read; it travels by value (pickled off the event loop)."""
+    async def add_adapter(self, adapter_id: str, adapter: Adapter, pinned: bool = False) -> None:
+        """Register an adapter already read (pinned: placed now, never evicted); it travels
+        by value (pickled off the event loop)."""
         if isinstance(adapter, Adapter) and adapter.staged:
             adapter = dataclasses.replace(adapter, staged={})  # this process's loading copies stay here
-        await self._call("add_adapter", adapter_id, adapter, encode_in_thread=True)
+        await self._call("add_adapter", adapter_id, adapter, pinned, encode_in_thread=True)
 
     async def unload_adapter(self, adapter_id: str) -> None:
         await self._call("unload_adapter", adapter_id)
