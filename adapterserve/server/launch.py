@@ -1,6 +1,7 @@
 """Starting the server on Ray: what `adapterserve serve` runs (and the tests, in-process)."""
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,13 @@ class Endpoints:
     http: str  # base URL of the OpenAI-compatible routes
 
 
+# Ray Serve's throughput mode (Ray 2.60): calls between deployments over gRPC, user code on
+# the replica's own event loop (BENCHMARKS.md has what it saves). Direct ingress (replicas
+# listening on ports of their own, drained 30 s at shutdown) stays off: clients and the
+# Kubernetes services reach Serve's proxy.
+SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+
+
 def start(
     config: Mapping[str, Any] | None = None,
     *,
@@ -36,6 +44,8 @@ def start(
 
     Without `ray_address` a local Ray is started unless this process already has one."""
     if not ray.is_initialized():
+        for key, value in SERVE_ENV.items():  # read by the Serve actors this Ray starts
+            os.environ.setdefault(key, value)
         ray.init(address=ray_address, include_dashboard=False, configure_logging=False)
     serve.start(
         http_options={"host": host, "port": http_port},

@@ -186,9 +186,14 @@ def test_a_pinned_adapter_is_loaded_at_start_and_kept(server):
 
     app = server.config.get("app_name", DEFAULTS["app_name"])
     sentiment = open_store(str(server.store_dir)).resolve("sentiment", tenant=None)
-    handle = serve.get_deployment_handle("EncoderReplica", app_name=app)
-    live = handle.describe.remote().result()["live"]
-    assert live["pinned_adapters"] == [sentiment.content_hash]
-    assert sentiment.content_hash in live["loaded_adapters"]
-    model = serve.get_deployment_handle("EngineReplica", app_name=app)
-    assert model.describe.remote().result()["live"]["pinned_adapters"] == []
+    async def describe(deployment: str) -> dict:  # handles run on the caller's event loop here
+        handle = serve.get_deployment_handle(deployment, app_name=app)
+        return (await handle.describe.remote())["live"]
+
+    async def both() -> tuple[dict, dict]:
+        return await describe("EncoderReplica"), await describe("EngineReplica")
+
+    encoder, model = asyncio.run(both())
+    assert encoder["pinned_adapters"] == [sentiment.content_hash]
+    assert sentiment.content_hash in encoder["loaded_adapters"]
+    assert model["pinned_adapters"] == []
