@@ -5,6 +5,10 @@
 Runs base-only and 64-distinct-LoRA decode steps and splits each step into the
 scheduler, the runner's host preparation, the GPU replay (CUDA events), sampling
 and the engine's bookkeeping. Prints one table naming the GPU.
+
+Timing the replay waits for it (a CUDA event is synchronised each step), which takes
+away the overlap of steps the engine otherwise has: "step" here is the step with host
+and GPU work in series; benchmarks/engine_throughput.py measures the overlapped engine.
 """
 from __future__ import annotations
 
