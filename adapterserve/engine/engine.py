@@ -220,7 +220,7 @@ class Engine(AdapterHost):
 
     def _launch(self, batch) -> StepResult:
         result = self.runner.run(batch, [r.generator for r in batch.requests])
-        for request, n in zip(batch.requests, batch.num_new_tokens):
+        for request in batch.requests:
             request.num_computed = request.num_tokens
             if request.pooling:
                 request.final_launched = True

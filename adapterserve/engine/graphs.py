@@ -14,6 +14,7 @@ import torch
 
 from adapterserve.engine.context import AttentionMeta, BatchContext, set_context
 from adapterserve.engine.host_copy import copy_into
+from adapterserve.engine.runner import with_sampled_ids
 from adapterserve.kernels import build_adapter_meta
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -105,12 +106,8 @@ class DecodeGraphs:
                            lora_workspace=runner.lora_workspace, logits_rows=None)
         set_context(ctx)
         try:
-            hidden = runner.model(self._input_ids(bucket), self.positions[:bucket])
+            ids = with_sampled_ids(self.ids[:bucket], self.sources[:bucket], runner.sampled)
+            hidden = runner.model(ids, self.positions[:bucket])
             return runner.model.compute_logits(hidden)
         finally:
             set_context(None)
-
-    def _input_ids(self, bucket: int) -> torch.Tensor:
-        """Each row's id: from the host, or the id the previous step sampled for it."""
-        sources = self.sources[:bucket]
-        return torch.where(sources >= 0, self.runner.sampled[sources.clamp(min=0)], self.ids[:bucket])

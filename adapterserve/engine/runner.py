@@ -24,6 +24,12 @@ from adapterserve.kernels import build_adapter_meta
 from adapterserve.models.decoder import DecoderModel
 
 
+def with_sampled_ids(ids: torch.Tensor, sources: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """Input ids from the host, each row whose source is >= 0 taking the id the step
+    before sampled into that row of ``sampled`` (a token not yet on the host)."""
+    return torch.where(sources >= 0, sampled[sources.clamp(min=0)], ids)
+
+
 @dataclass
 class StepResult:
     """A launched step's results: the generating rows' token ids (host tensor,
@@ -166,13 +172,8 @@ class ModelRunner:
         return self._input_ids(host), to_device(host.positions, dev, torch.long), ctx
 
     def _input_ids(self, host: _HostBatch) -> torch.Tensor:
-        """Host ids, with each pending token read from the last step's sampled ids."""
-        ids = to_device(host.ids, self.device, torch.long)
-        rows = [i for i, src in enumerate(host.sources) if src >= 0]
-        if rows:
-            sources = to_device([host.sources[i] for i in rows], self.device, torch.long)
-            ids[to_device(rows, self.device, torch.long)] = self.sampled[sources]
-        return ids
+        ids, sources = (to_device(v, self.device, torch.long) for v in (host.ids, host.sources))
+        return with_sampled_ids(ids, sources, self.sampled)
 
     def _add_request(self, host: _HostBatch, request: Request, n: int) -> None:
         start = request.num_tokens - n
