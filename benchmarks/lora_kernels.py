@@ -456,14 +456,12 @@ def sweep(gen: torch.Generator) -> tuple[str, dict]:
     D, U = so.DownConfig, so.UpConfig
     lines = ["| regime | knob | " + " | ".join(["case µs"] * 3) + " | sum |", "|---|---|---|---|---|---|"]
     best = {}
-    # decode: CUDA-core kernels (rows, block_k, warps) and B elements per expand program
-    dec = [Case(4096, 16, 64, 64), Case(4096, "mixed", 64, 64)]
-    downs = [D(0, bk, w, 1, r, True) for r in (4, 8) for bk in (512, 1024) for w in (4, 8)] + [D(0, 1024, 4, 1, 2, True)]
-    up_knobs = [(e, w) for e in (4096, 8192, 16384) for w in (4, 8)]
-    res = [
-        _time_configs(c, gen, downs, [U(_p2(c.max_rank), min(1024, e // _p2(c.max_rank)), w, 1, 0, True) for e, w in up_knobs])
-        for c in dec
-    ]
+    # decode: CUDA-core kernels (rows, block_k, warps) and B elements per expand rank step;
+    # 64 tokens on 64 rank-16 adapters, on 64 of mixed rank, on one rank-16 adapter
+    dec = [Case(4096, 16, 64, 64), Case(4096, "mixed", 64, 64), Case(4096, 16, 64, 1)]
+    downs = [D(0, bk, w, 1, r, True) for r in (2, 4, 8) for bk in (1024, 2048, 4096) for w in (4, 8)]
+    up_knobs = [(e, w) for e in (8192, 16384, 32768) for w in (4, 8)]
+    res = [_time_configs(c, gen, downs, [_gemv_up(c.max_rank, e, w) for e, w in up_knobs]) for c in dec]
     best["gemv_down"] = _pick_best(lines, "decode shrink", downs, [r[0] for r in res])
     best["gemv_up"] = _pick_best(lines, "decode expand (elems, warps)", up_knobs, [r[1] for r in res])
     # prefill: tensor-core lanes of the shrink and rank step of the expand
@@ -480,6 +478,14 @@ def sweep(gen: torch.Generator) -> tuple[str, dict]:
     best["dot_lanes"] = _pick_best(lines, "prefill shrink lanes", list(lanes), [r[0] for r in res])
     best["dot_ranks"] = _pick_best(lines, "prefill expand rank step", list(lanes), [r[1] for r in res])
     return "\n".join(lines), best
+
+
+def _gemv_up(max_rank: int, elems: int, warps: int):
+    """The CUDA-core expand's blocks for `elems` B elements per rank step (as segment_ops.up_config)."""
+    from adapterserve.kernels import segment_ops as so
+
+    block_r = min(so.GEMV_UP_RANKS, _p2(max_rank))
+    return so.UpConfig(block_r, min(so.GEMV_UP_COLUMNS, elems // block_r), warps, 1, 0, True)
 
 
 def _p2(n: int) -> int:
@@ -513,8 +519,7 @@ def _configs(lora, family: str):
 
     if family == "dot":
         return so.dot_down_config(3 * lora.max_rank, True), so.dot_up_config(lora.max_rank, True)
-    block_r = 1 << max(1, (lora.max_rank - 1).bit_length())
-    return so.GEMV_DOWN, so.UpConfig(block_r, min(1024, so.GEMV_UP_ELEMS // block_r), so.GEMV_UP_WARPS, 1, 0, True)
+    return so.GEMV_DOWN, _gemv_up(lora.max_rank, so.GEMV_UP_ELEMS, so.GEMV_UP_WARPS)
 
 
 def _shrink_with(lora, st, cfg):

@@ -6,6 +6,10 @@ Runs base-only and 64-distinct-LoRA decode steps and splits each step into the
 scheduler, the runner's host preparation, the GPU replay (CUDA events), sampling
 and the engine's bookkeeping. Prints one table naming the GPU.
 
+With --kernels, the same steps run under torch.profiler instead and the table
+lists each GPU kernel's time per step (graph replays included), so one can see
+which launches a LoRA or an adapter family adds.
+
 Timing the replay waits for it (a CUDA event is synchronised each step), which takes
 away the overlap of steps the engine otherwise has: "step" here is the step with host
 and GPU work in series; benchmarks/engine_throughput.py measures the overlapped engine.
@@ -25,14 +29,14 @@ from benchmarks.checkpoints import SHAPES, scratch_dir, write_random_checkpoint
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _adapter(engine: Engine, seed: int) -> LoraAdapter:
+def _adapter(engine: Engine, seed: int, rank: int = 16) -> LoraAdapter:
     gen = torch.Generator().manual_seed(seed)
     spec, modules = engine.backbone_spec, {}
     for layer in range(spec.num_layers):
         for kind in KINDS:
             i, o = spec.linear_shapes[kind]
-            modules[(layer, kind)] = LoraModule(torch.randn(16, i, generator=gen) / i ** 0.5,
-                                                torch.randn(o, 16, generator=gen) * 0.01, 2.0)
+            modules[(layer, kind)] = LoraModule(torch.randn(rank, i, generator=gen) / i ** 0.5,
+                                                torch.randn(o, rank, generator=gen) * 0.01, 2.0)
     return LoraAdapter(modules)
 
 
@@ -81,21 +85,73 @@ def profile(engine: Engine, batch: int, adapters: list[str | None], steps: int) 
             "sample": med(sample)}
 
 
+def kernel_profile(engine: Engine, batch: int, adapters: list[str | None], steps: int) -> dict[str, tuple]:
+    """{kernel name: (us per step, launches per step)} over `steps` decode steps."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(torch.randint(3, 1000, (512,)).tolist(), params, adapters[i % len(adapters)])
+    while any(not r.output_ids for r in engine.requests.values()):
+        engine.step()  # prefills done: only decode steps are profiled
+    engine.step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished():
+        for r in list(engine.requests):
+            engine.abort(r)
+    table: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = table.setdefault(event.name[:60], [0.0, 0])
+            entry[0] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+            entry[1] += 1
+    return {name: (us / steps, n / steps) for name, (us, n) in table.items()}
+
+
+def _print_kernels(rows: dict[str, dict[str, tuple]], top: int) -> None:
+    names = sorted({n for row in rows.values() for n in row}, key=lambda n: -max(r.get(n, (0, 0))[0] for r in rows.values()))
+    print(f"\n{torch.cuda.get_device_name()}; us per decode step (launches per step) of each kernel")
+    print(f"{'kernel':<62}" + "".join(f"{w:>22}" for w in rows))
+    for name in names[:top]:
+        cells = [row.get(name, (0.0, 0)) for row in rows.values()]
+        print(f"{name:<62}" + "".join(f"{us:>14.1f} ({n:>4.0f})" for us, n in cells))
+    print(f"{'total':<62}" + "".join(f"{sum(us for us, _ in r.values()):>22.1f}" for r in rows.values()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="8b")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kernels", action="store_true", help="per-kernel GPU time per step (torch.profiler)")
+    parser.add_argument("--top", type=int, default=30, help="kernels listed with --kernels")
     args = parser.parse_args()
     shape = SHAPES[args.model]
     path = write_random_checkpoint(shape, scratch_dir(shape.checkpoint_bytes()), "cuda")
-    engine = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", max_loras=args.batch,
-                                    max_num_seqs=args.batch, num_kv_blocks=args.batch * 40, max_model_len=640)
+    # kernels in a graph replay are not traced one by one: --kernels runs the same kernels eagerly
+    ranks = (8, 16, 64)
+    ranked = args.batch if args.kernels else 0  # adapters of mixed rank for the "ranks" workload
+    engine = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", max_loras=args.batch + ranked,
+                                    lora_pool_rows=args.batch * 16 + ranked * 32, max_num_seqs=args.batch,
+                                    num_kv_blocks=args.batch * 40, max_model_len=640, cuda_graphs=not args.kernels)
     ids = [f"a{i}" for i in range(args.batch)]
     for i, name in enumerate(ids):
         engine.add_adapter(name, _adapter(engine, i))
-    rows = {"base": profile(engine, args.batch, [None], args.steps),
-            f"{args.batch} distinct LoRA r16": profile(engine, args.batch, ids, args.steps)}
+    workloads = {"base": [None], "one LoRA r16": ids[:1], f"{args.batch} distinct LoRA r16": ids}
+    if ranked:
+        mixed = [f"m{i}" for i in range(ranked)]
+        for i, name in enumerate(mixed):
+            engine.add_adapter(name, _adapter(engine, 1000 + i, ranks[i % len(ranks)]))
+        workloads[f"{ranked} ranks 8/16/64"] = mixed
+    if args.kernels:
+        _print_kernels({w: kernel_profile(engine, args.batch, a, args.steps) for w, a in workloads.items()}, args.top)
+        return
+    rows = {w: profile(engine, args.batch, a, args.steps) for w, a in workloads.items()}
     cols = list(next(iter(rows.values())))
     print(f"\n{torch.cuda.get_device_name()}; {args.model}; batch {args.batch}; median ms per decode step")
     print(f"{'workload':<24}" + "".join(f"{c:>12}" for c in cols))

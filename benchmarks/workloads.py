@@ -24,7 +24,8 @@ from benchmarks.random_adapters import BOTTLENECK_RANK, AdapterFactory, decode_r
 
 WORKLOADS = ("base", "one", "uniform8", "distinct", "zipf", "ranks", "families")
 # a workload name may end in a variant suffix: the same requests, an engine option changed
-VARIANTS = {"+ss": {"lora_side_stream": True}}
+# (+r64: the pool sized for rank 64, the engine's default, whatever the adapters' ranks)
+VARIANTS = {"+ss": {"lora_side_stream": True}, "+r64": {"max_lora_rank": 64}}
 PEFT_ID = "peft-file"
 
 
@@ -130,13 +131,16 @@ def engine_config(p: Plan, prompts: list[list[int]], virtual: list[int], s: Sett
     longest = max(len(x) + v for x, v in zip(prompts, virtual)) + s.max_tokens
     blocks = sum(-(-(len(x) + v + s.max_tokens + 1) // bs) + 1 for x, v in zip(prompts, virtual))
     prefix_blocks = sum(-(-a.prefix_len // bs) for a in p.adapters.values())
-    return EngineConfig(
+    fields = dict(
         device=s.device, dtype=s.dtype, max_loras=p.max_loras, max_lora_rank=p.max_rank,
         lora_pool_rows=max(p.pool_rows, p.max_rank), max_bottleneck_rank=BOTTLENECK_RANK, block_size=bs,
         num_kv_blocks=blocks + prefix_blocks + 8, max_num_seqs=len(prompts),
         max_num_batched_tokens=s.max_batched_tokens, max_model_len=-(-(longest + 2 * bs) // bs) * bs,
-        cuda_graphs=True, seed=s.seed, **p.engine_options,
+        cuda_graphs=True, seed=s.seed,
     )
+    fields.update(p.engine_options)
+    fields["lora_pool_rows"] = max(fields["lora_pool_rows"], fields["max_lora_rank"])
+    return EngineConfig(**fields)
 
 
 def supports_bottleneck(backbone: Backbone, s: Settings) -> bool:

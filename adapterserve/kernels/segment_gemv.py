@@ -8,7 +8,8 @@ after the first. Each program streams its rows through registers, loading the ne
 chunk while the current one is used.
 
 ``seg_down_gemv``: ROWS packed rank rows of one token per program.
-``seg_up_gemv``: BLOCK_N columns of one slice of one token; needs max_rank <= BLOCK_R.
+``seg_up_gemv``: BLOCK_N columns of one slice of one token, the slot's rank rows
+BLOCK_R at a time, so each token pays its own adapter's rank (not the pool's largest).
 """
 from __future__ import annotations
 
@@ -90,13 +91,18 @@ def seg_up_gemv(
         n = tl.max_contiguous(tl.multiple_of(n, N_ALIGN), BLOCK_N)
     nmask = n < n_end
     r = tl.arange(0, BLOCK_R)
-    rmask = r < rank
-    b_rows = b_ptr + slot.to(tl.int64) * stride_bslot + (row0 + r).to(tl.int64)[:, None] * stride_br
-    bt = tl.load(b_rows + n[None, :] * stride_bn, mask=rmask[:, None] & nmask[None, :], other=0.0)
-    vt = tl.load(v_ptr + sl.to(tl.int64) * stride_vs + t * stride_vt + r * stride_vr, mask=rmask, other=0.0)
+    b_cols = b_ptr + slot.to(tl.int64) * stride_bslot + n[None, :] * stride_bn
+    v_row = v_ptr + sl.to(tl.int64) * stride_vs + t * stride_vt
     y = y_ptr + t * stride_yt + n * stride_yn
     old = tl.load(y, mask=nmask, other=0.0)
-    upd = tl.sum(vt.to(tl.float32)[:, None] * bt.to(tl.float32), axis=0)
+    upd = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        rr = r0 + r
+        rmask = rr < rank
+        bt = tl.load(b_cols + (row0 + rr).to(tl.int64)[:, None] * stride_br, mask=rmask[:, None] & nmask[None, :],
+                     other=0.0)
+        vt = tl.load(v_row + rr * stride_vr, mask=rmask, other=0.0)
+        upd += tl.sum(vt.to(tl.float32)[:, None] * bt.to(tl.float32), axis=0)
     if HAS_BIAS:
         upd += tl.load(bias_ptr + slot * stride_bias + n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(y, (old.to(tl.float32) + upd).to(y_ptr.dtype.element_ty), mask=nmask)

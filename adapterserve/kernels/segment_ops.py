@@ -19,12 +19,15 @@ from adapterserve.kernels.segment_common import ACT_CODES, MAX_SLICES
 from adapterserve.kernels.segment_gemm import seg_down_dot, seg_up_dot
 from adapterserve.kernels.segment_gemv import seg_down_gemv, seg_up_gemv
 
-# CUDA-core kernels for at most GEMV_SMALL tokens (any rank up to GEMV_MAX_RANK), or at
-# most GEMV_TOKENS tokens of ranks up to GEMV_LOW_RANK; measured on an H200 (BENCHMARKS.md).
-GEMV_SMALL = 16
+# CUDA-core kernels for at most GEMV_TOKENS tokens of pools whose ranks are at most
+# GEMV_MAX_RANK. Both CUDA-core kernels cost each token its own adapter's rank, so the
+# choice must not hinge on the pool's largest rank: an engine configured for rank 64 and
+# serving rank-16 adapters would otherwise decode on the tensor-core kernels, which leave
+# a decode batch's one token per 16-row tile (BENCHMARKS.md, LoRA kernels).
 GEMV_TOKENS = 256
-GEMV_LOW_RANK = 16
-GEMV_MAX_RANK = 64  # seg_up_gemv holds a [rank, block_n] block of B in registers
+GEMV_MAX_RANK = 64
+GEMV_UP_RANKS = 16  # rank rows per step of the CUDA-core expand
+GEMV_UP_COLUMNS = 2048  # most columns of one CUDA-core expand program
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ class UpConfig:
 
 
 GEMV_DOWN = DownConfig(block_r=0, block_k=1024, num_warps=4, num_stages=1, rows=4, gemv=True)
-GEMV_UP_ELEMS = 16384  # rank x columns of B one CUDA-core expand program holds
+GEMV_UP_ELEMS = 16384  # rank rows x columns of B one CUDA-core expand step holds
 GEMV_UP_WARPS = 4
 DOT_DOWN_LANES = 64  # most packed rank rows one tensor-core shrink program covers
 DOT_UP_RANKS = 64  # rank rows per step of the tensor-core expand (larger ranks loop)
@@ -74,9 +77,7 @@ def dot_up_config(max_rank: int, on_gpu: bool) -> UpConfig:
 
 def use_gemv(num_tokens: int, max_rank: int) -> bool:
     """Whether a layer's shrink and expand run the CUDA-core kernels (host ints only)."""
-    if max_rank > GEMV_MAX_RANK:
-        return False
-    return num_tokens <= GEMV_SMALL or (num_tokens <= GEMV_TOKENS and max_rank <= GEMV_LOW_RANK)
+    return num_tokens <= GEMV_TOKENS and max_rank <= GEMV_MAX_RANK
 
 
 def down_config(meta: AdapterBatchMeta, n_slices: int, max_rank: int, on_gpu: bool) -> DownConfig:
@@ -89,10 +90,10 @@ def down_config(meta: AdapterBatchMeta, n_slices: int, max_rank: int, on_gpu: bo
 def up_config(meta: AdapterBatchMeta, max_rank: int, on_gpu: bool) -> UpConfig:
     """Block shape for seg_up from host ints only."""
     if use_gemv(meta.num_tokens, max_rank):
-        block_r = triton.next_power_of_2(max(max_rank, 2))
+        block_r = min(GEMV_UP_RANKS, triton.next_power_of_2(max(max_rank, 2)))
         if not on_gpu:
             return UpConfig(block_r=block_r, block_n=64, gemv=True)
-        return UpConfig(block_r, min(1024, GEMV_UP_ELEMS // block_r), num_warps=GEMV_UP_WARPS, gemv=True)
+        return UpConfig(block_r, min(GEMV_UP_COLUMNS, GEMV_UP_ELEMS // block_r), num_warps=GEMV_UP_WARPS, gemv=True)
     return dot_up_config(max_rank, on_gpu)
 
 
@@ -196,10 +197,6 @@ def seg_up(
     if y.shape[0] == 0 or meta.max_tiles == 0:
         return
     cfg = config or up_config(meta, max_rank, y.is_cuda)
-    if cfg.gemv and max_rank > cfg.block_r:
-        raise ValueError(
-            f"the CUDA-core expand holds all ranks in one block: max_rank {max_rank} > block_r {cfg.block_r}"
-        )
     group = cfg.block_n if cfg.gemv else max(cfg.group_n, cfg.block_n) // cfg.block_n * cfg.block_n
     widths = [col_offsets[s + 1] - col_offsets[s] for s in range(n_slices)]
     grid = (meta.max_tiles, sum(triton.cdiv(w, group) for w in widths))

@@ -151,12 +151,14 @@ def test_expand_block_shapes(cfg):
 
 
 @interpreted
-def test_gemv_expand_rejects_large_ranks():
+@pytest.mark.parametrize("block_r", [4, 16])
+def test_gemv_expand_steps_through_ranks_past_its_block(block_r):
+    """The CUDA-core expand takes rank rows block_r at a time: ranks up to 64 (mixed) still add in full."""
     from adapterserve.kernels.segment_ops import UpConfig
 
-    with pytest.raises(ValueError, match="max_rank"):
-        expand = _expand_with(UpConfig(16, 32, gemv=True))
-        _run_expand(("uniform", 8, 4, 16, (16,), 64, 0.0, 16), torch.float32, "cpu", expand)
+    expand = _expand_with(UpConfig(block_r, 32, gemv=True))
+    _run_expand(("uniform", 8, 4, 16, (16, 8), "mixed", 0.0, 16), torch.float32, "cpu", expand)
+    _run_expand(("distinct", 8, 8, 16, (16,), 64, 0.0, 16), torch.float32, "cpu", expand)
 
 
 @interpreted
