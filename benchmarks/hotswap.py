@@ -65,10 +65,11 @@ def _config(batch: int, cold: int, max_tokens: int, s: Settings) -> EngineConfig
 def _isolated_load(engine: Engine, adapter_id: str, device: str) -> float:
     sync(device)
     start = time.perf_counter()
-    slot = engine.slots.acquire(adapter_id, engine.adapters[adapter_id])
+    slot = engine.slots.acquire(adapter_id, engine.adapters[adapter_id])  # held only if already landed
     sync(device)
     ms = 1e3 * (time.perf_counter() - start)
-    engine.slots.release(slot)
+    if slot is not None:
+        engine.slots.release(slot)
     engine.slots.evict(adapter_id)
     return ms
 

@@ -77,7 +77,7 @@ class Engine(AdapterHost):
             pages = -(-self.max_model_len // config.block_size) + -(-config.max_virtual_tokens // config.block_size)
             self.runner.enable_cuda_graphs(config.max_num_seqs, pages)
             self.runner.graph_signature = self.bottleneck_pools.activations
-        self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release, self.slots.is_ready)
+        self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, asyncio.Queue] = {}
         self._pooling: dict[str, tuple[Request, asyncio.Future]] = {}  # async classify/embed waiters

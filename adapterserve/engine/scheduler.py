@@ -22,7 +22,8 @@ from adapterserve.config import EngineConfig
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.request import Request, RequestStatus
 
-# acquire(adapter_id, keep: adapter ids not to evict for it) -> slot or None; release(slot)
+# acquire(adapter_id, keep: adapter ids not to evict for it) -> slot, or None (no room, or
+# the adapter's copies into its slot have not landed yet); release(slot)
 AcquireSlot = Callable[[str, Collection[str]], "int | None"]
 ReleaseSlot = Callable[[int], None]
 
@@ -38,15 +39,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(
-        self, config: EngineConfig, blocks: BlockManager, acquire: AcquireSlot, release: ReleaseSlot,
-        slot_ready: Callable[[int], bool] = lambda slot: True,
-    ) -> None:
+    def __init__(self, config: EngineConfig, blocks: BlockManager, acquire: AcquireSlot, release: ReleaseSlot) -> None:
         self.config = config
         self.blocks = blocks
         self.acquire = acquire
         self.release = release
-        self.slot_ready = slot_ready  # whether a slot's adapter copies have landed on the device
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -96,11 +93,7 @@ class Scheduler:
                 break
             if request.adapter_id is not None:
                 slot = self.acquire(request.adapter_id, () if request is oldest else needed)
-                if slot is None:
-                    passed_over.append(request)
-                    continue
-                if not self.slot_ready(slot):  # its weights are still being copied in
-                    self.release(slot)
+                if slot is None:  # no room, or its weights are still being copied in
                     passed_over.append(request)
                     continue
                 request.slot = slot

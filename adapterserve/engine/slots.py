@@ -15,9 +15,10 @@ Frequent use and recent use both keep an adapter resident; half_life -> 0 is LRU
 (ties go to the longest idle), half_life -> inf least frequently used.
 
 On a GPU, placing copies on a stream of its own (after the work already queued on
-the compute stream, so nothing still reading a freed slot or block is overwritten),
-and ``is_ready`` tells when those copies have landed: the scheduler admits an
-adapter's requests only then, so decode steps never queue behind a load.
+the compute stream, so nothing still reading a freed slot or block is overwritten).
+``acquire`` refuses a slot until those copies have landed, counting nothing, so the
+scheduler admits an adapter's requests only then (decode steps never queue behind a
+load) and steps spent waiting do not make the adapter hot.
 """
 from __future__ import annotations
 
@@ -66,15 +67,14 @@ class AdapterSlots:
         return len(self.pinned)
 
     def acquire(self, adapter_id: str, adapter: Adapter, keep: Collection[str] = ()) -> int | None:
-        """Slot holding the adapter (placing it if needed), referenced; None if no room
-        now. ``keep``: adapter ids not to evict for the room (waiting requests need them)."""
-        slot = self.slot_of.get(adapter_id)
-        if slot is None:
-            slot = self._place(adapter_id, adapter, keep)
-            if slot is None:
-                return None
-        self._idle.pop(slot, None)
-        self.refs[slot] += 1
+        """Slot holding the adapter, referenced for one admitted request; None if there is
+        no room now, or if its copies into the slot are still landing (placed then, but
+        neither referenced nor counted: ask again). ``keep``: adapter ids not to evict for
+        the room (waiting requests need them)."""
+        slot = self._resident(adapter_id, adapter, keep)
+        if slot is None or not self.is_ready(slot):
+            return None
+        self._hold(slot)
         self._clock += 1
         self._heat[adapter_id] = (self.heat(adapter_id) + 1.0, self._clock)
         return slot
@@ -98,13 +98,14 @@ class AdapterSlots:
                 "pinned and at least one must stay free for unpinned adapters; raise max_loras or unload a "
                 "pinned adapter"
             )
-        slot = self.acquire(adapter_id, adapter)
+        slot = self._resident(adapter_id, adapter, ())
         if slot is None:
             raise CapacityError(
                 f"cannot pin adapter {adapter_id!r} now: every adapter slot (or the LoRA pool rows it needs) is "
                 "held by running requests or pinned adapters; retry when requests finish, or raise max_loras "
                 "or lora_pool_rows"
             )
+        self._hold(slot)
         self.pinned.add(adapter_id)
         return slot
 
@@ -145,6 +146,19 @@ class AdapterSlots:
 
     def _id_in(self, slot: int) -> str:
         return next(a for a, s in self.slot_of.items() if s == slot)
+
+    def _resident(self, adapter_id: str, adapter: Adapter, keep: Collection[str]) -> int | None:
+        """The adapter's slot, placed there (idle) if it has none; None if no room now."""
+        slot = self.slot_of.get(adapter_id)
+        if slot is None:
+            slot = self._place(adapter_id, adapter, keep)
+            if slot is not None:
+                self._idle[slot] = adapter_id
+        return slot
+
+    def _hold(self, slot: int) -> None:
+        self._idle.pop(slot, None)
+        self.refs[slot] += 1
 
     def _place(self, adapter_id: str, adapter: Adapter, keep: Collection[str]) -> int | None:
         while True:

@@ -120,7 +120,11 @@ def test_placements_copy_on_their_own_stream_and_report_when_landed(setup):
     engine = Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", max_loras=8)
     engine.load_adapter("r16", adapters["lora-r16"])
     assert engine.slots.copy_stream is not None
-    slot = engine.slots.acquire("r16", engine.adapters["r16"])
-    torch.cuda.synchronize()
-    assert engine.slots.is_ready(slot)
+    adapter = engine.adapters["r16"]
+    slot = engine.slots.acquire("r16", adapter)  # placed; held only if its copies have landed
+    if slot is None:
+        torch.cuda.synchronize()
+        slot = engine.slots.acquire("r16", adapter)
+    assert slot is not None and engine.slots.is_ready(slot)
+    assert engine.slots.loads == 1 and engine.slots.heat("r16") == 1.0  # one placement, one admission
     engine.slots.release(slot)

@@ -336,19 +336,89 @@ def test_requests_wait_until_their_adapters_copies_have_landed(llama_dir, tmp_pa
     expected = engine.generate([[5, 6, 7]], GREEDY, adapter_ids=[name])[0].token_ids
     engine.unload_adapter(name)
     engine.load_adapter(name, path)
-    landed = {"after": 3}  # the copies land on the fourth look
-
-    def slot_ready(slot: int) -> bool:
-        landed["after"] -= 1
-        return landed["after"] < 0
-
-    engine.scheduler.slot_ready = slot_ready
+    _copies_land_after(engine.slots, 3)  # on the fourth look
     base = engine.add_request([9, 10, 11], GREEDY)
     waiting = engine.add_request([5, 6, 7], GREEDY, name)
     for _ in range(3):
         engine.step()
         assert waiting.status.value == "waiting" and waiting.slot == -1  # not admitted, base runs on
     assert engine.slots.is_resident(name) and sum(engine.slots.refs) == 0  # placed, held by nobody yet
+    assert engine.slots.heat(name) == 0.0  # waiting is no use
+    engine.step()
+    assert waiting.slot >= 0 and engine.slots.heat(name) == 1.0  # admitted once the copies landed
     while engine.has_unfinished():
         engine.step()
-    assert waiting.output_ids == expected and base.finish_reason == "length"
+    assert waiting.output_ids == expected and base.finish_reason == "length" and engine.slots.loads == 2
+
+
+# copies landing on a copy stream, simulated: a fake CUDA event per placement
+
+
+class _Copies:
+    """A placement's copies in flight: its event's query() is False for ``looks`` looks."""
+
+    def __init__(self, looks: int) -> None:
+        self.looks = looks
+
+    def query(self) -> bool:
+        self.looks -= 1
+        return self.looks < 0
+
+
+def _copies_land_after(slots: AdapterSlots, looks: int) -> None:
+    """From now on each placement's copies land only after ``looks`` looks, as on a busy
+    copy stream."""
+    place_in = slots._place_in
+
+    def placing(slot: int, adapter) -> bool:
+        placed = place_in(slot, adapter)
+        slots._landing[slot] = _Copies(looks)
+        return placed
+
+    slots._place_in = placing
+
+
+def test_acquire_neither_holds_nor_counts_a_slot_whose_copies_are_landing():
+    slots = _slots(2)
+    _copies_land_after(slots, 3)
+    for _ in range(3):
+        assert slots.acquire("a", object()) is None
+    assert slots.is_resident("a") and slots.loads == 1 and slots.refs == [0, 0]
+    assert slots.heat("a") == 0.0 and slots.heat("b") == 0.0
+    slot = slots.acquire("a", object())  # landed
+    assert slot is not None and slots.refs[slot] == 1 and slots.heat("a") == 1.0
+
+
+def test_a_landing_adapter_is_kept_for_its_waiting_requests_but_not_from_the_oldest():
+    slots = _slots(1)
+    _copies_land_after(slots, 5)
+    assert slots.acquire("a", object()) is None  # placed, landing
+    assert slots.acquire("b", object(), keep={"a"}) is None and slots.is_resident("a")
+    assert slots.acquire("b", object()) is None  # for the oldest request: a goes
+    assert slots.is_resident("b") and not slots.is_resident("a") and slots.loads == 2
+
+
+def test_pinning_holds_the_slot_at_once_and_requests_wait_for_the_copies():
+    slots = _slots(3)
+    _copies_land_after(slots, 2)
+    slot = slots.pin("p", object())
+    assert slots.refs[slot] == 1 and slots.num_pinned == 1
+    assert slots.acquire("p", object()) is None and slots.acquire("p", object()) is None
+    assert slots.acquire("p", object()) == slot and slots.refs[slot] == 2
+
+
+def test_waiting_for_copies_to_land_does_not_make_an_adapter_hot(llama_dir, tmp_path):
+    adapters = _adapters(llama_dir, tmp_path, [8, 8, 8])
+    hot, slow, new = adapters
+    engine = Engine.from_pretrained(llama_dir, max_loras=2, max_lora_rank=64)
+    for name, path in adapters.items():
+        engine.load_adapter(name, path)
+    engine.generate([[1, 2, 3], [4, 5, 6]], GREEDY, adapter_ids=[hot, hot])  # used twice
+    _copies_land_after(engine.slots, 6)
+    engine.generate([[7, 8, 9]], GREEDY, adapter_ids=[slow])  # used once, after six steps waiting
+    assert engine.slots.heat(slow) < engine.slots.heat(hot)
+    engine.add_request([1, 1], GREEDY, new)
+    engine.step()  # new's placement evicts the coldest
+    assert engine.slots.is_resident(hot) and engine.slots.is_resident(new) and not engine.slots.is_resident(slow)
+    while engine.has_unfinished():
+        engine.step()
