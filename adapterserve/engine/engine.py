@@ -26,6 +26,7 @@ import torch
 from adapterserve.adapters_store.formats.types import BackboneSpec
 from adapterserve.config import EngineConfig
 from adapterserve.engine.adapter_host import AdapterHost
+from adapterserve.engine.detokenizer import Detokenizer
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.pools.bottleneck import BottleneckPools
 from adapterserve.engine.pools.head import HeadPool
@@ -53,6 +54,7 @@ class Engine(AdapterHost):
         self.model = model
         self.model_config: DecoderConfig = model.cfg
         self.tokenizer = tokenizer
+        self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.config = config
         cache_tokens = config.num_kv_blocks * config.block_size
         self.max_model_len = min(
@@ -273,7 +275,7 @@ class Engine(AdapterHost):
         request.pending -= 1
         request.output_ids.append(token)
         stop_token = check_stop_token(request, self.model_config.eos_token_ids)
-        stop_string = update_text(request, self.tokenizer, stop_token)
+        stop_string = update_text(request, self.detokenizer, stop_token)
         if stop_token or stop_string:
             self._finish(request, "stop")
         elif self._reaches_length(request, len(request.output_ids), request.num_tokens - request.pending):

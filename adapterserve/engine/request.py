@@ -5,6 +5,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from adapterserve.engine.detokenizer import DecodeState
 from adapterserve.errors import RequestError
 
 
@@ -71,6 +72,7 @@ class Request:
     pending_row: int = -1  # where that token sits in the runner's sampled-token buffer
     final_launched: bool = False  # the launched step gives its last result: schedule it no more
     text: str = ""
+    decoded: DecodeState = field(default_factory=DecodeState)  # how far text is decoded incrementally
     emitted_chars: int = 0  # text already streamed
     emitted_tokens: int = 0  # output ids already streamed
     generator: object = None  # torch.Generator of a seeded request

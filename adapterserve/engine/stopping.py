@@ -1,6 +1,7 @@
 """After each new token: update the request's text and decide whether it is done."""
 from __future__ import annotations
 
+from adapterserve.engine.detokenizer import Detokenizer
 from adapterserve.engine.request import Request
 
 
@@ -10,15 +11,15 @@ def check_stop_token(request: Request, eos_ids: tuple[int, ...]) -> bool:
     return token in params.stop_token_ids or (not params.ignore_eos and token in eos_ids)
 
 
-def update_text(request: Request, tokenizer, stop_token: bool) -> bool:
-    """Recompute the request's text; True if a stop string ended it (text cut there).
-
-    A stop token never appears in the text; nor does a stop string or what follows it.
+def update_text(request: Request, detokenizer: Detokenizer | None, stop_token: bool) -> bool:
+    """Bring the request's text up to its newest token; True if a stop string ended it
+    (text cut there). A stop token never appears in the text; nor does a stop string
+    or what follows it.
     """
-    if tokenizer is None:
+    if detokenizer is None:
         return False
     ids = request.output_ids[:-1] if stop_token else request.output_ids
-    text = tokenizer.decode(ids, skip_special_tokens=True)
+    text = detokenizer.text(request.decoded, ids)
     stops = request.sampling.stop
     if stops:
         hits = [i for s in stops if (i := text.find(s, max(0, request.emitted_chars - len(s)))) >= 0]
@@ -30,18 +31,15 @@ def update_text(request: Request, tokenizer, stop_token: bool) -> bool:
 
 
 def stream_delta(request: Request) -> tuple[list[int], str]:
-    """Token ids and text not yet streamed. While running, text that may still
-    become part of a stop string or an incomplete character is held back."""
-    text = request.text
-    end = len(text)
+    """Token ids and text not yet streamed. While running, text that later tokens may
+    still change is held back, and so is what may yet begin a stop string."""
+    end = len(request.text)
     if not request.finished:
-        if text.endswith("\ufffd"):
-            end = len(text.rstrip("\ufffd"))
         longest_stop = max((len(s) for s in request.sampling.stop), default=0)
-        end = min(end, len(text) - max(longest_stop - 1, 0))
+        end = request.decoded.stable - max(longest_stop - 1, 0)
     end = max(end, request.emitted_chars)
     ids = request.output_ids[request.emitted_tokens :]
-    delta = text[request.emitted_chars : end]
+    delta = request.text[request.emitted_chars : end]
     request.emitted_tokens = len(request.output_ids)
     request.emitted_chars = end
     return ids, delta
