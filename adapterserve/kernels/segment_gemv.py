@@ -93,10 +93,13 @@ def seg_up_gemv(
     r = tl.arange(0, BLOCK_R)
     b_cols = b_ptr + slot.to(tl.int64) * stride_bslot + n[None, :] * stride_bn
     v_row = v_ptr + sl.to(tl.int64) * stride_vs + t * stride_vt
+    rmask = r < rank  # the first BLOCK_R ranks outside the loop: low ranks run straight-line
+    bt = tl.load(b_cols + (row0 + r).to(tl.int64)[:, None] * stride_br, mask=rmask[:, None] & nmask[None, :], other=0.0)
+    vt = tl.load(v_row + r * stride_vr, mask=rmask, other=0.0)
     y = y_ptr + t * stride_yt + n * stride_yn
     old = tl.load(y, mask=nmask, other=0.0)
-    upd = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
+    upd = tl.sum(vt.to(tl.float32)[:, None] * bt.to(tl.float32), axis=0)
+    for r0 in range(BLOCK_R, rank, BLOCK_R):
         rr = r0 + r
         rmask = rr < rank
         bt = tl.load(b_cols + (row0 + rr).to(tl.int64)[:, None] * stride_br, mask=rmask[:, None] & nmask[None, :],
