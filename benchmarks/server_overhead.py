@@ -3,10 +3,12 @@ and through the in-process engine, on one machine, one after the other.
 
     PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --device cuda
     PYTHONPATH=. python benchmarks/server_overhead.py --smoke          # CPU, tiny model
+    PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --no-inproc --relay-chunk-ms 0.2  # pacing
 
 The server runs its engine in a child process of the replica (`engine_process: true`,
 row "server"), and, unless --no-inproc, again inside the replica's process as before
-the split (row "server-inproc").
+the split (row "server-inproc"). On a CPU the in-process engine runs one thread, as the
+replica's engine does (its Ray actor has one CPU).
 
 Reports medians of time to first token, whole-request latency and the gap between
 streamed chunks, for one request at a time (latency) and for a concurrent batch,
@@ -85,14 +87,14 @@ def _engine_rows(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches
 
 
 def _server_rows(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int],
-                 engine_process: bool) -> dict:
+                 engine_process: bool, relay_chunk_ms: float) -> dict:
     import ray
 
     from adapterserve.clients.client import AsyncClient
     from adapterserve.server import launch
 
     config = {"model": str(path), "engine": engine_cfg, "encoder": False, "store": tempfile.mkdtemp(),
-              "engine_process": engine_process,
+              "engine_process": engine_process, "relay_chunk_ms": relay_chunk_ms,
               "replica": {"max_ongoing_requests": 512, "max_queued_requests": 1024}}
     endpoints = launch.start(config, grpc_port=_free_port(), http_port=_free_port())
     try:
@@ -117,9 +119,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--no-inproc", action="store_true", help="skip the server with the engine in the replica")
+    parser.add_argument("--relay-chunk-ms", type=float, default=0.5, help="the server's chunk pacing (relay.py)")
     args = parser.parse_args()
     if args.smoke:
         args.model, args.device, args.requests, args.max_tokens = "tiny", "cpu", 8, 8
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # the replica's engine gets one thread (its actor has one CPU): the same here
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     engine_cfg = {"device": args.device, "dtype": dtype, "max_num_seqs": 64, "num_kv_blocks": 2048,
                   "max_model_len": 1024}
@@ -131,9 +136,9 @@ def main() -> None:
     for label, own_process in (("server", True), ("server-inproc", False)):
         if own_process or not args.no_inproc:
             paths[label] = _server_rows(path, engine_cfg, prompts[: max(batches) * 2], args.max_tokens, batches,
-                                        own_process)
+                                        own_process, args.relay_chunk_ms)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; medians in ms")
+    print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; relay_chunk_ms {args.relay_chunk_ms}; medians in ms")
     _report(paths, batches)
 
 

@@ -28,12 +28,12 @@ def ray_session():
     tests/clients and tests/deploy."""
     import ray
 
-    from adapterserve.server.launch import SERVE_ENV
+    from adapterserve.server.serve_env import local_serve_env
 
     metrics_port = free_port()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_metrics_report_interval_ms", "500")
-        for key, value in SERVE_ENV.items():  # as `adapterserve serve` runs Serve
+        for key, value in local_serve_env().items():  # as `adapterserve serve` runs Serve
             mp.setenv(key, value)
         ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
                  _metrics_export_port=metrics_port)

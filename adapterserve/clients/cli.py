@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store", help="adapter store: a directory or s3://bucket/prefix (default ~/.adapterserve/store)")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (gRPC binds all interfaces)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address of the HTTP and gRPC ports (Serve's "
+                   "own gRPC ports bind all interfaces: docs/serving.md)")
     p.add_argument("--replicas", type=int, help="engine replicas (default 1)")
     p.add_argument("--api-keys", help="file of 'KEY TENANT' lines; without it the server is open")
     p.add_argument("--device", help="engine device, e.g. cuda (default cpu)")
@@ -121,8 +122,8 @@ def _serve(args: argparse.Namespace) -> int:
                              ray_address=args.ray_address)
     print(f"adapterserve is serving: gRPC {endpoints.grpc}, HTTP {endpoints.http}/v1  (Ctrl-C stops)", flush=True)
     if not args.api_keys:
-        print(f"  open mode (no --api-keys): anyone who reaches gRPC port {args.grpc_port} may use and change "
-              "adapters; it listens on all interfaces", flush=True)
+        print("  open mode (no --api-keys): anyone who reaches this machine may use and change adapters; "
+              "Serve's gRPC ports listen on all interfaces", flush=True)
     print(f"  try: adapterserve generate --server {endpoints.grpc} --max-tokens 16 \"Hello\"", flush=True)
     if not args.no_encoder:
         print(f"       adapterserve classify --server {endpoints.grpc} --adapter sentiment \"a wonderful film\"",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from adapterserve.adapters_store.records import AdapterVersion
@@ -25,13 +26,20 @@ class NotServed(Exception):
     """The call needs a backbone (or a task) this server does not run for it."""
 
 
+def own_handle(bound: DeploymentHandle) -> DeploymentHandle:
+    """A handle to the same deployment with this process's Serve options. A bound handle
+    carries the options of the driver that built the app, and a driver that imported Serve
+    before SERVE_ENV was set calls by object reference, not over Serve's gRPC transport."""
+    return serve.get_deployment_handle(bound.deployment_name, bound.app_name, _check_exists=False)
+
+
 class Backends:
     def __init__(self, model: DeploymentHandle, encoder: DeploymentHandle | None, config: Mapping[str, Any]) -> None:
         self.model_id: str = config["model_id"]
         self.encoder_id: str | None = config["encoder_id"] if encoder is not None else None
-        self._handles = {self.model_id: model}
+        self._handles = {self.model_id: own_handle(model)}
         if encoder is not None:
-            self._handles[self.encoder_id] = encoder
+            self._handles[self.encoder_id] = own_handle(encoder)
         self._static: dict[str, dict[str, Any]] = {}
 
     @property

@@ -13,7 +13,8 @@ import logging
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +67,8 @@ def _http_error(exc: BaseException) -> JSONResponse:
 class Ingress:
     def __init__(self, replica: DeploymentHandle, config: dict[str, Any],
                  encoder: DeploymentHandle | None = None) -> None:
-        self.replica = replica  # the generation backbone: ServerInfo and health ask it
         self.backends = Backends(replica, encoder, config)
+        self.replica = self.backends.model  # the generation backbone: ServerInfo and health ask it
         self.max_texts = config["max_texts_per_request"]
         self.backbone_id = config["model_id"]
         self.limits = StoreLimits(max_total_bytes=config["max_upload_bytes"], max_files=config["max_upload_files"])
@@ -85,8 +86,9 @@ class Ingress:
             tenant = grpc_tenant(self.keys, grpc_context)
             chunks = self._generate(messages.prompt_of(request), messages.sampling_of(request.sampling),
                                     messages.adapter_ref_of(request.adapter), tenant)
-            async for chunk in self._measured(chunks, started):
-                yield messages.chunk_message(chunk)
+            async with aclosing(self._measured(chunks, started)) as relayed:  # closed at once if the caller goes
+                async for chunk in relayed:
+                    yield messages.chunk_message(chunk)
         except Exception as exc:
             code = status_of(exc).name
             raise grpc_error(grpc_context, exc)
@@ -105,20 +107,32 @@ class Ingress:
         routing = {"multiplexed_model_id": version.content_hash} if version else {}
         handle = (await self.backends.for_call("generate", version)).options(stream=True, **routing)
         request = {"prompt": prompt, "sampling": sampling, "adapter": version, "request_id": uuid.uuid4().hex}
-        async for chunk in handle.generate.remote(request):
-            if "error" in chunk:
-                raise getattr(errors, chunk["error"], RuntimeError)(chunk["message"])
-            yield chunk
+        response, ended = handle.generate.remote(request), False
+        try:
+            async for chunk in response:
+                if "error" in chunk:
+                    raise getattr(errors, chunk["error"], RuntimeError)(chunk["message"])
+                yield chunk
+            ended = True
+        finally:
+            if not ended:  # closed early (the caller went away): the replica aborts the request
+                response.cancel()
 
-    async def _measured(self, chunks: AsyncIterator[dict], started: float) -> AsyncIterator[dict]:
-        first = True
-        async for chunk in chunks:
-            if first:
-                self.metrics.ttft.observe(time.monotonic() - started)
-                self.metrics.prompt_tokens.inc(chunk.get("prompt_tokens", 0))
-                first = False
-            self.metrics.generated_tokens.inc(len(chunk["token_ids"]))
-            yield chunk
+    async def _measured(self, chunks: AsyncGenerator[dict, None], started: float) -> AsyncIterator[dict]:
+        """The chunks, counted: time to the first, prompt tokens, tokens sent (once, at the end)."""
+        first, sent = True, 0
+        try:
+            async for chunk in chunks:
+                if first:
+                    self.metrics.ttft.observe(time.monotonic() - started)
+                    self.metrics.prompt_tokens.inc(chunk.get("prompt_tokens", 0))
+                    first = False
+                sent += len(chunk["token_ids"])
+                yield chunk
+        finally:
+            await chunks.aclose()  # closed early: so is the source
+            if sent:  # a Counter refuses 0
+                self.metrics.generated_tokens.inc(sent)
 
     async def _resolve(self, ref: str, tenant: str | None) -> AdapterVersion:
         return await asyncio.to_thread(self.store.resolve, ref, tenant=tenant)

@@ -10,9 +10,11 @@ import ray
 from ray import serve
 
 from adapterserve.server.app import build_app
+from adapterserve.server.serve_env import SERVE_ENV, local_serve_env
 from adapterserve.server.settings import merge_config
 
-# Serve's gRPC proxy registers these servicers (import paths, as a Serve config names them).
+# The gRPC servicers Serve registers on the Ingress replicas' ports and its fallback proxy
+# (import paths, as a Serve config names them).
 GRPC_SERVICER_FUNCTIONS = [
     "adapterserve.server.proto.adapterserve_pb2_grpc.add_AdapterServeServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
@@ -23,13 +25,6 @@ GRPC_SERVICER_FUNCTIONS = [
 class Endpoints:
     grpc: str  # host:port for clients
     http: str  # base URL of the OpenAI-compatible routes
-
-
-# Ray Serve's throughput mode (Ray 2.60): calls between deployments over gRPC, user code on
-# the replica's own event loop (BENCHMARKS.md has what it saves). Direct ingress (replicas
-# listening on ports of their own, drained 30 s at shutdown) stays off: clients and the
-# Kubernetes services reach Serve's proxy.
-SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
 
 
 def start(
@@ -44,7 +39,8 @@ def start(
 
     Without `ray_address` a local Ray is started unless this process already has one."""
     if not ray.is_initialized():
-        for key, value in SERVE_ENV.items():  # read by the Serve actors this Ray starts
+        env = local_serve_env() if ray_address is None else SERVE_ENV
+        for key, value in env.items():  # read by the Serve actors this Ray starts (serve_env.py)
             os.environ.setdefault(key, value)
         ray.init(address=ray_address, include_dashboard=False, configure_logging=False)
     serve.start(

@@ -51,10 +51,14 @@ class ReplicaMetrics:
         self.adapter_unloads = metrics.Counter("adapterserve_adapter_unloads", description="Adapters unloaded.")
         self.queue_depth = metrics.Gauge("adapterserve_queue_depth", description="Requests waiting in the engine.")
         self.running = metrics.Gauge("adapterserve_running_requests", description="Requests the engine is running.")
+        self._queues: tuple[int, int] | None = None  # as last set
 
     def lookup(self, tier: str, hit: bool) -> None:
         (self.cache_hits if hit else self.cache_misses).inc(tags={"tier": tier})
 
     def queues(self, waiting: int, running: int) -> None:
-        self.queue_depth.set(waiting)
-        self.running.set(running)
+        """Set both gauges, when they changed (this is called for every streamed chunk)."""
+        if self._queues != (waiting, running):
+            self._queues = (waiting, running)
+            self.queue_depth.set(waiting)
+            self.running.set(running)

@@ -67,6 +67,13 @@ def test_exposes_the_serve_ports():
     assert {serve["http_options"]["port"], serve["grpc_options"]["port"]} <= exposed
 
 
+def test_runs_serve_as_adapterserve_serve_does():
+    from adapterserve.server.serve_env import SERVE_ENV
+
+    env = dict(pair.split("=", 1) for op, a in final_stage() if op == "ENV" for pair in a.split())
+    assert SERVE_ENV.items() <= env.items(), "throughput mode and HAProxy ingress, as server/serve_env.py"
+
+
 def _pyproject_allows(package: str, version: str) -> bool:
     from packaging.requirements import Requirement
 

@@ -1,10 +1,16 @@
-"""Prometheus metrics reach Ray's metrics endpoint (exported every 0.5 s in these tests)."""
+"""Prometheus metrics reach Ray's metrics endpoint (exported every 0.5 s in these tests); per-chunk
+work stays off them: tokens are counted once per request, queue gauges set when they change."""
 from __future__ import annotations
 
+import asyncio
 import re
 import time
+from types import SimpleNamespace
 
 import requests
+
+from adapterserve.server.ingress import Ingress
+from adapterserve.server.metrics import ReplicaMetrics
 
 EXPECTED = {
     "ray_adapterserve_requests_total": r'code="OK".*method="Generate"|method="Generate".*code="OK"',
@@ -46,3 +52,42 @@ def test_request_token_and_adapter_metrics_are_exported(server, alice, uploaded)
             return
         assert time.monotonic() < deadline, f"metrics never exported: {missing}; got {sorted(samples)}"
         time.sleep(0.5)
+
+
+class _Metric:
+    def __init__(self) -> None:
+        self.values: list = []
+
+    def inc(self, value=1.0, tags=None) -> None:
+        if value <= 0:
+            raise ValueError(f"value must be >0, got {value}")  # as Ray's Counter
+        self.values.append(value)
+
+    def set(self, value, tags=None) -> None:
+        self.values.append(value)
+
+    observe = set
+
+
+def test_generated_tokens_are_counted_once_per_request():
+    metrics = SimpleNamespace(ttft=_Metric(), prompt_tokens=_Metric(), generated_tokens=_Metric())
+    ingress = SimpleNamespace(metrics=metrics)
+
+    async def relay(chunks):
+        async def source():
+            for chunk in chunks:
+                yield chunk
+        return [c async for c in Ingress.func_or_class._measured(ingress, source(), 0.0)]
+
+    asyncio.run(relay([{"token_ids": [5], "prompt_tokens": 3}, {"token_ids": [6, 7]}, {"token_ids": []}]))
+    assert (metrics.prompt_tokens.values, metrics.generated_tokens.values) == ([3], [3])
+    asyncio.run(relay([{"token_ids": [], "prompt_tokens": 2}]))  # no tokens: nothing counted, nothing raised
+    assert metrics.generated_tokens.values == [3] and len(metrics.ttft.values) == 2
+
+
+def test_queue_gauges_are_set_when_they_change():
+    replica = object.__new__(ReplicaMetrics)  # its gauges without Ray's
+    replica.queue_depth, replica.running, replica._queues = _Metric(), _Metric(), None
+    for waiting, running in ((1, 2), (1, 2), (1, 2), (0, 3)):
+        replica.queues(waiting, running)
+    assert (replica.queue_depth.values, replica.running.values) == ([1, 0], [2, 3])
