@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import statistics
 import tempfile
 import time
@@ -26,11 +25,7 @@ from pathlib import Path
 
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from adapterserve.server.serve_env import free_port
 
 
 def _checkpoint(model: str, device: str) -> Path:
@@ -96,7 +91,7 @@ def _server_rows(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches
     config = {"model": str(path), "engine": engine_cfg, "encoder": False, "store": tempfile.mkdtemp(),
               "engine_process": engine_process, "relay_chunk_ms": relay_chunk_ms,
               "replica": {"max_ongoing_requests": 512, "max_queued_requests": 1024}}
-    endpoints = launch.start(config, grpc_port=_free_port(), http_port=_free_port())
+    endpoints = launch.start(config, grpc_port=free_port(), http_port=free_port())
     try:
         async def run(concurrency: int):
             async with AsyncClient(endpoints.grpc, timeout=600) as client:

@@ -49,10 +49,21 @@ def _timed(fn, sink: list[float]):
     return wrapper
 
 
-def profile(engine: Engine, batch: int, adapters: list[str | None], steps: int) -> dict[str, float]:
+def _add_requests(engine: Engine, batch: int, adapters: list[str | None], steps: int) -> None:
+    """`batch` 512-token prompts over `adapters` in turn, each long enough for `steps` decode steps."""
     params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(torch.randint(3, 1000, (512,)).tolist(), params, adapters[i % len(adapters)])
+
+
+def _abort_all(engine: Engine) -> None:
+    while engine.has_unfinished():
+        for r in list(engine.requests):
+            engine.abort(r)
+
+
+def profile(engine: Engine, batch: int, adapters: list[str | None], steps: int) -> dict[str, float]:
+    _add_requests(engine, batch, adapters, steps)
     for _ in range(8):
         engine.step()  # prefill and graph capture
     sched, host, replay, sample, total = [], [], [], [], []
@@ -77,9 +88,7 @@ def profile(engine: Engine, batch: int, adapters: list[str | None], steps: int) 
         start = time.perf_counter()
         engine.step()
         total.append(time.perf_counter() - start)
-    while engine.has_unfinished():
-        for r in list(engine.requests):
-            engine.abort(r)
+    _abort_all(engine)
     med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
     return {"step": med(total), "schedule": med(sched), "host batch": med(host), "gpu replay": med(replay),
             "sample": med(sample)}
@@ -90,9 +99,7 @@ def kernel_profile(engine: Engine, batch: int, adapters: list[str | None], steps
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    params = SamplingParams(max_tokens=steps + 40, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(torch.randint(3, 1000, (512,)).tolist(), params, adapters[i % len(adapters)])
+    _add_requests(engine, batch, adapters, steps)
     while any(not r.output_ids for r in engine.requests.values()):
         engine.step()  # prefills done: only decode steps are profiled
     engine.step()
@@ -101,9 +108,7 @@ def kernel_profile(engine: Engine, batch: int, adapters: list[str | None], steps
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    while engine.has_unfinished():
-        for r in list(engine.requests):
-            engine.abort(r)
+    _abort_all(engine)
     table: dict[str, list[float]] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:

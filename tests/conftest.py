@@ -5,19 +5,12 @@ must be set before anything imports triton (peft and transformers may), so it is
 set here, in the first conftest pytest loads.
 """
 import os
-import socket
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +21,7 @@ def ray_session():
     tests/clients and tests/deploy."""
     import ray
 
-    from adapterserve.server.serve_env import local_serve_env
+    from adapterserve.server.serve_env import free_port, local_serve_env
 
     metrics_port = free_port()
     with pytest.MonkeyPatch.context() as mp:

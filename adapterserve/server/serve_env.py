@@ -40,7 +40,7 @@ def local_serve_env() -> dict[str, str]:
     there is no HAProxy to run or it is turned off."""
     if not haproxy_ingress():
         return dict(WITHOUT_HAPROXY)
-    ports = {key: str(default if _is_free(default) else _free_port()) for key, default in FIXED_PORTS.items()}
+    ports = {key: str(default if _is_free(default) else free_port()) for key, default in FIXED_PORTS.items()}
     return {**SERVE_ENV, **ports}
 
 
@@ -62,7 +62,8 @@ def _is_free(port: int) -> bool:
     return True
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port free on every interface now (the OS picks it)."""
     with socket.socket() as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]

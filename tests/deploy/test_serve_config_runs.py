@@ -8,13 +8,13 @@ model, a local store, a key file, CPU instead of GPU, one replica of each deploy
 from __future__ import annotations
 
 import copy
-import socket
 import time
 from dataclasses import dataclass
 
 import pytest
 import yaml
 
+from adapterserve.server.serve_env import free_port
 from deploy import render_serve_config as rsc
 
 API_KEY = "deploy-test-key-0123"
@@ -67,11 +67,6 @@ def local_ray(request):
         if owned:
             ray.shutdown()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

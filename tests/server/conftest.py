@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from adapterserve.server.serve_env import free_port
 from tests.helpers.lora import load_base, load_peft, make_peft_lora
 
 ray = pytest.importorskip("ray")
@@ -43,11 +43,6 @@ class Server:
     http_port: int
     metrics: str  # Ray's Prometheus endpoint on this node
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
