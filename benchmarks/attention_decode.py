@@ -1,29 +1,43 @@
-"""Paged decode attention: achieved bandwidth of tile shapes at Llama-8B decode sizes.
+"""Paged decode attention: whole contexts against split contexts (split-KV), Llama-8B heads.
 
     PYTHONPATH=. python benchmarks/attention_decode.py
 
-Bytes counted: every context key and value read once, queries read and outputs
-written once. Prints one table naming the GPU; the copy bandwidth is measured in
-the same run.
+Cases: batch x context length (uniform, or "a-b": each sequence's length drawn from
+a..b), 32 query / 8 KV heads, D=128, page 16, bf16, 64 keys per tile. For each, the
+kernel with contexts whole (splits 1) in batch order and longest first (the engine's
+launch order), with the split count `decode_splits` picks (default) and with other
+counts, side by side. Bytes counted: every context key and
+value read once, queries read and outputs written once. Prints one table naming the
+GPU; the copy bandwidth is measured in the same run.
 """
 from __future__ import annotations
 
 import torch
 import triton.testing
 
-from adapterserve.kernels.attention import paged_decode_attention
+from adapterserve.kernels.attention import decode_splits, paged_decode_attention
+
+CASES = ((64, "640"), (64, "128-1152"), (256, "640"), (16, "2048"), (8, "4096"), (1, "4096"), (1, "16384"))
+PAGE, HEADS, KV_HEADS, DIM = 16, 32, 8, 128
 
 
-def _case(batch: int, ctx: int, heads: int = 32, kv_heads: int = 8, dim: int = 128, page: int = 16):
-    pages = -(-ctx // page)
-    table = torch.randperm(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
-    k = torch.randn(batch * pages * page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+def _lengths(batch: int, spec: str) -> torch.Tensor:
+    lo, _, hi = spec.partition("-")
+    if not hi:
+        return torch.full((batch,), int(lo), dtype=torch.int32)
+    return torch.randint(int(lo), int(hi) + 1, (batch,), dtype=torch.int32)
+
+
+def _case(batch: int, spec: str):
+    lens = _lengths(batch, spec)
+    pages = -(-int(lens.max()) // PAGE)
+    table = torch.randperm(batch * pages, dtype=torch.int32).view(batch, pages).cuda()
+    k = torch.randn(batch * pages * PAGE, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
-    lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
-    start = torch.zeros_like(lens)
-    moved = 2 * batch * ctx * kv_heads * dim * 2 + 2 * q.numel() * 2
-    return (q, k, v, table, lens, start, page), moved
+    q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    moved = 2 * int(lens.sum()) * KV_HEADS * DIM * 2 + 2 * q.numel() * 2
+    lens = lens.cuda()
+    return (q, k, v, table, lens, torch.zeros_like(lens), PAGE), moved
 
 
 def main() -> None:
@@ -32,17 +46,25 @@ def main() -> None:
     copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
     copy_bw = 2 * src.numel() / copy_ms / 1e6
     rows = []
-    for batch, ctx in ((64, 640), (256, 640), (8, 4096)):
-        args, moved = _case(batch, ctx)
+    for batch, spec in CASES:
+        args, moved = _case(batch, spec)
         out = torch.empty_like(args[0])
-        for block_n, warps, stages in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 8, 4)):
-            fn = lambda: paged_decode_attention(*args, None, out, block_n, warps, stages)  # noqa: E731
+        default = decode_splits(batch, KV_HEADS, args[3].shape[1] * PAGE)
+        order = torch.argsort(args[4], descending=True, stable=True).to(torch.int32)
+        variants = [(1, None, "batch order"), (1, order, "longest first")]
+        variants += [(n, None, "") for n in sorted({default, 2, 4, 16} if batch <= 16 else {default, 2, 4}) if n > 1]
+        whole = None
+        for splits, launch_order, label in variants:
+            fn = lambda: paged_decode_attention(*args, None, out, splits=splits, order=launch_order)  # noqa: E731
             ms = triton.testing.do_bench(fn, return_mode="median")
-            rows.append((batch, ctx, block_n, warps, stages, ms, moved / ms / 1e6))
-    print(f"\n{torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.0f} GB/s (read+write)")
-    print(f"{'B':>5}{'ctx':>6}{'block_n':>8}{'warps':>6}{'stages':>7}{'ms':>9}{'GB/s':>8}{'of copy':>8}")
-    for b, c, n, w, s, ms, bw in rows:
-        print(f"{b:>5}{c:>6}{n:>8}{w:>6}{s:>7}{ms:>9.3f}{bw:>8.0f}{bw / copy_bw:>8.2f}")
+            whole = whole or ms
+            tag = ", ".join(t for t in (label, "default" if splits == default else "") if t)
+            rows.append((batch, spec, splits, tag, ms, moved / ms / 1e6, whole / ms))
+    print(f"\n{torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.0f} GB/s (read+write); bf16, 32/8 heads, D=128")
+    print("| B | context | splits | | ms | GB/s | of copy | speed-up over whole, batch order |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b, spec, splits, tag, ms, bw, gain in rows:
+        print(f"| {b} | {spec} | {splits} | {tag} | {ms:.4f} | {bw:.0f} | {bw / copy_bw:.2f} | {gain:.2f} |")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ class PagedAttention(torch.nn.Module):
         out = torch.empty_like(q)
         if meta.decode:
             paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
-                                   meta.kv_start, meta.page_size, self.window, out)
+                                   meta.kv_start, meta.page_size, self.window, out, meta.decode_order)
         else:
             paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
                                     meta.kv_start, meta.cu_q, meta.tiles, meta.page_size, self.window, out)

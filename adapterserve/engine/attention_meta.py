@@ -27,6 +27,11 @@ class SequenceLayout:
         self.first_kv = context_len - new_tokens  # kv index of the first new token
 
 
+def longest_first(context_lens: np.ndarray) -> np.ndarray:
+    """int32 batch rows ordered by context length, longest first (ties in row order)."""
+    return np.argsort(-context_lens.astype(np.int64), kind="stable").astype(np.int32)
+
+
 def build_attention_meta(
     layouts: list[SequenceLayout], page: int, device: torch.device
 ) -> AttentionMeta:
@@ -50,7 +55,9 @@ def build_attention_meta(
         page_size=page,
         decode=decode,
     )
-    if not decode:
+    if decode:
+        meta.decode_order = to_device(longest_first(lens), device)
+    else:
         meta.cu_q = to_device(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32), device)
         single, multi = prefill_tile_lists(counts, lens)
         meta.tiles = PrefillTiles(to_device(single, device), to_device(multi, device), DEFAULT_TILE_TOKENS)

@@ -27,6 +27,8 @@ class AttentionMeta:
     kv_start:     [B] int32 first valid kv index
     page_size:    tokens per block
     decode:       True when every sequence has exactly one new token (host bool)
+    decode_order: [B] int32 the sequences longest context first (decode steps): the decode
+                  attention starts its programs in this order
     For steps with prefills (decode False):
     cu_q:         [B + 1] int32 first token row of each sequence's new tokens (cu_seqlens)
     tiles:        query tiles for the paged prefill kernel (no tile straddles sequences)
@@ -38,6 +40,7 @@ class AttentionMeta:
     kv_start: torch.Tensor
     page_size: int
     decode: bool
+    decode_order: torch.Tensor | None = None
     cu_q: torch.Tensor | None = None
     tiles: PrefillTiles | None = None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from adapterserve.engine.attention_meta import longest_first
 from adapterserve.engine.context import AttentionMeta, BatchContext, set_context
 from adapterserve.engine.host_copy import copy_into
 from adapterserve.engine.runner import with_sampled_ids
@@ -34,6 +35,7 @@ class DecodeGraphs:
         self.tables = torch.zeros(n, max_pages, dtype=torch.int32, device=dev)
         self.lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.starts = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.order = torch.arange(n, dtype=torch.int32, device=dev)
         self.family_slots = torch.full((3, n), -1, dtype=torch.int32, device=dev)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
@@ -75,7 +77,8 @@ class DecodeGraphs:
         slots = np.full((3, bucket), -1, dtype=np.int32)
         slots[:, :size] = family_slots
         for buffer, values in ((self.ids, ids), (self.sources, sources), (self.positions, positions),
-                               (self.lens, lens), (self.starts, starts), (self.write_slots, writes)):
+                               (self.lens, lens), (self.starts, starts), (self.write_slots, writes),
+                               (self.order, longest_first(lens))):
             copy_into(buffer[:bucket], values)
         copy_into(self.tables[:bucket], tables)
         copy_into(self.family_slots[:, :bucket], slots)
@@ -98,7 +101,7 @@ class DecodeGraphs:
         attention = AttentionMeta(
             write_slots=self.write_slots[:bucket], block_tables=self.tables[:bucket],
             context_lens=self.lens[:bucket], kv_start=self.starts[:bucket],
-            page_size=runner.blocks.block_size, decode=True,
+            page_size=runner.blocks.block_size, decode=True, decode_order=self.order[:bucket],
         )
         metas = [build_adapter_meta(self.family_slots[i, :bucket], runner.num_slots) if on else None
                  for i, on in enumerate(families)]

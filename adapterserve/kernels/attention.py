@@ -1,8 +1,12 @@
 """Paged decode attention in Triton: one query token per sequence, keys and values
 read straight from the paged KV cache through each sequence's block table.
 
-One program per (sequence, kv head) serves all query heads of that group
-(grouped-query attention), streaming the context in tiles with an online softmax.
+A program serves all query heads of one kv head (grouped-query attention) over a
+stretch of one sequence's context, streaming it in tiles with an online softmax.
+When sequences x kv heads are too few to fill the GPU (few, long sequences), each
+sequence's context is split into equal parts (split-KV, as in flash-decoding): every
+part writes its running max, sum and unnormalised output, and a second pass merges
+them. The number of parts depends on host ints only, so a CUDA graph can hold both.
 """
 from __future__ import annotations
 
@@ -12,35 +16,27 @@ import triton.language as tl
 
 
 DEFAULT_BLOCK_N = 64  # keys per tile on a GPU: best at B=64 and 256 (benchmarks/attention_decode.py)
+SPLIT_BELOW_PROGRAMS = 512  # split contexts while sequences x kv heads are fewer than this
+SPLIT_TARGET_PROGRAMS = 1024  # programs the split pass aims for
+MIN_SPLIT_KEYS = 256  # no part shorter than this for the longest context a table can hold
+MAX_SPLITS = 16  # 1 x 16384 keys on an H100: 16 parts 0.055 ms, 32 parts 0.059 ms
 
 
 @triton.jit
-def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, start_ptr, out_ptr,
-    stride_qb, stride_qh, stride_kn, stride_kh, stride_tb, stride_ob, stride_oh,
-    scale, window,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-):
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
+def _attend(q, k_ptr, v_ptr, table_row, kv_head, lo, n_start, n_end, scale, stride_kn, stride_kh,
+            GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """Online softmax of q [GROUP_PAD, DIM_PAD] over keys [max(lo, n_start), n_end), n_start
+    a multiple of BLOCK_N: (running max, sum of weights, unnormalised output), float32."""
     dims = tl.arange(0, DIM_PAD)
-    head_ok = tl.arange(0, GROUP_PAD) < GROUP
     dim_ok = dims < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                mask=head_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
-    length = tl.load(lens_ptr + b)
-    lo = tl.load(start_ptr + b)
-    if HAS_WINDOW:
-        lo = tl.maximum(lo, length - window)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for n0 in range((lo // BLOCK_N) * BLOCK_N, length, BLOCK_N):
+    for n0 in range(n_start, n_end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
-        valid = (offs >= lo) & (offs < length)
-        page = tl.load(table_ptr + b * stride_tb + offs // PAGE, mask=valid, other=0)
+        valid = (offs >= lo) & (offs < n_end)
+        page = tl.load(table_row + offs // PAGE, mask=valid, other=0)
         slot = page.to(tl.int64) * PAGE + offs % PAGE
         kv_off = slot[:, None] * stride_kn + kv_head * stride_kh + dims[None, :]
         kv_mask = valid[:, None] & dim_ok[None, :]
@@ -54,9 +50,110 @@ def _decode_kernel(
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+           HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
+    """The query rows of kv head's group [GROUP_PAD, DIM_PAD] (float32), their heads and mask."""
+    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    mask = (tl.arange(0, GROUP_PAD) < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=mask, other=0.0)
+    return q.to(tl.float32), heads, dims, mask
+
+
+@triton.jit
+def _first_key(lens_ptr, start_ptr, b, window, HAS_WINDOW: tl.constexpr):
+    """(context length, first key attended) of sequence b."""
+    length = tl.load(lens_ptr + b)
+    lo = tl.load(start_ptr + b)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, length - window)
+    return length, lo
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, start_ptr, order_ptr, out_ptr,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_tb, stride_ob, stride_oh,
+    scale, window,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ORDER: tl.constexpr,
+):
+    # programs start in grid order, kv heads fastest: with the sequences longest first, the
+    # last wave holds short contexts instead of a few long ones the rest of the GPU waits for
+    kv_head, rank = tl.program_id(0), tl.program_id(1)
+    if HAS_ORDER:
+        b = tl.load(order_ptr + rank)
+    else:
+        b = rank
+    q, heads, dims, mask = _query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD)
+    length, lo = _first_key(lens_ptr, start_ptr, b, window, HAS_WINDOW)
+    m_i, l_i, acc = _attend(q, k_ptr, v_ptr, table_ptr + b * stride_tb, kv_head, lo, (lo // BLOCK_N) * BLOCK_N,
+                            length, scale, stride_kn, stride_kh, GROUP_PAD, HEAD_DIM, DIM_PAD, PAGE, BLOCK_N)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, start_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_tb, stride_pb, stride_ph, stride_ps,
+    scale, window,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLITS: tl.constexpr,
+):
+    """Part `split` of each context: whole tiles, the parts of one sequence near equal."""
+    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q, heads, dims, mask = _query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD)
+    length, lo = _first_key(lens_ptr, start_ptr, b, window, HAS_WINDOW)
+    first = (lo // BLOCK_N) * BLOCK_N
+    tiles_per_part = tl.cdiv(tl.cdiv(tl.maximum(length - first, 0), BLOCK_N), SPLITS)
+    n_start = first + split * tiles_per_part * BLOCK_N
+    n_end = tl.minimum(n_start + tiles_per_part * BLOCK_N, length)
+    m_i, l_i, acc = _attend(q, k_ptr, v_ptr, table_ptr + b * stride_tb, kv_head, lo, n_start, n_end,
+                            scale, stride_kn, stride_kh, GROUP_PAD, HEAD_DIM, DIM_PAD, PAGE, BLOCK_N)
+    part = b * stride_pb + heads * stride_ph + split * stride_ps  # an empty part leaves max -inf, sum 0
+    head_ok = tl.arange(0, GROUP_PAD) < GROUP
+    tl.store(part_m_ptr + part, m_i, mask=head_ok)
+    tl.store(part_l_ptr + part, l_i, mask=head_ok)
+    tl.store(part_o_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_m_ptr, part_l_ptr, part_o_ptr, out_ptr,
+    stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """out[b, h]: the parts' outputs weighed by exp(their max - the overall max); 0 for no keys."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    part = b * stride_pb + h * stride_ph + s * stride_ps
+    m = tl.load(part_m_ptr + part, mask=s < SPLITS, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + part, mask=s < SPLITS, other=0.0)
+    o = tl.load(part_o_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                mask=(s < SPLITS)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp(m - tl.where(m_max > float("-inf"), m_max, 0.0))  # empty parts weigh exp(-inf) = 0
+    total = tl.sum(w * l_s, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.maximum(total, 1e-30)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def decode_splits(batch: int, kv_heads: int, max_keys: int) -> int:
+    """Parts per context (host ints only): 1 while sequences x kv heads fill the GPU,
+    else up to SPLIT_TARGET_PROGRAMS programs with no part under MIN_SPLIT_KEYS of the
+    longest context the block table holds, rounded down to a power of two."""
+    programs = batch * kv_heads
+    if programs == 0 or programs >= SPLIT_BELOW_PROGRAMS:
+        return 1
+    splits = min(MAX_SPLITS, triton.cdiv(max_keys, MIN_SPLIT_KEYS), triton.cdiv(SPLIT_TARGET_PROGRAMS, programs))
+    return 1 << (max(splits, 1).bit_length() - 1)  # a power of two: few kernel variants to compile
 
 
 def paged_decode_attention(
@@ -72,6 +169,8 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    splits: int | None = None,
+    order: torch.Tensor | None = None,
 ) -> None:
     """Attention of each sequence's newest token over its cached context.
 
@@ -80,20 +179,40 @@ def paged_decode_attention(
     block_tables: [B, max_pages] int32;  context_lens: [B] int32 (0 = padding row)
     kv_start:     [B] int32, first valid kv index (entries before it are skipped)
     out:          [B, Hq, D]
+    splits:       parts per context (default: decode_splits of the shapes)
+    order:        [B] int32, the sequences longest context first (optional; whole contexts
+                  only): programs start in this order, which shortens the tail
     Semantics: out[b, h] = softmax(q[b, h] . K[j] / sqrt(D)) V over j in
     [max(kv_start, len - window), len), K, V of kv head h // (Hq / Hkv).
     """
     batch, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
     group = num_heads // num_kv
-    grid = (batch, num_kv)
-    _decode_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, kv_start, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        head_dim ** -0.5, window or 0,
+    if splits is None:
+        splits = decode_splits(batch, num_kv, block_tables.shape[1] * page_size) if q.is_cuda else 1
+    common = dict(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page_size,
         BLOCK_N=block_n or (DEFAULT_BLOCK_N if q.is_cuda else 16), HAS_WINDOW=window is not None,
         num_warps=num_warps, num_stages=num_stages,
+    )
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0))
+    if splits <= 1:
+        _decode_kernel[(num_kv, batch)](
+            q, k_cache, v_cache, block_tables, context_lens, kv_start, order if order is not None else context_lens,
+            out, *strides, out.stride(0), out.stride(1), head_dim ** -0.5, window or 0, **common,
+            HAS_ORDER=order is not None,
+        )
+        return
+    part_m = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_o = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    part_strides = (part_m.stride(0), part_m.stride(1), part_m.stride(2))
+    _decode_split_kernel[(batch, num_kv, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, kv_start, part_m, part_l, part_o,
+        *strides, *part_strides, head_dim ** -0.5, window or 0, **common, SPLITS=splits,
+    )
+    _decode_merge_kernel[(batch, num_heads)](
+        part_m, part_l, part_o, out, *part_strides, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, DIM_PAD=common["DIM_PAD"], SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
     )

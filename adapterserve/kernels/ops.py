@@ -52,13 +52,15 @@ def ia3_scale(x: torch.Tensor, scales: torch.Tensor, meta: AdapterBatchMeta) -> 
         reference.ia3_scale(x, scales, meta)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size, window, out) -> None:
-    """See attention.paged_decode_attention."""
+def paged_decode_attention(
+    q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size, window, out, order=None
+) -> None:
+    """See attention.paged_decode_attention (order: a launch order, no effect on the result)."""
     if _on_gpu(q):
         from adapterserve.kernels import attention
 
         attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size,
-                                         window, out)
+                                         window, out, order=order)
     else:
         reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size,
                                          window, out)

@@ -26,11 +26,13 @@ def _case(batch, heads, kv_heads, dim, page, max_len, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 16), (6, 6, 24), (8, 1, 32)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_matches_reference(dtype, heads, kv_heads, dim, window):
+@pytest.mark.parametrize("ordered", [False, True])
+def test_matches_reference(dtype, heads, kv_heads, dim, window, ordered):
     page, max_len = 4, 37
     q, k, v, table, lens, start = _case(5, heads, kv_heads, dim, page, max_len, dtype)
     out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, k, v, table, lens, start, page, window, out)
+    order = torch.argsort(lens.cpu(), descending=True).to(torch.int32).to(DEVICE) if ordered else None
+    paged_decode_attention(q, k, v, table, lens, start, page, window, out, order=order)
     want = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
     reference.paged_decode_attention(q, k, v, table, lens, start, page, window, want)
     assert torch.isfinite(out).all()
@@ -38,3 +40,48 @@ def test_matches_reference(dtype, heads, kv_heads, dim, window):
     rel = (out.float() - want).norm() / want.norm()
     assert rel < tol, rel.item()
     assert torch.equal(out[0].float(), torch.zeros_like(want[0]))  # padding row writes zeros
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize("window", [None, 5])
+def test_split_contexts_match_reference(splits, window):
+    """Split-KV: parts of every length (empty ones too, 8 parts of <= 37 keys), merged exactly."""
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    q, k, v, table, lens, start = _case(6, 8, 2, 32, 4, 37, dtype)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k, v, table, lens, start, 4, window, out, block_n=16 if DEVICE == "cpu" else None,
+                           splits=splits)
+    want = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
+    reference.paged_decode_attention(q, k, v, table, lens, start, 4, window, want)
+    assert torch.isfinite(out).all()
+    rel = (out.float() - want).norm() / want.norm()
+    assert rel < (1e-4 if dtype == torch.float32 else 2e-2), rel.item()
+    assert torch.equal(out[0].float(), torch.zeros_like(want[0]))  # padding row writes zeros
+
+
+def test_splits_only_when_sequences_leave_the_gpu_idle():
+    from adapterserve.kernels.attention import MAX_SPLITS, decode_splits
+
+    assert decode_splits(64, 8, 4096) == 1  # 512 programs already
+    assert decode_splits(1, 8, 4096) == 4096 // 256  # no part shorter than 256 keys of the longest context
+    assert decode_splits(8, 8, 4096) == 16
+    assert decode_splits(1, 1, 1 << 20) == MAX_SPLITS
+    assert decode_splits(4, 8, 128) == 1  # short contexts stay whole
+    assert decode_splits(3, 8, 3000) == 8  # 12 parts of 250 keys would do: rounded down to a power of two
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+@pytest.mark.parametrize("window", [None, 300])
+def test_gpu_default_splits_for_few_long_contexts(window):
+    """The shapes the engine decodes few long sequences at: the default picks several parts."""
+    from adapterserve.kernels.attention import decode_splits
+
+    q, k, v, table, lens, start = _case(3, 32, 8, 128, 16, 3000, torch.bfloat16)
+    assert decode_splits(3, 8, table.shape[1] * 16) > 1
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k, v, table, lens, start, 16, window, out)
+    want = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
+    reference.paged_decode_attention(q, k, v, table, lens, start, 16, window, want)
+    rel = (out.float() - want).norm() / want.norm()
+    assert rel < 2e-2, rel.item()
