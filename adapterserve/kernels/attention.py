@@ -15,7 +15,11 @@ import triton
 import triton.language as tl
 
 
-DEFAULT_BLOCK_N = 64  # keys per tile on a GPU: best at B=64 and 256 (benchmarks/attention_decode.py)
+# keys per tile on a GPU (benchmarks/attention_decode.py --sweep, H100): whole contexts of up to
+# 1024 programs take 128 (B=64, lengths 128-1152: 0.0740 ms against 0.0812 with 64; equal lengths
+# 640: 0.0751 against 0.0746), more programs and split parts 64 (B=256 x 640: 0.2418 against 0.2469)
+WIDE_BLOCK_N, DEFAULT_BLOCK_N = 128, 64
+WIDE_BLOCK_PROGRAMS = 1024
 SPLIT_BELOW_PROGRAMS = 512  # split contexts while sequences x kv heads are fewer than this
 SPLIT_TARGET_PROGRAMS = 1024  # programs the split pass aims for
 MIN_SPLIT_KEYS = 256  # no part shorter than this for the longest context a table can hold
@@ -190,11 +194,13 @@ def paged_decode_attention(
     group = num_heads // num_kv
     if splits is None:
         splits = decode_splits(batch, num_kv, block_tables.shape[1] * page_size) if q.is_cuda else 1
+    if block_n is None:
+        wide = splits <= 1 and batch * num_kv <= WIDE_BLOCK_PROGRAMS
+        block_n = (WIDE_BLOCK_N if wide else DEFAULT_BLOCK_N) if q.is_cuda else 16
     common = dict(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page_size,
-        BLOCK_N=block_n or (DEFAULT_BLOCK_N if q.is_cuda else 16), HAS_WINDOW=window is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, HAS_WINDOW=window is not None, num_warps=num_warps, num_stages=num_stages,
     )
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0))
     if splits <= 1:
