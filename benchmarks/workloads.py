@@ -24,8 +24,9 @@ from benchmarks.random_adapters import BOTTLENECK_RANK, AdapterFactory, decode_r
 
 WORKLOADS = ("base", "one", "uniform8", "distinct", "zipf", "ranks", "families")
 # a workload name may end in a variant suffix: the same requests, an engine option changed
-# (+r64: the pool sized for rank 64, the engine's default, whatever the adapters' ranks)
-VARIANTS = {"+ss": {"lora_side_stream": True}, "+r64": {"max_lora_rank": 64}}
+# (+r64: the pool sized for rank 64, the engine's default, whatever the adapters' ranks;
+# +1s: LoRA shrinks on the compute stream, as before lora_side_stream became the default)
+VARIANTS = {"+1s": {"lora_side_stream": False}, "+r64": {"max_lora_rank": 64}}
 PEFT_ID = "peft-file"
 
 
