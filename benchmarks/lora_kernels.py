@@ -519,7 +519,7 @@ def _configs(lora, family: str):
 
     if family == "dot":
         return so.dot_down_config(3 * lora.max_rank, True), so.dot_up_config(lora.max_rank, True)
-    return so.GEMV_DOWN, _gemv_up(lora.max_rank, so.GEMV_UP_ELEMS, so.GEMV_UP_WARPS)
+    return so.gemv_down_config(lora.a.shape[2]), _gemv_up(lora.max_rank, so.GEMV_UP_ELEMS, so.GEMV_UP_WARPS)
 
 
 def _shrink_with(lora, st, cfg):

@@ -1,5 +1,5 @@
 """What the server path adds: the same streamed requests through Ray Serve + gRPC
-and through the in-process engine, on one machine, one after the other.
+and through the in-process engine, on one machine, interleaved group by group.
 
     PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --device cuda
     PYTHONPATH=. python benchmarks/server_overhead.py --smoke          # CPU, tiny model
@@ -10,9 +10,12 @@ row "server"), and, unless --no-inproc, again inside the replica's process as be
 the split (row "server-inproc"). On a CPU the in-process engine runs one thread, as the
 replica's engine does (its Ray actor has one CPU).
 
-Reports medians of time to first token, whole-request latency and the gap between
-streamed chunks, for one request at a time (latency) and for a concurrent batch,
-and the differences: the added latency per request and per streamed token.
+Both paths are up at once (the in-process engine beside the server's); each group of
+prompts goes through one and then the other, the order alternating, so drift of clocks
+and caches falls on both alike. Reports medians of time to first token, whole-request
+latency and the gap between streamed chunks, for one request at a time (latency) and
+for a concurrent batch, and medians of the per-prompt differences: what the server adds
+to the first token, to the whole request, and to each later streamed token.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import asyncio
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,52 +43,77 @@ def _checkpoint(model: str, device: str) -> Path:
     return write_random_checkpoint(shape, scratch_dir(shape.checkpoint_bytes()), device)
 
 
-async def _timed(stream) -> tuple[float, float, list[float]]:
-    """(first-chunk s, total s, gaps between chunks s) of one streamed request."""
+@dataclass
+class Timed:
+    """One streamed request: seconds from its start to the first chunk, to the last, and to
+    the chunk that brought each token (a chunk may carry several)."""
+
+    first: float
+    total: float
+    gaps: list[float]
+    arrivals: list[float]
+
+
+async def _timed(stream) -> Timed:
     start = last = time.perf_counter()
-    first, gaps = None, []
-    async for _chunk in stream:
+    first, gaps, arrivals = None, [], []
+    async for chunk in stream:
         now = time.perf_counter()
         if first is None:
             first = now - start
         else:
             gaps.append(now - last)
+        arrivals += [now - start] * len(chunk.token_ids)
         last = now
-    return first, last - start, gaps
+    return Timed(first, last - start, gaps, arrivals)
 
 
-async def _workload(open_stream, prompts: list[list[int]], concurrency: int) -> dict[str, float]:
-    results = []
-    for i in range(0, len(prompts), concurrency):
+async def _group(open_stream, prompts: list[list[int]]) -> list[Timed]:
+    return list(await asyncio.gather(*[_timed(open_stream(p)) for p in prompts]))
+
+
+async def _paired(local_stream, served_stream, prompts: list[list[int]], concurrency: int
+                  ) -> tuple[list[Timed], list[Timed]]:
+    """Each group of `concurrency` prompts through the in-process engine and through the server,
+    alternating which goes first, so drift (clocks, caches) falls on both paths alike."""
+    for open_stream in (local_stream, served_stream):  # warm-up
+        await _group(open_stream, prompts[:concurrency])
+    local, served = [], []
+    for n, i in enumerate(range(0, len(prompts), concurrency)):
         group = prompts[i : i + concurrency]
-        results += await asyncio.gather(*[_timed(open_stream(p)) for p in group])
-    gaps = [g for _, _, gs in results for g in gs]
-    return {"ttft": statistics.median(r[0] for r in results) * 1e3,
-            "total": statistics.median(r[1] for r in results) * 1e3,
-            "gap": statistics.median(gaps) * 1e3}
+        order = [(local, local_stream), (served, served_stream)]
+        for sink, open_stream in order[:: 1 if n % 2 == 0 else -1]:
+            sink += await _group(open_stream, group)
+    return local, served
 
 
-def _engine_rows(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int]) -> dict:
-    from adapterserve import Engine, SamplingParams
-
-    engine = Engine.from_pretrained(path, **engine_cfg)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-    async def run(concurrency: int):
-        await _workload(lambda p: engine.stream(p, params), prompts[:concurrency], concurrency)  # warm-up
-        return await _workload(lambda p: engine.stream(p, params), prompts, concurrency)
-
-    rows = {c: asyncio.run(run(c)) for c in batches}
-    del engine
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return rows
+def _summary(results: list[Timed]) -> dict[str, float]:
+    gaps = [g for r in results for g in r.gaps]
+    return {"ttft": statistics.median(r.first for r in results) * 1e3,
+            "total": statistics.median(r.total for r in results) * 1e3,
+            "gap": statistics.median(gaps) * 1e3 if gaps else float("nan")}
 
 
-def _server_rows(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int],
-                 engine_process: bool, relay_chunk_ms: float) -> dict:
+def _added(local: list[Timed], served: list[Timed]) -> dict[str, float]:
+    """Medians over the same prompts of server minus engine: first token, whole request, and
+    each later token ((whole - first) / (tokens - 1): what the server adds per streamed token)."""
+    pairs = list(zip(local, served))
+
+    def per_token(l: Timed, s: Timed) -> float:
+        tokens = min(len(l.arrivals), len(s.arrivals))
+        return ((s.total - s.first) - (l.total - l.first)) / max(tokens - 1, 1)
+
+    return {"ttft": statistics.median(s.first - l.first for l, s in pairs) * 1e3,
+            "total": statistics.median(s.total - l.total for l, s in pairs) * 1e3,
+            "token": statistics.median(per_token(l, s) for l, s in pairs) * 1e3}
+
+
+def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int], engine_process: bool,
+             relay_chunk_ms: float) -> dict[int, tuple[list[Timed], list[Timed]]]:
+    """Per concurrency: (in-process engine, server) results of the same prompts, interleaved."""
     import ray
 
+    from adapterserve import Engine, SamplingParams
     from adapterserve.clients.client import AsyncClient
     from adapterserve.server import launch
 
@@ -92,16 +121,21 @@ def _server_rows(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches
               "engine_process": engine_process, "relay_chunk_ms": relay_chunk_ms,
               "replica": {"max_ongoing_requests": 512, "max_queued_requests": 1024}}
     endpoints = launch.start(config, grpc_port=free_port(), http_port=free_port())
+    engine = Engine.from_pretrained(path, **engine_cfg)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     try:
         async def run(concurrency: int):
             async with AsyncClient(endpoints.grpc, timeout=600) as client:
-                def stream(p):
+                def served(p):
                     return client.stream(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-                await _workload(stream, prompts[:concurrency], concurrency)  # warm-up
-                return await _workload(stream, prompts, concurrency)
+
+                return await _paired(lambda p: engine.stream(p, params), served, prompts, concurrency)
 
         return {c: asyncio.run(run(c)) for c in batches}
     finally:
+        engine = None  # its GPU memory goes before the next server starts
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         launch.stop(config)
         ray.shutdown()
 
@@ -127,30 +161,31 @@ def main() -> None:
     vocab = 500 if args.model == "tiny" else 32000
     prompts = [torch.randint(3, vocab, (256 if args.model != "tiny" else 16,)).tolist() for _ in range(args.requests)]
     batches = [1, min(16, args.requests)]
-    paths = {"engine": _engine_rows(path, engine_cfg, prompts[: max(batches) * 2], args.max_tokens, batches)}
+    results = {}
     for label, own_process in (("server", True), ("server-inproc", False)):
         if own_process or not args.no_inproc:
-            paths[label] = _server_rows(path, engine_cfg, prompts[: max(batches) * 2], args.max_tokens, batches,
-                                        own_process, args.relay_chunk_ms)
+            results[label] = _measure(path, engine_cfg, prompts, args.max_tokens, batches, own_process,
+                                      args.relay_chunk_ms)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; relay_chunk_ms {args.relay_chunk_ms}; medians in ms")
-    _report(paths, batches)
+    print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; {len(prompts)} requests per concurrency, "
+          f"each through both paths, interleaved; relay_chunk_ms {args.relay_chunk_ms}; medians in ms")
+    _report(results)
 
 
-def _report(paths: dict[str, dict], batches: list[int]) -> None:
-    print(f"{'path':<15}{'conc':>5}{'ttft':>9}{'total':>10}{'gap':>8}")
-    for label, rows in paths.items():
-        for c, r in rows.items():
-            print(f"{label:<15}{c:>5}{r['ttft']:>9.2f}{r['total']:>10.2f}{r['gap']:>8.3f}")
-    local = paths["engine"]
-    for label, served in paths.items():
-        if label == "engine":
-            continue
-        for c in batches:
-            added = served[c]["total"] - local[c]["total"]
-            per_token = served[c]["gap"] - local[c]["gap"]
-            print(f"{label}, concurrency {c}: adds {served[c]['ttft'] - local[c]['ttft']:.2f} ms to first token, "
-                  f"{added:.2f} ms per request, {per_token:.3f} ms per streamed token (targets < 2 ms, < 0.5 ms)")
+def _report(results: dict[str, dict]) -> None:
+    print("| server | conc | path | TTFT | whole request | gap between chunks |")
+    print("|---|---|---|---|---|---|")
+    for label, by_conc in results.items():
+        for c, (local, served) in by_conc.items():
+            for path, runs in (("engine", local), (label, served)):
+                r = _summary(runs)
+                print(f"| {label} | {c} | {path} | {r['ttft']:.2f} | {r['total']:.2f} | {r['gap']:.3f} |")
+    for label, by_conc in results.items():
+        for c, (local, served) in by_conc.items():
+            a = _added(local, served)
+            print(f"{label}, concurrency {c}, paired by prompt: adds {a['ttft']:.2f} ms to the first token, "
+                  f"{a['total']:.2f} ms per request, {a['token']:.3f} ms per later streamed token "
+                  f"(targets < 2 ms per request, < 0.5 ms per token)")
 
 if __name__ == "__main__":
     main()

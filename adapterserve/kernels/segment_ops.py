@@ -55,6 +55,12 @@ class UpConfig:
 
 
 GEMV_DOWN = DownConfig(block_r=0, block_k=1024, num_warps=4, num_stages=1, rows=4, gemv=True)
+# rows longer than GEMV_WIDE_K (down_proj's intermediate sizes: 11008, 14336, ...): chunks and warps
+# doubled, half the steps along K per program. 8B down_proj, B=64, rank 16, H100: 15.4 -> 13.4 µs per
+# launch over 64 adapters, 10.6 -> 7.0 over one; on 4096-wide rows the default was faster (BENCHMARKS.md, "The
+# decode LoRA chain on its own"). Rows of 8192 (a 1B's down_proj, a 70B's q|k|v) keep the default: unmeasured.
+GEMV_WIDE_K = 8192
+GEMV_DOWN_WIDE = DownConfig(block_r=0, block_k=2048, num_warps=8, num_stages=1, rows=4, gemv=True)
 GEMV_UP_ELEMS = 16384  # rank rows x columns of B one CUDA-core expand step holds
 GEMV_UP_WARPS = 4
 DOT_DOWN_LANES = 64  # most packed rank rows one tensor-core shrink program covers
@@ -80,10 +86,15 @@ def use_gemv(num_tokens: int, max_rank: int) -> bool:
     return num_tokens <= GEMV_TOKENS and max_rank <= GEMV_MAX_RANK
 
 
-def down_config(meta: AdapterBatchMeta, n_slices: int, max_rank: int, on_gpu: bool) -> DownConfig:
-    """Block shape for seg_down from host ints only."""
+def gemv_down_config(k: int) -> DownConfig:
+    """CUDA-core shrink blocks on a GPU for rows of k elements."""
+    return GEMV_DOWN_WIDE if k > GEMV_WIDE_K else GEMV_DOWN
+
+
+def down_config(meta: AdapterBatchMeta, n_slices: int, max_rank: int, on_gpu: bool, k: int) -> DownConfig:
+    """Block shape for seg_down from host ints only (k: the input width)."""
     if use_gemv(meta.num_tokens, max_rank):
-        return GEMV_DOWN if on_gpu else DownConfig(block_r=0, block_k=128, rows=16, gemv=True)
+        return gemv_down_config(k) if on_gpu else DownConfig(block_r=0, block_k=128, rows=16, gemv=True)
     return dot_down_config(n_slices * max_rank, on_gpu)
 
 
@@ -144,7 +155,7 @@ def seg_down(
     n_slices, t, k = a.shape[0], x.shape[0], x.shape[1]
     if t == 0 or meta.max_tiles == 0:
         return
-    cfg = config or down_config(meta, n_slices, max_rank, x.is_cuda)
+    cfg = config or down_config(meta, n_slices, max_rank, x.is_cuda, k)
     rows = cfg.rows or cfg.block_r
     args = (
         x, a, out, bias if bias is not None else out, rank, row_start if row_start is not None else rank,

@@ -33,6 +33,8 @@ GPU_CASES = (
         ("distinct", 64, 64, 4096, QKV, 1, 0.0, None),
         ("skewed", 512, 128, 8192, (8192, 1024, 1024), 16, 0.1, None),
         ("zipf", 256, 32, 4096, (11008, 11008), 16, 0.1, None),  # gate/up
+        ("distinct", 64, 64, 14336, (4096,), 16, 0.1, None),  # down: the wide-row CUDA-core shrink
+        ("skewed", 48, 16, 11008, (4096,), "mixed", 0.1, None),
         ("uniform", 100, 8, 1000, (1000, 250, 248), "mixed", 0.1, None),  # ragged sizes
         ("zipf", 16, 64, 4096, QKV, "mixed", 0.1, None),  # CUDA-core kernels up to rank 64
     ]
