@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton.testing
 
 from benchmarks.checkpoints import SHAPES
-from benchmarks.measure import copy_bandwidth
+from benchmarks.measure import copy_bandwidth, graph_ms
 
 LIBRARIES = ("cublas", "cublaslt")
 DECODE_TOKENS = (1, 16, 64, 256)
@@ -46,23 +46,11 @@ def _stack(weights: list[list[torch.Tensor]], tokens: int) -> callable:
     return run
 
 
-def _graph_ms(run: callable) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture: cuBLAS picks and loads its kernels
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return triton.testing.do_bench(graph.replay, return_mode="median")
-
-
 def _time(weights, tokens: int, library: str) -> float:
     torch.backends.cuda.preferred_blas_library(library)
     run = _stack(weights, tokens)
     if tokens in DECODE_TOKENS:
-        return _graph_ms(run)
+        return graph_ms(run)
     return triton.testing.do_bench(run, return_mode="median")
 
 

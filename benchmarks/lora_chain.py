@@ -16,11 +16,9 @@ tensor-core kernels in place of the CUDA-core ones. Prints one table naming the 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import build_adapter_meta
@@ -32,7 +30,7 @@ from adapterserve.kernels.segment_ops import (
     seg_up,
 )
 from benchmarks.checkpoints import SHAPES
-from benchmarks.measure import copy_bandwidth
+from benchmarks.measure import copy_bandwidth, graph_ms
 
 TOKENS, RANK, SLOTS = 64, 16, 64
 SPREADS = (1, 8, 64)
@@ -109,19 +107,6 @@ class Stack:
                         self.gemm(p)
                     self.shrink(p, meta, dot[0])
                 self.expand(p, meta, dot[1])
-
-
-def graph_ms(fn: Callable[[], None]) -> float:
-    """Median ms of one CUDA graph replay of fn (warmed up off the capture first)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, return_mode="median")
 
 
 def meta_for(spread: int):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,22 @@ from adapterserve.engine.request import Request, SamplingParams
 def sync(device: str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+def graph_ms(run: Callable[[], object]) -> float:
+    """Median ms of one CUDA graph replay of `run` (run once on a side stream first, off the
+    capture, so that cuBLAS and Triton pick and load their kernels)."""
+    import triton.testing
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return triton.testing.do_bench(graph.replay, return_mode="median")
 
 
 def copy_bandwidth(device: str, nbytes: int, iters: int = 10, trials: int = 3) -> float:
