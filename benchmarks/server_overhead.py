@@ -45,27 +45,27 @@ def _checkpoint(model: str, device: str) -> Path:
 
 @dataclass
 class Timed:
-    """One streamed request: seconds from its start to the first chunk, to the last, and to
-    the chunk that brought each token (a chunk may carry several)."""
+    """One streamed request: seconds from its start to the first chunk and to the last, the
+    gaps between chunks, and the tokens received (a chunk may carry several)."""
 
     first: float
     total: float
     gaps: list[float]
-    arrivals: list[float]
+    tokens: int
 
 
 async def _timed(stream) -> Timed:
     start = last = time.perf_counter()
-    first, gaps, arrivals = None, [], []
+    first, gaps, tokens = None, [], 0
     async for chunk in stream:
         now = time.perf_counter()
         if first is None:
             first = now - start
         else:
             gaps.append(now - last)
-        arrivals += [now - start] * len(chunk.token_ids)
+        tokens += len(chunk.token_ids)
         last = now
-    return Timed(first, last - start, gaps, arrivals)
+    return Timed(first, last - start, gaps, tokens)
 
 
 async def _group(open_stream, prompts: list[list[int]]) -> list[Timed]:
@@ -100,7 +100,7 @@ def _added(local: list[Timed], served: list[Timed]) -> dict[str, float]:
     pairs = list(zip(local, served))
 
     def per_token(l: Timed, s: Timed) -> float:
-        tokens = min(len(l.arrivals), len(s.arrivals))
+        tokens = min(l.tokens, s.tokens)
         return ((s.total - s.first) - (l.total - l.first)) / max(tokens - 1, 1)
 
     return {"ttft": statistics.median(s.first - l.first for l, s in pairs) * 1e3,
