@@ -13,6 +13,7 @@ Prints one table naming the GPU, with the weights' read time at the copy bandwid
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ def _layer_weights(shape, device: str) -> list[torch.Tensor]:
     return [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for n, k in dims]
 
 
-def _stack(weights: list[list[torch.Tensor]], tokens: int) -> callable:
+def _stack(weights: list[list[torch.Tensor]], tokens: int) -> Callable[[], None]:
     inputs = {w.shape[1]: torch.randn(tokens, w.shape[1], device="cuda", dtype=torch.bfloat16)
               for layer in weights for w in layer}
 

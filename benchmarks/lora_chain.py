@@ -24,6 +24,7 @@ from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import build_adapter_meta
 from adapterserve.kernels.segment_ops import (
     DownConfig,
+    UpConfig,
     dot_down_config,
     dot_up_config,
     seg_down,
@@ -89,24 +90,28 @@ class Stack:
 
     def chain(self, mode: str, meta) -> None:
         """Every projection of the stack: base GEMMs and LoRA kernels as `mode` says."""
-        dot = (dot_down_config(3 * RANK, True), dot_up_config(RANK, True)) if mode == "tensor-core" else (None, None)
         main = torch.cuda.current_stream()
-        for layer in self.layers:
-            for p in layer:
-                if mode == "base":
+        for p in (p for layer in self.layers for p in layer):
+            if mode == "base":
+                self.gemm(p)
+                continue
+            down, up = _tensor_core_configs(p) if mode == "tensor-core" else (None, None)
+            if mode == "side stream":  # the engine's path: the shrink beside the GEMM
+                self.side.wait_stream(main)
+                with torch.cuda.stream(self.side):
+                    self.shrink(p, meta)
+                self.gemm(p)
+                main.wait_stream(self.side)
+            else:  # one stream, or the LoRA kernels alone ("lora only", "tensor-core")
+                if mode == "one stream":
                     self.gemm(p)
-                    continue
-                if mode == "side stream":  # the engine's path
-                    self.side.wait_stream(main)
-                    with torch.cuda.stream(self.side):
-                        self.shrink(p, meta)
-                    self.gemm(p)
-                    main.wait_stream(self.side)
-                else:
-                    if mode != "lora only" and mode != "tensor-core":
-                        self.gemm(p)
-                    self.shrink(p, meta, dot[0])
-                self.expand(p, meta, dot[1])
+                self.shrink(p, meta, down)
+            self.expand(p, meta, up)
+
+
+def _tensor_core_configs(p: Projection) -> tuple[DownConfig, UpConfig]:
+    """The blocks the ops give this projection on the tensor-core kernels (prefill-sized batches)."""
+    return dot_down_config(len(p.widths) * RANK, True), dot_up_config(RANK, True)
 
 
 def meta_for(spread: int):

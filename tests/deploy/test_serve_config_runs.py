@@ -68,7 +68,6 @@ def local_ray(request):
             ray.shutdown()
 
 
-
 @pytest.fixture(scope="module")
 def deployed(local_ray, tmp_path_factory) -> Deployed:
     from ray.serve._private.api import serve_start
