@@ -38,3 +38,25 @@ class Unauthenticated(PermissionError):
 
 class EngineDied(RuntimeError):
     """The engine's process exited: its requests failed and the replica must restart."""
+
+
+class EngineBroken(RuntimeError):
+    """The engine hit a fault of its own (a failed step, a CUDA error, out of memory): it
+    serves no more requests and its replica must be replaced. Retry: another replica
+    (or this one's replacement) takes the request."""
+
+
+class Overloaded(CapacityError):
+    """The server sheds this request: its queue is full. Retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # keep retry_after_s across pickling (engine process, Ray)
+        return type(self), (str(self), self.retry_after_s)
+
+
+class ServerDraining(RuntimeError):
+    """The server is shutting down: it finishes running requests but takes no new ones.
+    Retry on another server (or this one after its restart)."""

@@ -17,7 +17,7 @@ import time
 
 from adapterserve.config import EngineConfig
 from adapterserve.engine.engine import Engine
-from adapterserve.engine.request import SamplingParams
+from adapterserve.engine.sampling_params import SamplingParams
 from benchmarks.backbone import Backbone
 from benchmarks.measure import Step, StepTrace, sync
 from benchmarks.random_adapters import BOTTLENECK_RANK, AdapterFactory

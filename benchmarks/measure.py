@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from adapterserve.engine.engine import Engine
-from adapterserve.engine.request import Request, SamplingParams
+from adapterserve.engine.request import Request
+from adapterserve.engine.sampling_params import SamplingParams
 
 
 def sync(device: str) -> None:

@@ -34,8 +34,9 @@ from adapterserve.engine.pools.ia3 import Ia3Pool
 from adapterserve.engine.pools.lora import LoraPool
 from adapterserve.engine.pools.prefix import PrefixPool
 from adapterserve.engine.pools.prompt import PromptPool
-from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput, SamplingParams
+from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput
 from adapterserve.engine.runner import ModelRunner, StepResult
+from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.engine.scheduler import Scheduler
 from adapterserve.engine.slots import AdapterSlots
 from adapterserve.engine.stopping import check_stop_token, stream_delta, update_text

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from adapterserve.engine.host_copy import to_device
-from adapterserve.engine.request import SamplingParams
+from adapterserve.engine.sampling_params import SamplingParams
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

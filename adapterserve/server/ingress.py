@@ -29,7 +29,7 @@ from adapterserve import errors
 from adapterserve.adapters_store.records import AdapterVersion, parse_ref
 from adapterserve.adapters_store.staging import StoreLimits
 from adapterserve.adapters_store.store import open_store
-from adapterserve.engine.request import SamplingParams
+from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.server import messages, openai_http
 from adapterserve.server.auth import grpc_tenant, http_tenant, load_keys
 from adapterserve.server.backends import Backends

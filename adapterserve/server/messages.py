@@ -5,7 +5,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from adapterserve.adapters_store.records import AdapterVersion
-from adapterserve.engine.request import SamplingParams
+from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.errors import RequestError
 from adapterserve.server.proto import adapterserve_pb2 as pb
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adapterserve.adapters_store.records import AdapterVersion
-from adapterserve.engine.request import SamplingParams
+from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.errors import RequestError
 from adapterserve.server.status import http_status, message_of, status_of
 

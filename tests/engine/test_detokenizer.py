@@ -12,7 +12,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from adapterserve.engine.detokenizer import DecodeState, Detokenizer
-from adapterserve.engine.request import Request, RequestStatus, SamplingParams
+from adapterserve.engine.request import Request, RequestStatus
+from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.engine.stopping import check_stop_token, stream_delta, update_text
 from tests.helpers.tokenizers import sentencepiece_tokenizer
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.engine.engine import Engine, Prompt
-from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput, SamplingParams
+from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput
+from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.errors import AdapterNotFound
 from adapterserve.server.engine_process.facts import EngineFacts, EngineLoad
 
