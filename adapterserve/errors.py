@@ -60,3 +60,7 @@ class Overloaded(CapacityError):
 class ServerDraining(RuntimeError):
     """The server is shutting down: it finishes running requests but takes no new ones.
     Retry on another server (or this one after its restart)."""
+
+
+class RequestTooLarge(RequestError):
+    """A request body, message or prompt is over the server's size limit (HTTP 413)."""

@@ -16,8 +16,12 @@ from adapterserve.errors import (
     AdapterIntegrityError,
     AdapterNotFound,
     CapacityError,
+    EngineBroken,
     EngineDied,
+    Overloaded,
     RequestError,
+    RequestTooLarge,
+    ServerDraining,
     Unauthenticated,
 )
 from adapterserve.server.backends import NotServed
@@ -29,6 +33,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (AccessDenied, grpc.StatusCode.PERMISSION_DENIED),
     (AdapterNotFound, grpc.StatusCode.NOT_FOUND),
+    (RequestTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (AdapterError, grpc.StatusCode.INVALID_ARGUMENT),
     (RequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotServed, grpc.StatusCode.FAILED_PRECONDITION),
@@ -36,6 +41,8 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (BackPressureError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeploymentUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (EngineDied, grpc.StatusCode.UNAVAILABLE),
+    (EngineBroken, grpc.StatusCode.UNAVAILABLE),
+    (ServerDraining, grpc.StatusCode.UNAVAILABLE),
     (AdapterIntegrityError, grpc.StatusCode.DATA_LOSS),
 )
 
@@ -76,4 +83,15 @@ def grpc_error(context, exc: BaseException) -> BaseException:
 
 
 def http_status(exc: BaseException) -> int:
+    if isinstance(exc, RequestTooLarge):
+        return 413
     return _HTTP.get(status_of(exc), 500)
+
+
+def retry_after_s(exc: BaseException) -> float | None:
+    """Seconds a client should wait before retrying (Retry-After / retry metadata), if any."""
+    if isinstance(exc, Overloaded):
+        return exc.retry_after_s
+    if isinstance(exc, (BackPressureError, DeploymentUnavailableError, EngineDied, EngineBroken, ServerDraining)):
+        return 1.0
+    return None

@@ -1,0 +1,55 @@
+"""Admission at one ingress replica: how many calls it holds, whether it takes another.
+
+Every call the ingress serves (gRPC or HTTP, unary or streamed) enters through
+`admit()` and leaves when it ends (a stream: when its last chunk is sent or its
+caller goes away). A call over `max_in_flight` is shed at once with Overloaded
+(RESOURCE_EXHAUSTED / 429, retry advice) instead of queueing behind the others;
+once `drain()` is called every new call gets ServerDraining (UNAVAILABLE / 503)
+while those in flight finish. Health watches have a budget of their own, so
+unauthenticated watchers cannot fill the ingress.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from adapterserve.errors import Overloaded, ServerDraining
+
+
+class Admission:
+    def __init__(self, max_in_flight: int, max_health_watches: int) -> None:
+        self.max_in_flight = max_in_flight
+        self.max_health_watches = max_health_watches
+        self.in_flight = 0
+        self.health_watches = 0
+        self.draining = False
+
+    @contextmanager
+    def admit(self) -> Iterator[None]:
+        """Hold one place for the call in the `with` body; raise if there is none."""
+        if self.draining:
+            raise ServerDraining("the server is shutting down and takes no new requests; retry on another server")
+        if self.in_flight >= self.max_in_flight:
+            raise Overloaded(f"the server is at capacity ({self.max_in_flight} requests in flight at this ingress "
+                             "replica); retry in a moment", retry_after_s=1.0)
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+    @contextmanager
+    def watch(self) -> Iterator[None]:
+        """Hold one of the health-watch places for a grpc.health.v1 Watch stream."""
+        if self.health_watches >= self.max_health_watches:
+            raise Overloaded(f"{self.max_health_watches} health watches are open at this ingress replica; use "
+                             "Check, or retry later", retry_after_s=5.0)
+        self.health_watches += 1
+        try:
+            yield
+        finally:
+            self.health_watches -= 1
+
+    def drain(self) -> None:
+        """Refuse every new call from now on; calls in flight go on."""
+        self.draining = True
