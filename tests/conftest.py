@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 
+pytest_plugins = ["tests.helpers.live_server"]  # the live server: tests/server, tests/reliability
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -7,7 +7,7 @@ import requests
 
 from adapterserve.clients.client import Client
 from adapterserve.clients.types import ClientError
-from tests.server.conftest import BOB, run_cli
+from tests.helpers.live_server import BOB, run_cli
 
 
 def _code(call) -> grpc.StatusCode:

@@ -9,7 +9,7 @@ import pytest
 
 from adapterserve.clients.client import AsyncClient
 from adapterserve.clients.types import ClientError
-from tests.server.conftest import ALICE, MAX_ONGOING, MAX_QUEUED, NUM_KV_BLOCKS
+from tests.helpers.live_server import ALICE, MAX_ONGOING, MAX_QUEUED, NUM_KV_BLOCKS
 
 LONG = dict(max_tokens=150, temperature=0.0, ignore_eos=True)
 

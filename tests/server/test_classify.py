@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.server.conftest import ALICE, run_cli
+from tests.helpers.live_server import ALICE, run_cli
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "adapters"
 TEXTS = {

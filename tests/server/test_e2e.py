@@ -11,7 +11,7 @@ import grpc
 import requests
 
 from adapterserve.clients.types import ClientError
-from tests.server.conftest import ADAPTERS, ALICE, run_cli
+from tests.helpers.live_server import ADAPTERS, ALICE, run_cli
 
 PROMPTS = ["The lighthouse keeper", "To make bread you need", "A server that answers many questions"]
 MAX_TOKENS = 12

@@ -13,7 +13,7 @@ from adapterserve.clients.client import Client
 from adapterserve.server import serve_env
 from adapterserve.server.backends import own_handle
 from adapterserve.server.settings import DEFAULTS
-from tests.server.conftest import ALICE
+from tests.helpers.live_server import ALICE
 
 
 def test_fixed_ports_are_rays_defaults_where_free_else_free_ones(monkeypatch):

@@ -9,7 +9,7 @@ from adapterserve.clients.types import ClientError
 from adapterserve.clients.upload_stream import collect_files, upload_messages
 from adapterserve.server.proto import adapterserve_pb2_grpc as pb_grpc
 from tests.helpers import PICKLE_SENTINEL, make_bad_adapter, make_peft_lora
-from tests.server.conftest import ALICE, MAX_UPLOAD_BYTES, run_cli
+from tests.helpers.live_server import ALICE, MAX_UPLOAD_BYTES, run_cli
 
 UNFIT = ["invalid_config", "no_config", "out_features_mismatch", "in_features_mismatch", "layer_out_of_range",
          "nan_weights", "inf_weights", "pickle_only", "corrupt_weights", "missing_lora_b", "dora"]
