@@ -20,7 +20,9 @@ class EngineConfig:
     block_size:       tokens per KV-cache block
     num_kv_blocks:    KV-cache blocks (shared by all layers' caches)
     max_num_seqs:     requests running at once
-    max_num_batched_tokens: tokens in one step (prefill chunks plus decodes)
+    max_num_batched_tokens: tokens in one step (decodes plus prefill chunks; a longer prompt
+                      runs in chunks over several steps)
+    max_queued_requests: requests waiting to start; beyond it add_request sheds (Overloaded)
     max_model_len:    prompt plus generated tokens per request; default the backbone's
     max_virtual_tokens: longest prompt-tuning / prefix-tuning adapter accepted
     max_labels:       most labels a classification head may have
@@ -29,7 +31,7 @@ class EngineConfig:
     cuda_graphs:      replay decode steps as CUDA graphs (on CUDA devices)
     max_staged_adapters: adapters kept with ready-to-copy (pinned) host copies for fast loads
     lora_side_stream: run each LoRA shrink on a second CUDA stream, beside the base GEMM (CUDA
-                      only; 0.5-2.4 points less adapter tax on an 8B, BENCHMARKS.md)
+                      only; measured in BENCHMARKS.md)
     """
 
     device: str = "cpu"
@@ -41,6 +43,7 @@ class EngineConfig:
     num_kv_blocks: int = 512
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
+    max_queued_requests: int = 1024
     max_model_len: int | None = None
     max_virtual_tokens: int = 64
     max_labels: int = 32
@@ -55,7 +58,7 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("max_loras", "max_lora_rank", "block_size", "num_kv_blocks", "max_num_seqs",
-                     "max_num_batched_tokens"):
+                     "max_num_batched_tokens", "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.lora_pool_rows is not None and self.lora_pool_rows < self.max_lora_rank:

@@ -130,8 +130,12 @@ class AdapterHost:
         return sorted(self.adapters)
 
     def _acquire_slot(self, adapter_id: str, keep: Collection[str] = ()) -> int | None:
-        """The adapter's slot (placed if needed); ``keep``: adapter ids not to evict for it."""
-        return self.slots.acquire(adapter_id, self.adapters[adapter_id], keep)
+        """The adapter's slot (placed if needed); ``keep``: adapter ids not to evict for it.
+        AdapterNotFound if it was unloaded while its request waited."""
+        adapter = self.adapters.get(adapter_id)
+        if adapter is None:
+            raise AdapterNotFound(f"adapter {adapter_id!r} was unloaded while the request waited")
+        return self.slots.acquire(adapter_id, adapter, keep)
 
     def _families_of(self, slot: int) -> frozenset[str]:
         adapter = self.slots.adapter_in[slot]

@@ -17,8 +17,8 @@ request's last step by length is known at launch, so it is not scheduled again.
 """
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ import torch
 from adapterserve.adapters_store.formats.types import BackboneSpec
 from adapterserve.config import EngineConfig
 from adapterserve.engine.adapter_host import AdapterHost
+from adapterserve.engine.async_front import AsyncFront, Prompt, per_prompt
 from adapterserve.engine.detokenizer import Detokenizer
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.pools.bottleneck import BottleneckPools
@@ -40,18 +41,19 @@ from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.engine.scheduler import Scheduler
 from adapterserve.engine.slots import AdapterSlots
 from adapterserve.engine.stopping import check_stop_token, stream_delta, update_text
-from adapterserve.errors import AdapterNotFound, RequestError
+from adapterserve.errors import AdapterNotFound, EngineBroken, Overloaded, RequestError
 from adapterserve.models.decoder import DecoderModel
 from adapterserve.models.decoder_config import DecoderConfig
 from adapterserve.models.encoder_config import SUPPORTED_MODEL_TYPES as ENCODER_TYPES
 from adapterserve.models.loader import load_decoder
 
-Prompt = str | Sequence[int]
+_SYNC_IDLE_S = 0.001  # generate()'s pause when a step had nothing to run
 
 
-class Engine(AdapterHost):
+class Engine(AdapterHost, AsyncFront):
     def __init__(self, model: DecoderModel, tokenizer, config: EngineConfig) -> None:
         super().__init__()
+        self._init_async_front()
         self.model = model
         self.model_config: DecoderConfig = model.cfg
         self.tokenizer = tokenizer
@@ -82,10 +84,9 @@ class Engine(AdapterHost):
             self.runner.graph_signature = self.bottleneck_pools.activations
         self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release)
         self.requests: dict[str, Request] = {}
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._pooling: dict[str, tuple[Request, asyncio.Future]] = {}  # async classify/embed waiters
-        self._loop_task: asyncio.Task | None = None
         self._in_flight: StepResult | None = None  # launched, results not yet handled
+        self.broken: str | None = None  # why a failed step broke the engine; None while it serves
+        self._last_progress = time.monotonic()  # when the step loop last moved a request
 
     @classmethod
     def from_pretrained(
@@ -149,23 +150,40 @@ class Engine(AdapterHost):
         request_id: str | None = None,
         task: str = "generate",
     ) -> Request:
+        """Queue a request (RequestError if it is invalid, Overloaded if the queue is full)."""
         sampling = sampling or SamplingParams()
-        prompt_ids = self._prompt_ids(prompt)
-        request = Request(prompt_ids=prompt_ids, sampling=sampling, adapter_id=adapter_id, task=task)
+        self._check_serving()
+        request = Request(prompt_ids=self._prompt_ids(prompt), sampling=sampling, adapter_id=adapter_id, task=task)
         if request_id is not None:
             request.request_id = request_id
+        self._check_stop_ids(sampling)
         if sampling.seed is not None:
             request.generator = torch.Generator(device=self.runner.device).manual_seed(sampling.seed)
         with self._lock:
+            self._check_serving()
             if adapter_id is not None:
                 self._bind_adapter(request, adapter_id)
             elif task == "classify":
                 raise RequestError("classify needs an adapter with a classification head")
+            self._check_length(request)
             if request.request_id in self.requests:
                 raise RequestError(f"request id {request.request_id!r} is already in use")
+            self._check_queue()
+            if not self.has_unfinished():
+                self._last_progress = time.monotonic()  # an idle engine's stall clock starts now
             self.requests[request.request_id] = request
             self.scheduler.add(request)
         return request
+
+    def _check_serving(self) -> None:
+        if self.broken is not None:
+            raise EngineBroken(f"the engine is broken ({self.broken}) and serves no more requests")
+
+    def _check_queue(self) -> None:
+        waiting, limit = len(self.scheduler.waiting), self.config.max_queued_requests
+        if waiting >= limit:
+            raise Overloaded(f"the engine has {waiting} requests waiting (max_queued_requests {limit}); "
+                             "retry in a moment")
 
     def _bind_adapter(self, request: Request, adapter_id: str) -> None:
         adapter = self.adapters.get(adapter_id)
@@ -174,12 +192,25 @@ class Engine(AdapterHost):
         if request.task == "classify" and adapter.head is None:
             raise RequestError(f"adapter {adapter_id!r} has no classification head; classify needs one")
         request.num_virtual, request.prefix_len = adapter.num_virtual, adapter.prefix_len
-        extra = request.num_virtual + request.prefix_len
-        if extra and len(request.prompt_ids) + extra >= self.max_model_len:
-            raise RequestError(
-                f"prompt has {len(request.prompt_ids)} tokens; with adapter {adapter_id!r}'s {extra} virtual "
-                f"tokens this engine takes at most {self.max_model_len - extra - 1}"
-            )
+
+    def _check_length(self, request: Request) -> None:
+        """prompt (+ an adapter's virtual tokens) + max_tokens must fit max_model_len."""
+        prompt, extra = len(request.prompt_ids), request.num_virtual + request.prefix_len
+        wanted = 0 if request.pooling else request.sampling.max_tokens
+        if prompt + extra + wanted <= self.max_model_len:
+            return
+        virtual = f" + {extra} virtual tokens of adapter {request.adapter_id!r}" if extra else ""
+        if request.pooling:
+            raise RequestError(f"prompt has {prompt} tokens{virtual}; this engine's max_model_len is "
+                               f"{self.max_model_len}")
+        raise RequestError(f"prompt has {prompt} tokens{virtual} and max_tokens is {wanted}: "
+                           f"{prompt + extra + wanted} is over this engine's max_model_len of {self.max_model_len}")
+
+    def _check_stop_ids(self, sampling: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in sampling.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"stop_token_ids must be in [0, {vocab}), got {bad[:4]}")
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -187,15 +218,12 @@ class Engine(AdapterHost):
                 raise RequestError("this backbone has no tokenizer: send prompt token ids")
             ids = self.tokenizer(prompt).input_ids
         else:
-            ids = [int(t) for t in prompt]
+            ids = _token_ids(prompt)
         if not ids:
             raise RequestError("prompt is empty")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
-        if len(ids) >= self.max_model_len or len(ids) > self.config.max_num_batched_tokens:
-            limit = min(self.max_model_len - 1, self.config.max_num_batched_tokens)
-            raise RequestError(f"prompt has {len(ids)} tokens; this engine takes at most {limit}")
         return ids
 
     def abort(self, request_id: str) -> bool:
@@ -210,21 +238,41 @@ class Engine(AdapterHost):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def seconds_without_progress(self) -> float:
+        """0.0 while the engine has no work; else seconds since its step loop last moved a
+        request (health: a loop that stops moving with work queued is stalled)."""
+        if not self.has_unfinished():
+            return 0.0
+        return time.monotonic() - self._last_progress
+
     # the loop
 
     def step(self) -> list[RequestOutput]:
         """Launch the next batch, then return the new tokens and text of every request
-        the previously launched batch moved (waiting for the GPU to finish it)."""
+        the previously launched batch moved (waiting for the GPU to finish it), and the
+        final output of every request that failed alone. A step that fails as a whole
+        breaks the engine: EngineBroken."""
         with self._lock:
-            batch = self.scheduler.schedule()
-            launched = self._launch(batch) if batch.requests else None
-            done, self._in_flight = self._in_flight, launched
-            return self._resolve(done) if done is not None else []
+            self._check_serving()
+            try:
+                batch = self.scheduler.schedule()
+                failed = [self._fail(r, exc) for r, exc in self.scheduler.take_failed()]
+                launched = self._launch(batch) if batch.requests else None
+                done, self._in_flight = self._in_flight, launched
+                outputs = self._resolve(done) if done is not None else []
+            except Exception as exc:
+                raise self._break(exc) from exc
+            if launched is not None or done is not None or failed:
+                self._last_progress = time.monotonic()
+            return failed + outputs
 
     def _launch(self, batch) -> StepResult:
+        completing = {id(r) for r in self.runner.completing(batch)}
         result = self.runner.run(batch, [r.generator for r in batch.requests])
-        for request in batch.requests:
-            request.num_computed = request.num_tokens
+        for request, n in zip(batch.requests, batch.num_new_tokens):
+            request.num_computed += n
+            if id(request) not in completing:  # a prompt chunk short of the end: no result yet
+                continue
             if request.pooling:
                 request.final_launched = True
             else:
@@ -237,7 +285,7 @@ class Engine(AdapterHost):
 
     def _resolve(self, result: StepResult) -> list[RequestOutput]:
         """Handle a launched step's results; requests finished meanwhile (aborted, or
-        stopped by the step before) are skipped."""
+        stopped by the step before) are skipped. A request whose handling fails ends alone."""
         tokens = iter(result.token_ids())
         outputs, pooled = [], []
         for request, hidden in zip(result.requests, result.pooled):
@@ -246,8 +294,11 @@ class Engine(AdapterHost):
                 continue
             if request.pooling:
                 pooled.append((request, hidden))
-            else:
+                continue
+            try:
                 outputs.append(self._advance(request, token))
+            except Exception as exc:  # this request's text or stop handling: it alone fails
+                outputs.append(self._fail(request, exc))
         self._pool_results(pooled)
         return outputs
 
@@ -258,11 +309,15 @@ class Engine(AdapterHost):
             slots = [r.slot for r, _ in classify]
             probs = self.head_pool.logits(torch.stack([h for _, h in classify]), slots).softmax(-1)
             for (r, _), p in zip(classify, probs):
-                r.result = self._classification(r, p)
+                try:
+                    r.result = self._classification(r, p)
+                except Exception as exc:  # its head's labels: it alone fails
+                    self._fail(r, exc)
         for r, h in pooled:
             if r.task == "embed":
                 r.result = EmbedOutput(r.request_id, h.tolist(), r.adapter_id)
-            self._finish(r, "stop")
+            if not r.finished:
+                self._finish(r, "stop")
 
     def _classification(self, request: Request, probs: torch.Tensor) -> ClassifyOutput:
         head = self.head_pool.heads[request.slot]
@@ -287,6 +342,22 @@ class Engine(AdapterHost):
         self.scheduler.finish(request, reason)
         self.requests.pop(request.request_id, None)
 
+    def _fail(self, request: Request, error: Exception) -> RequestOutput:
+        """End one request with `error` (its KV blocks and slot freed); its final output."""
+        request.error = error
+        self._finish(request, "error")
+        return _final(request)
+
+    def _break(self, cause: Exception) -> EngineBroken:
+        """A step failed as a whole: fail every request and refuse all later calls."""
+        self.broken = f"{type(cause).__name__}: {cause}"
+        error = EngineBroken(f"the engine failed a step and serves no more requests ({self.broken}); "
+                             "retry: its replica is being replaced")
+        self._in_flight = None
+        for request in list(self.requests.values()):
+            self._fail(request, error)
+        return error
+
     def _chunk(self, request: Request) -> RequestOutput:
         ids, text = stream_delta(request)
         return RequestOutput(request.request_id, ids, text, request.finish_reason, request.adapter_id,
@@ -304,11 +375,10 @@ class Engine(AdapterHost):
         if isinstance(prompts, str):
             raise RequestError("generate takes a list of prompts; use [prompt] for one")
         n = len(prompts)
-        params = _per_prompt(sampling or SamplingParams(), n, "sampling")
-        adapters = _per_prompt(adapter_ids, n, "adapter_ids") if adapter_ids is not None else [None] * n
-        requests = [self.add_request(p, s, a) for p, s, a in zip(prompts, params, adapters)]
-        while any(not r.finished for r in requests):
-            self.step()
+        params = per_prompt(sampling or SamplingParams(), n, "sampling")
+        adapters = per_prompt(adapter_ids, n, "adapter_ids") if adapter_ids is not None else [None] * n
+        requests = self._add_all([(p, s, a, "generate") for p, s, a in zip(prompts, params, adapters)])
+        self._run_to_completion(requests)
         return [_final(r) for r in requests]
 
     def classify(self, texts: Sequence[Prompt], adapter_ids: Sequence[str] | str) -> list[ClassifyOutput]:
@@ -322,111 +392,48 @@ class Engine(AdapterHost):
     def _pool(self, texts, adapter_ids, task: str) -> list:
         if isinstance(texts, str):
             raise RequestError(f"{task} takes a list of texts; use [text] for one")
-        ids = _per_prompt(adapter_ids, len(texts), "adapter_ids")
-        requests = [self.add_request(t, SamplingParams(max_tokens=1), a, task=task) for t, a in zip(texts, ids)]
-        while any(not r.finished for r in requests):
-            self.step()
+        ids = per_prompt(adapter_ids, len(texts), "adapter_ids")
+        requests = self._add_all([(t, SamplingParams(max_tokens=1), a, task) for t, a in zip(texts, ids)])
+        self._run_to_completion(requests)
+        errors = [r.error for r in requests if r.error is not None]
+        if errors:
+            raise errors[0]
         return [r.result for r in requests]
 
-    async def stream(
-        self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
-        request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield new tokens and text as steps produce them; the last chunk has finish_reason.
-        Steps that finished while the consumer was busy arrive merged in one chunk, so a
-        slow consumer (a server relaying each chunk) pays per chunk, not per token.
-        Closing the iterator early (or cancelling its task) aborts the request."""
-        queue: asyncio.Queue = asyncio.Queue()
-        request = self.add_request(prompt, sampling, adapter_id, request_id)
-        self._streams[request.request_id] = queue
-        self._ensure_loop()
+    def _add_all(self, specs: list[tuple]) -> list[Request]:
+        """add_request for each (prompt, sampling, adapter_id, task); all or none."""
+        requests: list[Request] = []
         try:
-            while True:
-                chunk = _merged([await queue.get()], queue)
-                yield chunk
-                if chunk.finished:
-                    return
-        finally:
-            self._streams.pop(request.request_id, None)
-            if not request.finished:
-                self.abort(request.request_id)
+            for prompt, sampling, adapter_id, task in specs:
+                requests.append(self.add_request(prompt, sampling, adapter_id, task=task))
+        except BaseException:
+            for r in requests:
+                self.abort(r.request_id)
+            raise
+        return requests
 
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
-
-    async def classify_async(self, texts: Sequence[Prompt], adapter_ids: Sequence[str] | str) -> list[ClassifyOutput]:
-        """classify, batched by the running step loop with streams and other requests."""
-        return await self._pool_async(texts, adapter_ids, "classify")
-
-    async def embed_async(self, texts: Sequence[Prompt],
-                          adapter_ids: Sequence[str | None] | str | None = None) -> list[EmbedOutput]:
-        return await self._pool_async(texts, adapter_ids, "embed")
-
-    async def _pool_async(self, texts, adapter_ids, task: str) -> list:
-        if isinstance(texts, str):
-            raise RequestError(f"{task} takes a list of texts; use [text] for one")
-        ids = _per_prompt(adapter_ids, len(texts), "adapter_ids")
-        loop = asyncio.get_running_loop()
-        requests = [self.add_request(t, SamplingParams(max_tokens=1), a, task=task) for t, a in zip(texts, ids)]
-        futures = [loop.create_future() for _ in requests]
-        self._pooling.update({r.request_id: (r, f) for r, f in zip(requests, futures)})
-        self._ensure_loop()
+    def _run_to_completion(self, requests: list[Request]) -> None:
+        """Step until every request has finished (aborting them if stepping raises)."""
         try:
-            return list(await asyncio.gather(*futures))
+            while any(not r.finished for r in requests):
+                if not self.step() and self._in_flight is None:  # nothing could run yet (adapter copies)
+                    time.sleep(_SYNC_IDLE_S)
         finally:
             for r in requests:
-                self._pooling.pop(r.request_id, None)
                 if not r.finished:
                     self.abort(r.request_id)
-
-    async def _run_loop(self) -> None:
-        while self.has_unfinished():
-            try:
-                outputs = await asyncio.to_thread(self.step)
-            except Exception as exc:  # deliver to every waiter, then stop
-                for queue in self._streams.values():
-                    queue.put_nowait(exc)
-                for _, future in self._pooling.values():
-                    if not future.done():
-                        future.set_exception(exc)
-                raise
-            for out in outputs:
-                queue = self._streams.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
-            for request, future in list(self._pooling.values()):
-                if request.finished and not future.done():
-                    future.set_result(request.result)
-            await asyncio.sleep(0)
-
-
-def _merged(chunks: list, queue: asyncio.Queue) -> RequestOutput:
-    """One chunk from the first and every chunk already waiting (errors raise)."""
-    while not queue.empty() and not getattr(chunks[-1], "finished", False):
-        chunks.append(queue.get_nowait())
-    errors = [c for c in chunks if isinstance(c, BaseException)]
-    if errors:
-        raise errors[0]
-    if len(chunks) == 1:
-        return chunks[0]
-    last = chunks[-1]
-    return RequestOutput(last.request_id, [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
-                         last.finish_reason, last.adapter_id, last.prompt_token_ids)
-
-
-def _per_prompt(value, n: int, name: str) -> list:
-    if value is None or isinstance(value, (SamplingParams, str)):
-        return [value] * n
-    value = list(value)
-    if len(value) != n:
-        raise RequestError(f"{name} has {len(value)} entries for {n} prompts")
-    return value
 
 
 def _final(request: Request) -> RequestOutput:
     return RequestOutput(request.request_id, list(request.output_ids), request.text, request.finish_reason,
-                         request.adapter_id, request.prompt_ids)
+                         request.adapter_id, request.prompt_ids, request.error)
+
+
+def _token_ids(prompt: Sequence[int]) -> list[int]:
+    ids = list(prompt)
+    if any(isinstance(t, bool) or not hasattr(t, "__index__") for t in ids):
+        raise RequestError("prompt token ids must be integers")
+    return [t.__index__() for t in ids]
 
 
 def _model_type(model_dir: str | Path) -> str | None:

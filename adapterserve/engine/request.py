@@ -44,18 +44,16 @@ class Request:
     emitted_tokens: int = 0  # output ids already streamed
     generator: object = None  # torch.Generator of a seeded request
     result: object = None  # ClassifyOutput or EmbedOutput of a finished pooling request
+    error: Exception | None = None  # why the engine ended it alone (finish_reason "error")
 
-    @property
-    def all_ids(self) -> list[int]:
-        """Token ids of the request's own KV entries (virtual tokens as 0)."""
-        return [0] * self.num_virtual + self.prompt_ids + self.output_ids
-
-    def ids_from(self, start: int) -> list[int]:
-        """all_ids[start:] without building the whole list (decode needs one id);
-        a pending token is not among them (the runner reads it on the device)."""
-        if start >= self.num_virtual + len(self.prompt_ids):
-            return self.output_ids[start - self.num_virtual - len(self.prompt_ids):]
-        return self.all_ids[start:]
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Ids of the request's own KV entries [start, end) (virtual tokens as 0); a pending
+        token is not among them (the runner reads it on the device)."""
+        virtual, prompt = self.num_virtual, len(self.prompt_ids)
+        ids = [0] * max(0, min(end, virtual) - start)
+        ids += self.prompt_ids[max(start - virtual, 0):max(end - virtual, 0)]
+        ids += self.output_ids[max(start - virtual - prompt, 0):max(end - virtual - prompt, 0)]
+        return ids
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +84,7 @@ class RequestOutput:
     finish_reason: str | None
     adapter_id: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
+    error: Exception | None = None  # set with finish_reason "error": why this request alone failed
 
     @property
     def finished(self) -> bool:

@@ -30,6 +30,11 @@ def with_sampled_ids(ids: torch.Tensor, sources: torch.Tensor, sampled: torch.Te
     return torch.where(sources >= 0, sampled[sources.clamp(min=0)], ids)
 
 
+def _completes(request: Request, num_new_tokens: int) -> bool:
+    """Whether computing num_new_tokens more brings the request to its last known token."""
+    return request.num_computed + num_new_tokens == request.num_tokens
+
+
 @dataclass
 class StepResult:
     """A launched step's results: the generating rows' token ids (host tensor,
@@ -97,30 +102,39 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, generators: list[torch.Generator | None]) -> StepResult:
-        """Launch one forward pass over the batch: each generating request samples its
-        next token, each pooling request (classify, embed) gets its pooled hidden state."""
+        """Launch one forward pass over the batch. Each request whose tokens this step
+        completes gets a result: a generating one samples its next token, a pooling one
+        (classify, embed) gets its pooled hidden state; a prompt chunk short of the end
+        of its request only fills the KV cache."""
         host = self._host_batch(batch)
         requests = batch.requests
-        generating = [i for i, r in enumerate(requests) if not r.pooling]
-        pooled: list[torch.Tensor | None] = [None] * len(requests)
-        if self._graph_ready(host, batch):
+        done = [i for i, (r, n) in enumerate(zip(requests, batch.num_new_tokens)) if _completes(r, n)]
+        generating = [i for i in done if not requests[i].pooling]
+        pooled: list[torch.Tensor | None] = [None] * len(done)
+        if self._graph_ready(host, batch, len(done)):
             slots = self._family_slots(host.slots)
             families = tuple(bool((row >= 0).any()) for row in slots)
             logits = self.graphs.run(host, slots, families, self.graph_signature())
         else:
             last = self._forward_eager(host)
-            for i, r in enumerate(requests):
-                if r.pooling:
-                    pooled[i] = last[i].float()
+            for k, i in enumerate(done):
+                if requests[i].pooling:
+                    pooled[k] = last[i].float()
             logits = self.model.compute_logits(last[generating]) if generating else None
         self.last_logits = logits
+        finished = [requests[i] for i in done]
         if not generating:
-            return StepResult(requests, None, None, pooled)
+            return StepResult(finished, None, None, pooled)
         tokens = sample(logits, [requests[i].sampling for i in generating], [generators[i] for i in generating],
                         self.generator)
         for row, i in enumerate(generating):
             requests[i].pending_row = row
-        return self._publish(requests, tokens, pooled)
+        return self._publish(finished, tokens, pooled)
+
+    @staticmethod
+    def completing(batch: ScheduledBatch) -> list[Request]:
+        """The batch's requests whose tokens this step completes (they get a result)."""
+        return [r for r, n in zip(batch.requests, batch.num_new_tokens) if _completes(r, n)]
 
     def _forward_eager(self, host: _HostBatch) -> torch.Tensor:
         """The backbone outside a CUDA graph; hidden states of each request's last row [B, D]."""
@@ -142,8 +156,9 @@ class ModelRunner:
         ready.record()
         return StepResult(requests, host, ready, pooled)
 
-    def _graph_ready(self, host: _HostBatch, batch: ScheduledBatch) -> bool:
-        return (self.graphs is not None and all(n == 1 for n in batch.num_new_tokens)
+    def _graph_ready(self, host: _HostBatch, batch: ScheduledBatch, num_done: int) -> bool:
+        return (self.graphs is not None and num_done == len(batch.requests)
+                and all(n == 1 for n in batch.num_new_tokens)
                 and not host.virtual[0] and not any(r.pooling for r in batch.requests)
                 and self.graphs.fits(len(batch.requests), max(len(s.pages) for s in host.layouts)))
 
@@ -176,22 +191,23 @@ class ModelRunner:
         return with_sampled_ids(ids, sources, self.sampled)
 
     def _add_request(self, host: _HostBatch, request: Request, n: int) -> None:
-        start = request.num_tokens - n
+        """The request's next n tokens (from its first not yet computed): a whole prompt,
+        a chunk of one, or a decode's one token."""
+        start, end = request.num_computed, request.num_computed + n
         first_row = len(host.ids)
-        ids = request.ids_from(start)
+        ids = request.token_ids(start, end)
         host.sources.extend([-1] * len(ids))
-        if request.pending:  # the last input: sampled by the step before, not yet on the host
+        if len(ids) < n:  # the last input: sampled by the step before, not yet on the host
             ids.append(0)
             host.sources.append(request.pending_row)
         host.ids.extend(ids)
-        host.positions.extend(range(request.prefix_len + start, request.prefix_len + request.num_tokens))
+        host.positions.extend(range(request.prefix_len + start, request.prefix_len + end))
         prefix = self.prefix_pages(request.slot) if request.prefix_len else []
         aligned = len(prefix) * self.blocks.block_size
-        host.layouts.append(SequenceLayout(prefix + request.blocks, aligned - request.prefix_len,
-                                           aligned + request.num_tokens, n))
+        host.layouts.append(SequenceLayout(prefix + request.blocks, aligned - request.prefix_len, aligned + end, n))
         host.slots.extend([request.slot] * n)
         host.last_rows.append(len(host.ids) - 1)
-        for i in range(start, min(request.num_virtual, request.num_tokens)):
+        for i in range(start, min(request.num_virtual, end)):
             host.virtual[0].append(first_row + i - start)
             host.virtual[1].append(request.slot)
             host.virtual[2].append(i)

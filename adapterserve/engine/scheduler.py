@@ -1,16 +1,25 @@
-"""Waiting and running queues; which requests run in the next step.
+"""Waiting and running queues; which requests run in the next step, and how many of
+their tokens.
 
-A step holds every running request's next token (decode) plus as many waiting
-prompts (prefill) as the token budget, the KV cache and the adapter slots allow.
+Each step has a budget of `max_num_batched_tokens`. Running requests come first:
+decodes (one token each), then prompts part-way through their prefill; waiting
+requests are admitted with what is left. A prompt longer than what is left runs in
+chunks over several steps (chunked prefill): its KV blocks grow chunk by chunk, and
+it samples only once its last chunk is computed. So any request that fits
+`max_model_len` completes whatever the budget, and one long prompt never holds the
+queue behind it for more than the steps its chunks take.
+
 A waiting request is admitted only once its adapter has a slot and the adapter's
 copies into it have landed; a request whose adapter cannot be placed now, or is
-still loading, is passed over, not blocking the rest. Placing an
-adapter never evicts one that other waiting requests need, except for the oldest
-waiting request, so a stream of requests for resident adapters cannot starve a
-request for a cold one. When the KV
-cache runs out during decode, the newest running request is preempted: its
-blocks are freed and it is recomputed later from its prompt plus output so far.
+still loading, is passed over, not blocking the rest. Placing an adapter never
+evicts one that other waiting requests need, except for the oldest waiting request,
+so a stream of requests for resident adapters cannot starve a request for a cold
+one. When the KV cache runs out, the newest running request is preempted: its blocks
+are freed and it is recomputed later, in chunks, from its prompt plus output so far.
 A running request whose launched step gives its last result is not scheduled again.
+A request that cannot be served at all (its adapter is gone, or it needs more KV
+blocks than the cache has) is set aside in `failed` with its error, for the engine
+to end alone.
 """
 from __future__ import annotations
 
@@ -21,6 +30,7 @@ from dataclasses import dataclass
 from adapterserve.config import EngineConfig
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.request import Request, RequestStatus
+from adapterserve.errors import AdapterError, AdapterNotFound, CapacityError
 
 # acquire(adapter_id, keep: adapter ids not to evict for it) -> slot, or None (no room, or
 # the adapter's copies into its slot have not landed yet); release(slot)
@@ -37,6 +47,10 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.requests.append(request)
+        self.num_new_tokens.append(num_tokens)
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager, acquire: AcquireSlot, release: ReleaseSlot) -> None:
@@ -46,6 +60,7 @@ class Scheduler:
         self.release = release
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.failed: list[tuple[Request, Exception]] = []  # taken out of the queues; the engine ends them
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -55,55 +70,104 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [])
-        self._schedule_decodes(batch)
-        self._schedule_prefills(batch)
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        self._schedule_waiting(batch, budget)
         return batch
 
-    def _schedule_decodes(self, batch: ScheduledBatch) -> None:
-        preempted: set[int] = set()
-        for request in list(self.running):
-            if id(request) in preempted or request.final_launched:  # preempted below / last step in flight
-                continue
-            while not self.blocks.can_allocate(request.blocks, request.num_tokens):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.add(id(victim))
-                if victim is request:
-                    break
-            if id(request) not in preempted:
-                self.blocks.grow(request.blocks, request.num_tokens)
-                batch.requests.append(request)
-                batch.num_new_tokens.append(request.num_tokens - request.num_computed)
+    # running requests: decodes, then unfinished prefills
 
-    def _schedule_prefills(self, batch: ScheduledBatch) -> None:
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        ready = [r for r in self.running if not r.final_launched]  # not: last step in flight
+        ready.sort(key=lambda r: r.num_tokens - r.num_computed > 1)  # decodes first, order kept
+        preempted: set[int] = set()
+        for request in ready:
+            if budget == 0:
+                break
+            if id(request) in preempted:
+                continue
+            n = min(request.num_tokens - request.num_computed, budget)
+            if self._make_room(request, request.num_computed + n, preempted):
+                self.blocks.grow(request.blocks, request.num_computed + n)
+                batch.add(request, n)
+                budget -= n
+        return budget
+
+    def _make_room(self, request: Request, num_tokens: int, preempted: set[int]) -> bool:
+        """Preempt the newest running requests until `request` can hold num_tokens; False
+        if it was preempted itself (or set aside: the cache cannot hold it even alone)."""
+        while not self.blocks.can_allocate(request.blocks, num_tokens):
+            victim = self.running[-1]
+            if victim is request and len(self.running) == 1:
+                self._fail_too_long(request, num_tokens)
+                return False
+            self._preempt(victim)
+            preempted.add(id(victim))
+            if victim is request:
+                return False
+        return True
+
+    def _fail_too_long(self, request: Request, num_tokens: int) -> None:
+        blocks = self.blocks.blocks_needed(num_tokens)
+        room = self.blocks.num_free + len(request.blocks)
+        self._set_aside(request, CapacityError(
+            f"request needs {blocks} KV blocks for {num_tokens} tokens; with nothing else running the cache "
+            f"has {room} of its {self.blocks.num_blocks} for it (prefix-tuning prefixes hold the rest)"))
+
+    # waiting requests
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return
-        budget = self.config.max_num_batched_tokens - batch.num_tokens
         passed_over: list[Request] = []
         needed = {r.adapter_id for r in self.waiting if r.adapter_id is not None}
         oldest = self.waiting[0]
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
             if request.pending:  # preempted while its last token was in flight: admit once it lands
                 passed_over.append(request)
                 continue
-            new_tokens = request.num_tokens - request.num_computed
-            if new_tokens > budget or not self.blocks.can_allocate(request.blocks, request.num_tokens):
-                self.waiting.appendleft(request)
+            n = min(request.num_tokens - request.num_computed, budget)
+            if not self._admissible(request, n):
+                if self.running:
+                    self.waiting.appendleft(request)
+                else:  # even alone it does not fit: it never will
+                    self._fail_too_long(request, request.num_computed + n)
                 break
             if request.adapter_id is not None:
-                slot = self.acquire(request.adapter_id, () if request is oldest else needed)
+                try:
+                    slot = self.acquire(request.adapter_id, () if request is oldest else needed)
+                except (AdapterError, AdapterNotFound, CapacityError) as exc:  # its adapter cannot be placed
+                    self.failed.append((request, exc))
+                    continue
                 if slot is None:  # no room, or its weights are still being copied in
                     passed_over.append(request)
                     continue
                 request.slot = slot
-            self.blocks.grow(request.blocks, request.num_tokens)
+            self.blocks.grow(request.blocks, request.num_computed + n)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            batch.requests.append(request)
-            batch.num_new_tokens.append(new_tokens)
-            budget -= new_tokens
+            batch.add(request, n)
+            budget -= n
         self.waiting.extendleft(reversed(passed_over))
+
+    def _admissible(self, request: Request, n: int) -> bool:
+        """Room for the whole request (its later chunks too), or, with nothing running,
+        for this chunk (a request that fits nowhere else runs alone)."""
+        if self.blocks.can_allocate(request.blocks, request.num_tokens):
+            return True
+        return not self.running and self.blocks.can_allocate(request.blocks, request.num_computed + n)
+
+    def take_failed(self) -> list[tuple[Request, Exception]]:
+        """The requests set aside since the last call, each with its error."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def _set_aside(self, request: Request, error: Exception) -> None:
+        """Out of the queues (blocks and slot freed), for the engine to end with `error`."""
+        self._take_out(request)
+        self.failed.append((request, error))
+
+    # preemption and the end of a request
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -118,12 +182,15 @@ class Scheduler:
             self.release(request.slot)
             request.slot = -1
 
-    def finish(self, request: Request, reason: str) -> None:
-        """Take a request out of the queues and free its KV blocks and slot at once."""
+    def _take_out(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self._free(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Take a request out of the queues and free its KV blocks and slot at once."""
+        self._take_out(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from adapterserve.adapters_store.formats.families import Adapter
-from adapterserve.engine.engine import Prompt, _merged
+from adapterserve.engine.async_front import Prompt, merge_chunks
 from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.errors import EngineDied
@@ -102,7 +102,7 @@ class EngineProcess:
         try:
             self._send(("stream", call_id, prompt, sampling, adapter_id, request_id))
             while not finished:
-                chunk = _merged([await stream.queue.get()], stream.queue)
+                chunk = merge_chunks([await stream.queue.get()], stream.queue)
                 finished = chunk.finished
                 yield chunk
         finally:

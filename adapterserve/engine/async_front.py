@@ -1,0 +1,160 @@
+"""The engine's asyncio front: streams, async classify/embed, and the step loop that
+serves them.
+
+One loop task per engine runs `step` in a worker thread while any request is
+unfinished and hands each step's outputs to their waiters. When a step has nothing
+to do (every waiting request needs an adapter that is still loading, say) the loop
+sleeps until a request arrives or a short, growing pause passes: it never spins.
+A request that fails alone (its error in the output) raises in its own stream; an
+engine that breaks fails every waiter with EngineBroken and the loop ends.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput
+from adapterserve.engine.sampling_params import SamplingParams
+from adapterserve.errors import EngineBroken, RequestError
+
+Prompt = str | Sequence[int]
+_IDLE_PAUSE_S = (0.001, 0.05)  # first and longest pause of a step loop with nothing to run
+
+
+class AsyncFront:
+    """Mixed into Engine: needs add_request, abort, step, has_unfinished and _in_flight."""
+
+    def _init_async_front(self) -> None:
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._pooling: dict[str, tuple[object, asyncio.Future]] = {}  # request id -> (request, future)
+        self._loop_task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+
+    async def stream(
+        self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield new tokens and text as steps produce them; the last chunk has finish_reason.
+        Steps that finished while the consumer was busy arrive merged in one chunk, so a
+        slow consumer (a server relaying each chunk) pays per chunk, not per token.
+        Closing the iterator early (or cancelling its task) aborts the request. A request
+        that fails raises its error here."""
+        queue: asyncio.Queue = asyncio.Queue()
+        request = self.add_request(prompt, sampling, adapter_id, request_id)
+        self._streams[request.request_id] = queue
+        self._ensure_loop()
+        try:
+            while True:
+                chunk = merge_chunks([await queue.get()], queue)
+                yield chunk
+                if chunk.finished:
+                    return
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not request.finished:
+                self.abort(request.request_id)
+
+    async def classify_async(self, texts: Sequence[Prompt], adapter_ids: Sequence[str] | str) -> list[ClassifyOutput]:
+        """classify, batched by the running step loop with streams and other requests."""
+        return await self._pool_async(texts, adapter_ids, "classify")
+
+    async def embed_async(self, texts: Sequence[Prompt],
+                          adapter_ids: Sequence[str | None] | str | None = None) -> list[EmbedOutput]:
+        return await self._pool_async(texts, adapter_ids, "embed")
+
+    async def _pool_async(self, texts, adapter_ids, task: str) -> list:
+        if isinstance(texts, str):
+            raise RequestError(f"{task} takes a list of texts; use [text] for one")
+        ids = per_prompt(adapter_ids, len(texts), "adapter_ids")
+        loop = asyncio.get_running_loop()
+        requests = []
+        try:
+            for text, adapter_id in zip(texts, ids):
+                requests.append(self.add_request(text, SamplingParams(max_tokens=1), adapter_id, task=task))
+            futures = [loop.create_future() for _ in requests]
+            self._pooling.update({r.request_id: (r, f) for r, f in zip(requests, futures)})
+            self._ensure_loop()
+            return list(await asyncio.gather(*futures))
+        finally:
+            for r in requests:
+                self._pooling.pop(r.request_id, None)
+                if not r.finished:
+                    self.abort(r.request_id)
+
+    # the loop
+
+    def _ensure_loop(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+        if self._loop_task is None or self._loop_task.done():
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+
+    async def _run_loop(self) -> None:
+        pause = _IDLE_PAUSE_S[0]
+        while self.has_unfinished():
+            try:
+                outputs = await asyncio.to_thread(self.step)
+            except EngineBroken as exc:
+                self._fail_waiters(exc)
+                return
+            self._deliver(outputs)
+            if outputs or self._in_flight is not None:
+                pause = _IDLE_PAUSE_S[0]
+                await asyncio.sleep(0)
+            else:  # nothing could run: wait for a new request, or try again a little later
+                await self._idle(pause)
+                pause = min(2 * pause, _IDLE_PAUSE_S[1])
+
+    async def _idle(self, pause: float) -> None:
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), pause)
+        except asyncio.TimeoutError:
+            pass
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+        for request, future in list(self._pooling.values()):
+            if request.finished and not future.done():
+                if request.error is not None:
+                    future.set_exception(request.error)
+                else:
+                    future.set_result(request.result)
+
+    def _fail_waiters(self, exc: BaseException) -> None:
+        for queue in self._streams.values():
+            queue.put_nowait(exc)
+        for _, future in self._pooling.values():
+            if not future.done():
+                future.set_exception(exc)
+
+
+def merge_chunks(chunks: list, queue: asyncio.Queue) -> RequestOutput:
+    """One chunk from the first and every chunk already waiting; an error (an exception
+    put in the queue, or a chunk that carries one) raises."""
+    while not queue.empty() and not getattr(chunks[-1], "finished", False):
+        chunks.append(queue.get_nowait())
+    for c in chunks:
+        if isinstance(c, BaseException):
+            raise c
+        if c.error is not None:
+            raise c.error
+    if len(chunks) == 1:
+        return chunks[0]
+    last = chunks[-1]
+    return RequestOutput(last.request_id, [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
+                         last.finish_reason, last.adapter_id, last.prompt_token_ids)
+
+
+def per_prompt(value, n: int, name: str) -> list:
+    """One value per prompt: a single value repeated, or a sequence of exactly n."""
+    if value is None or isinstance(value, (SamplingParams, str)):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise RequestError(f"{name} has {len(value)} entries for {n} prompts")
+    return value
