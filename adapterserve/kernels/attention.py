@@ -15,15 +15,14 @@ import triton
 import triton.language as tl
 
 
-# keys per tile on a GPU (benchmarks/attention_decode.py --sweep, H100): whole contexts of up to
-# 1024 programs take 128 (B=64, lengths 128-1152: 0.0740 ms against 0.0812 with 64; equal lengths
-# 640: 0.0751 against 0.0746), more programs and split parts 64 (B=256 x 640: 0.2418 against 0.2469)
+# keys per tile on a GPU: whole contexts of up to 1024 programs take 128, more programs and split
+# parts 64 (chosen by benchmarks/attention_decode.py --sweep; figures in BENCHMARKS.md)
 WIDE_BLOCK_N, DEFAULT_BLOCK_N = 128, 64
 WIDE_BLOCK_PROGRAMS = 1024
 SPLIT_BELOW_PROGRAMS = 512  # split contexts while sequences x kv heads are fewer than this
 SPLIT_TARGET_PROGRAMS = 1024  # programs the split pass aims for
 MIN_SPLIT_KEYS = 256  # no part shorter than this for the longest context a table can hold
-MAX_SPLITS = 16  # 1 x 16384 keys on an H100: 16 parts 0.055 ms, 32 parts 0.059 ms
+MAX_SPLITS = 16  # more parts were slower (BENCHMARKS.md, paged decode attention)
 
 
 @triton.jit

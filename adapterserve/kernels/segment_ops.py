@@ -56,9 +56,8 @@ class UpConfig:
 
 GEMV_DOWN = DownConfig(block_r=0, block_k=1024, num_warps=4, num_stages=1, rows=4, gemv=True)
 # rows longer than GEMV_WIDE_K (down_proj's intermediate sizes: 11008, 14336, ...): chunks and warps
-# doubled, half the steps along K per program. 8B down_proj, B=64, rank 16, H100: 15.4 -> 13.4 µs per
-# launch over 64 adapters, 10.6 -> 7.0 over one; on 4096-wide rows the default was faster (BENCHMARKS.md, "The
-# decode LoRA chain on its own"). Rows of 8192 (a 1B's down_proj, a 70B's q|k|v) keep the default: unmeasured.
+# doubled, half the steps along K per program; faster there, slower on 4096-wide rows (BENCHMARKS.md,
+# "The decode LoRA chain on its own"). Rows of 8192 (a 1B's down_proj, a 70B's q|k|v) keep the default.
 GEMV_WIDE_K = 8192
 GEMV_DOWN_WIDE = DownConfig(block_r=0, block_k=2048, num_warps=8, num_stages=1, rows=4, gemv=True)
 GEMV_UP_ELEMS = 16384  # rank rows x columns of B one CUDA-core expand step holds

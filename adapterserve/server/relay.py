@@ -1,9 +1,8 @@
 """Pacing of streamed chunks through Ray Serve.
 
 Every chunk a replica yields costs the Serve path (replica -> ingress) a fixed amount
-of work, whatever it carries; measured on an H100 about 0.6 ms while Serve's Python gRPC
-proxy relayed chunks too (before HAProxy ingress), so 16 streams at one chunk per 1.5 ms
-decode step overran it sixfold. A paced stream waits (streams - 1) x chunk_cost_s after
+of work, whatever it carries, so many streams at one chunk per decode step overrun it
+(BENCHMARKS.md, the server path). A paced stream waits (streams - 1) x chunk_cost_s after
 each chunk it relays, then takes every token that arrived meanwhile as one merged chunk
 (the engine's streams merge what waited). One stream alone is never delayed; many
 together share a bounded chunk rate of about 1 / chunk_cost_s per replica, and carry
