@@ -26,7 +26,7 @@ from adapterserve.engine.pools.ia3 import Ia3Pool
 from adapterserve.engine.pools.lora import LoraPool
 from adapterserve.engine.request import ClassifyOutput, EmbedOutput
 from adapterserve.engine.slots import AdapterSlots
-from adapterserve.errors import AdapterError, AdapterNotFound, RequestError
+from adapterserve.errors import AdapterError, AdapterNotFound, CapacityError, RequestError
 from adapterserve.models.encoder import EncoderModel
 from adapterserve.models.encoder_adapters import encoder_adapter_meta
 from adapterserve.models.encoder_config import PoolingConfig
@@ -140,7 +140,7 @@ class EncoderEngine(AdapterHost):
         for adapter_id in ids:
             slot = -1 if adapter_id is None else self._acquire_slot(adapter_id, batch)
             if slot is None:
-                raise RuntimeError(f"no room in the adapter pools for {adapter_id!r} beside this batch's others; "
+                raise CapacityError(f"no room in the adapter pools for {adapter_id!r} beside this batch's others; "
                                    "raise max_loras or lora_pool_rows")
             slots.append(slot)
 
