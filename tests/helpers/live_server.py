@@ -31,7 +31,8 @@ ADAPTERS = {  # three adapters of different ranks and targets
 }
 MAX_ONGOING, MAX_QUEUED = 4, 2  # per engine replica
 MAX_UPLOAD_BYTES = 256 << 10
-NUM_KV_BLOCKS = 64
+NUM_KV_BLOCKS = 64  # x 16 tokens: max_model_len 1024
+STEP_BUDGET = 128  # tokens per engine step: longer prompts run in chunks
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ def server(ray_session, tiny_model, tmp_path_factory) -> Server:
     (root / "keys").write_text(f"# test tenants\n{ALICE} alice\n{BOB} bob\n")
     overrides = {
         "max_upload_bytes": MAX_UPLOAD_BYTES,
-        "engine": {"max_lora_rank": 16, "max_loras": 4, "num_kv_blocks": NUM_KV_BLOCKS, "max_num_seqs": 8},
+        "engine": {"max_lora_rank": 16, "max_loras": 4, "num_kv_blocks": NUM_KV_BLOCKS, "max_num_seqs": 8,
+                   "max_num_batched_tokens": STEP_BUDGET},
         "replica": {"max_ongoing_requests": MAX_ONGOING, "max_queued_requests": MAX_QUEUED},
         "encoder_pinned_adapters": ["sentiment"],  # an example adapter, published by the encoder at start
     }
