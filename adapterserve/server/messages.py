@@ -4,29 +4,28 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from adapterserve import request_fields as check
 from adapterserve.adapters_store.records import AdapterVersion
 from adapterserve.engine.sampling_params import SamplingParams
-from adapterserve.errors import RequestError
+from adapterserve.errors import RequestError, RequestTooLarge
 from adapterserve.server.proto import adapterserve_pb2 as pb
 
 Prompt = str | list[int]
 
 
 def prompt_of(request: pb.GenerateRequest) -> Prompt:
+    """The prompt: text of at most MAX_PROMPT_CHARS characters, or token ids >= 0
+    (RequestTooLarge if longer)."""
     which = request.WhichOneof("prompt")
     if which == "text":
-        if not request.text:
-            raise RequestError("prompt text is empty")
-        return request.text
+        return check.prompt("text", request.text)
     if which == "token_ids":
-        if not request.token_ids.ids:
-            raise RequestError("prompt token_ids is empty")
-        return list(request.token_ids.ids)
+        return check.prompt("token_ids", list(request.token_ids.ids))
     raise RequestError("set the prompt: either text or token_ids")
 
 
 def sampling_of(p: pb.SamplingParams) -> SamplingParams:
-    """Unset optional fields keep the engine's defaults; invalid values raise RequestError."""
+    """Unset optional fields keep the engine's defaults; SamplingParams checks every field."""
     fields: dict[str, Any] = {
         "top_k": p.top_k,
         "stop_token_ids": tuple(p.stop_token_ids),
@@ -44,12 +43,13 @@ def adapter_ref_of(ref: str) -> str | None:
 
 
 def texts_of(texts: Sequence[str], limit: int) -> list[str]:
-    """The texts of a Classify/Embed call; RequestError if there are none or too many."""
+    """The texts of a Classify/Embed call: 1 to `limit` texts, each non-empty and at most
+    MAX_TEXT_CHARS characters; RequestError (RequestTooLarge) names the first that is not."""
     if not texts:
         raise RequestError("texts is empty: send at least one text")
     if len(texts) > limit:
         raise RequestError(f"{len(texts)} texts in one call; this server takes at most {limit}: split the call")
-    return list(texts)
+    return [check.text(f"texts[{i}]", t, check.MAX_TEXT_CHARS, too_long=RequestTooLarge) for i, t in enumerate(texts)]
 
 
 def check_has_head(version: AdapterVersion) -> None:

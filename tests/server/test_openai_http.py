@@ -9,9 +9,16 @@ import pytest
 from ray.serve.exceptions import BackPressureError
 
 from adapterserve.adapters_store.keys import ApiKeys
-from adapterserve.errors import AccessDenied, AdapterNotFound, AdapterTooLarge, RequestError, Unauthenticated
+from adapterserve.errors import (
+    AccessDenied,
+    AdapterNotFound,
+    AdapterTooLarge,
+    RequestError,
+    RequestTooLarge,
+    Unauthenticated,
+)
 from adapterserve.server.auth import http_tenant, key_from_pairs
-from adapterserve.server.openai_http import completion_body, parse_completion, sse_events
+from adapterserve.server.openai_http import completion_body, error_body, parse_completion, sse_events
 from adapterserve.server.status import http_status, status_of
 
 
@@ -23,14 +30,94 @@ def test_base_model_id_means_no_adapter():
     assert parse_completion({"model": "sql", "prompt": [1, 2]}, "tiny").prompt == [1, 2]
 
 
-@pytest.mark.parametrize("body", [
-    [], {"prompt": "hi"}, {"model": "m"}, {"model": "m", "prompt": ["a", "b"]}, {"model": "m", "prompt": "x", "n": 2},
-    {"model": "m", "prompt": "x", "echo": True}, {"model": "m", "prompt": "x", "max_tokens": 0},
-    {"model": "m", "prompt": [1, "a"]},
-])
-def test_bad_bodies_are_request_errors(body):
-    with pytest.raises(RequestError):
+def test_neutral_values_of_unsupported_fields_and_unknown_keys_are_accepted():
+    body = {"model": "tiny", "prompt": "hi", "n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": "",
+            "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "user": "u-1", "min_p": 0,
+            "repetition_penalty": 1.0, "min_tokens": 0, "stream": None, "stream_options": None, "top_k": -1,
+            "seed": None, "stop": None, "metadata": {"x": [1, {"y": 2}]}, "service_tier": "auto"}
+    call = parse_completion(body, "tiny")
+    assert (call.prompt, call.stream, call.include_usage, call.sampling.top_k, call.sampling.stop) == ("hi", False,
+                                                                                                         False, 0, ())
+
+
+def test_a_prompt_over_the_size_limit_is_too_large():
+    with pytest.raises(RequestTooLarge, match="'prompt' has 1048577 characters; this server takes at most 1048576"):
+        parse_completion(_body(prompt="x" * ((1 << 20) + 1)), "tiny")
+    with pytest.raises(RequestTooLarge, match="'prompt\\[0\\]' has 1048577 items"):
+        parse_completion(_body(prompt=[[1] * ((1 << 20) + 1)]), "tiny")
+
+
+def _body(**fields):
+    return {"model": "m", "prompt": "x", **fields}
+
+
+BAD_BODIES = [
+    ([], "the request body must be a JSON object, got []"),
+    ("x", "the request body must be a JSON object, got 'x'"),
+    ({"prompt": "hi"}, "'model' is required: 'tiny' for the base model"),
+    ({"model": 5, "prompt": "hi"}, "'model' must be a string, got 5"),
+    ({"model": "m" * 2000, "prompt": "hi"}, "'model' has 2000 characters"),
+    ({"model": "m"}, "'prompt' is required"),
+    (_body(prompt=""), "'prompt' is empty"),
+    (_body(prompt=[]), "'prompt' is empty"),
+    (_body(prompt=[[]]), "'prompt[0]' is empty"),
+    (_body(prompt=5), "'prompt' must be a string or a list of token ids, got 5"),
+    (_body(prompt={"text": "x"}), "'prompt' must be a string or a list of token ids, got {'text': 'x'}"),
+    (_body(prompt=["a", "b"]), "'prompt' holds 2 prompts; this server takes one per request"),
+    (_body(prompt=[[1], [2]]), "'prompt' holds 2 prompts"),
+    (_body(prompt=[1, "a"]), "'prompt[1]' must be a token id (an integer from 0 to 2147483647), got 'a'"),
+    (_body(prompt=[1, -1]), "'prompt[1]' must be a token id"),
+    (_body(prompt=[1, 2**40]), "'prompt[1]' must be a token id"),
+    (_body(prompt=[1, True]), "'prompt[1]' must be a token id"),
+    (_body(prompt=[1.0]), "'prompt[0]' must be a token id"),
+    (_body(prompt=[[1, None]]), "'prompt[0][1]' must be a token id"),
+    (_body(max_tokens=0), "'max_tokens' must be between 1"),
+    (_body(max_tokens="16"), "'max_tokens' must be an integer, got '16'"),
+    (_body(temperature="0.5"), "'temperature' must be a number, got '0.5'"),
+    (_body(top_p=2), "'top_p' must be between 1e-09 and 1, got 2"),
+    (_body(top_k=10**30), "'top_k' must be between -1 and 9223372036854775807"),
+    (_body(seed="42"), "'seed' must be an integer, got '42'"),
+    (_body(seed=2**70), "'seed' must be between"),
+    (_body(stop=5), "'stop' must be a string or a list of strings, got 5"),
+    (_body(stop=[1]), "'stop[0]' must be a string, got 1"),
+    (_body(stop=[["x"]]), "'stop[0]' must be a string, got ['x']"),
+    (_body(stop_token_ids=[-3]), "'stop_token_ids[0]' must be a token id"),
+    (_body(stop_token_ids="1"), "'stop_token_ids' must be a list of token ids, got '1'"),
+    (_body(ignore_eos="yes"), "'ignore_eos' must be true or false, got 'yes'"),
+    (_body(stream="true"), "'stream' must be true or false, got 'true'"),
+    (_body(stream=True, stream_options="x"), "'stream_options' must be an object or null, got 'x'"),
+    (_body(stream=True, stream_options=[]), "'stream_options' must be an object or null, got []"),
+    (_body(stream_options={"include_usage": True}), "'stream_options' is only allowed when 'stream' is true"),
+    (_body(stream=True, stream_options={"include_usage": 1}),
+     "'stream_options.include_usage' must be true or false, got 1"),
+    (_body(return_token_ids=1), "'return_token_ids' must be true or false, got 1"),
+    (_body(user=7), "'user' must be a string, got 7"),
+    (_body(n=2), "'n' is not supported by this server (only 1 or null), got 2"),
+    (_body(n=True), "'n' is not supported by this server (only 1 or null), got True"),
+    (_body(best_of=3), "'best_of' is not supported"),
+    (_body(echo=True), "'echo' is not supported by this server (only false or null), got True"),
+    (_body(logprobs=0), "'logprobs' is not supported by this server (only null), got 0"),
+    (_body(suffix="end"), "'suffix' is not supported"),
+    (_body(presence_penalty=0.5), "'presence_penalty' is not supported by this server (only 0 or null), got 0.5"),
+    (_body(frequency_penalty="0"), "'frequency_penalty' is not supported"),
+    (_body(logit_bias={"50256": -100}), "'logit_bias' is not supported by this server (only {} or null)"),
+    (_body(repetition_penalty=1.1), "'repetition_penalty' is not supported"),
+    (_body(prompt="a\ud800b"), "'prompt' holds a lone surrogate (U+D800 at character 1)"),
+    (_body(prompt=["\udfff"]), "'prompt[0]' holds a lone surrogate (U+DFFF at character 0)"),
+    (_body(stop=["ok", "x\udc80"]), "'stop[1]' holds a lone surrogate"),
+    (_body(metadata={"note": "\ud83d"}), "'metadata.note' holds a lone surrogate"),
+    (_body(**{"\ud800": 1}), "a key in the body holds a lone surrogate"),
+    (_body(stream_options={"\ud800": 1}), "a key in 'stream_options' holds a lone surrogate"),
+]
+
+
+@pytest.mark.parametrize("body, message", BAD_BODIES, ids=[str(i) for i in range(len(BAD_BODIES))])
+def test_bad_bodies_are_refused_naming_the_field(body, message):
+    with pytest.raises(RequestError) as caught:
         parse_completion(body, "tiny")
+    assert str(caught.value).startswith(message), str(caught.value)
+    sent = json.dumps(error_body(caught.value), ensure_ascii=False).encode("utf-8")  # as JSONResponse encodes it
+    assert json.loads(sent)["error"]["code"] == 400
 
 
 CHUNKS = [

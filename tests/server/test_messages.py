@@ -1,0 +1,63 @@
+"""gRPC messages -> the engine's types: every field checked, the message naming it."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from adapterserve.errors import RequestError, RequestTooLarge
+from adapterserve.request_fields import MAX_PROMPT_CHARS, MAX_PROMPT_IDS, MAX_TEXT_CHARS
+from adapterserve.server.messages import prompt_of, sampling_of, texts_of
+from adapterserve.server.proto import adapterserve_pb2 as pb
+
+
+def test_unset_fields_keep_the_defaults_and_set_ones_are_kept():
+    assert sampling_of(pb.SamplingParams()) == sampling_of(pb.SamplingParams(top_k=0, ignore_eos=False))
+    p = sampling_of(pb.SamplingParams(max_tokens=5, temperature=0.0, top_k=2**32 - 1, seed=-3, stop=["x"],
+                                      stop_token_ids=[4]))
+    assert (p.max_tokens, p.greedy, p.top_k, p.seed, p.stop, p.stop_token_ids) == (5, True, 2**32 - 1, -3, ("x",),
+                                                                                   (4,))
+    assert prompt_of(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 7]))) == [0, 7]
+    assert prompt_of(pb.GenerateRequest(text="hi")) == "hi"
+
+
+@pytest.mark.parametrize("sampling, message", [
+    (pb.SamplingParams(temperature=math.nan), "'temperature' must be a finite number, got nan"),
+    (pb.SamplingParams(top_p=math.inf), "'top_p' must be a finite number, got inf"),
+    (pb.SamplingParams(max_tokens=2**32 - 1), "'max_tokens' must be between 1 and 2147483647, got 4294967295"),
+    (pb.SamplingParams(stop=["a", ""]), "'stop[1]' is empty"),
+    (pb.SamplingParams(stop_token_ids=[1, -2]), "'stop_token_ids[1]' must be a token id"),
+])
+def test_bad_sampling_fields_are_named(sampling, message):
+    with pytest.raises(RequestError) as caught:
+        sampling_of(sampling)
+    assert str(caught.value).startswith(message)
+
+
+@pytest.mark.parametrize("request_, error, message", [
+    (pb.GenerateRequest(), RequestError, "set the prompt: either text or token_ids"),
+    (pb.GenerateRequest(text=""), RequestError, "'text' is empty"),
+    (pb.GenerateRequest(text="x" * (MAX_PROMPT_CHARS + 1)), RequestTooLarge,
+     f"'text' has {MAX_PROMPT_CHARS + 1} characters; this server takes at most {MAX_PROMPT_CHARS}"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds()), RequestError, "'token_ids' is empty"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3, -1])), RequestError, "'token_ids[1]' must be a token id"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * (MAX_PROMPT_IDS + 1))), RequestTooLarge,
+     f"'token_ids' has {MAX_PROMPT_IDS + 1} items"),
+])
+def test_bad_prompts_are_named(request_, error, message):
+    with pytest.raises(RequestError) as caught:
+        prompt_of(request_)
+    assert type(caught.value) is error and str(caught.value).startswith(message)
+
+
+@pytest.mark.parametrize("texts, error, message", [
+    ([], RequestError, "texts is empty"),
+    (["a"] * 5, RequestError, "5 texts in one call; this server takes at most 4"),
+    (["a", ""], RequestError, "'texts[1]' is empty"),
+    (["a", "b" * (MAX_TEXT_CHARS + 1)], RequestTooLarge, f"'texts[1]' has {MAX_TEXT_CHARS + 1} characters"),
+])
+def test_bad_texts_are_named(texts, error, message):
+    with pytest.raises(RequestError) as caught:
+        texts_of(pb.ClassifyRequest(texts=texts).texts, limit=4)
+    assert type(caught.value) is error and str(caught.value).startswith(message)
+    assert texts_of(pb.ClassifyRequest(texts=["a", "b"]).texts, limit=4) == ["a", "b"]
