@@ -26,6 +26,8 @@ EXAMPLES = [K8S / "secret.example.yaml"]
 POD_TEMPLATE = "io.k8s.api.core.v1.PodTemplateSpec"
 OBJECT_META = "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
 SERVICE = "io.k8s.api.core.v1.Service"
+K8S_TERMINATION_GRACE_S = 30  # Kubernetes' default terminationGracePeriodSeconds
+SERVE_GRACEFUL_SHUTDOWN_S = 20  # Serve's default graceful_shutdown_timeout_s
 
 
 def check_documents(docs: Sequence[dict[str, Any]]) -> list[str]:
@@ -88,7 +90,7 @@ def check_consistency(rayservice: dict[str, Any]) -> list[str]:
     for name, port in (("serve", serve["http_options"]["port"]), ("serve-grpc", serve["grpc_options"]["port"])):
         if ports.get(name) != port:
             problems.append(f"{where}: head container port {name!r} is {ports.get(name)}, serveConfigV2 says {port}")
-    return problems + check_capacity(rayservice, serve, where)
+    return problems + check_capacity(rayservice, serve, where) + check_grace(rayservice, serve, where)
 
 
 def check_capacity(rayservice: dict[str, Any], serve: dict[str, Any], where: str) -> list[str]:
@@ -109,6 +111,28 @@ def check_capacity(rayservice: dict[str, Any], serve: dict[str, Any], where: str
             path = (app.get("args") or {}).get(key)
             if path and path.startswith("/") and not any(path.startswith(m.rstrip("/") + "/") for m in mounts):
                 problems.append(f"{where}: args.{key} {path} is on no volume of the worker pods ({', '.join(mounts)})")
+    return problems
+
+
+def check_grace(rayservice: dict[str, Any], serve: dict[str, Any], where: str) -> list[str]:
+    """Every pod must outlive the drain its replicas do when Kubernetes stops it: its
+    terminationGracePeriodSeconds above the longest grace of the Serve config."""
+    from adapterserve.server.settings import DEFAULTS
+
+    graces = [SERVE_GRACEFUL_SHUTDOWN_S]
+    for app in serve["applications"]:
+        graces.append((app.get("args") or {}).get("drain_grace_s", DEFAULTS["drain_grace_s"]))
+        graces += [d["graceful_shutdown_timeout_s"] for d in app.get("deployments", []) if "graceful_shutdown_timeout_s" in d]
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    templates = {"head": cluster["headGroupSpec"]["template"]}
+    templates.update({g["groupName"]: g["template"] for g in cluster.get("workerGroupSpecs", [])})
+    problems = []
+    for name, template in templates.items():
+        seconds = template.get("spec", {}).get("terminationGracePeriodSeconds", K8S_TERMINATION_GRACE_S)
+        if seconds <= max(graces):
+            problems.append(f"{where}: {name} pods get terminationGracePeriodSeconds {seconds}, not more than the "
+                            f"{max(graces):g} s their replicas may take to drain (drain_grace_s, "
+                            "graceful_shutdown_timeout_s)")
     return problems
 
 

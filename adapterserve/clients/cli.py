@@ -7,19 +7,30 @@
     adapterserve generate --adapter sql --max-tokens 32 "SELECT"
     adapterserve list
 
-Client commands read --server / $ADAPTERSERVE_SERVER and --api-key / $ADAPTERSERVE_API_KEY.
-Exit status: 0 done, 1 the server refused or failed, 2 bad arguments or a local check failed.
+Client commands read --server / $ADAPTERSERVE_SERVER, --api-key / $ADAPTERSERVE_API_KEY and
+--timeout / $ADAPTERSERVE_TIMEOUT (seconds a call may take, default 600).
+`serve` drains on SIGTERM or SIGINT (Ctrl-C): new requests are refused while running ones get
+--grace-period seconds to finish, then everything it started stops; a second signal stops at once.
+Exit status: 0 done, 1 the server refused or failed (or a second signal stopped `serve` at once),
+2 bad arguments, a port already in use or a local check failed.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from adapterserve.clients.client import Client, default_server
+import grpc
+
+from adapterserve.clients.client import Client, default_server, seconds
 from adapterserve.clients.types import ClientError
+
+if TYPE_CHECKING:
+    from adapterserve.server.launch import Endpoints
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -27,7 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except ClientError as e:
-        print(f"error: {e.code.name}: {e.details}", file=sys.stderr)
+        hint = "; allow more with --timeout SECONDS" if e.code is grpc.StatusCode.DEADLINE_EXCEEDED else ""
+        print(f"error: {e.code.name}: {e.details}{hint}", file=sys.stderr)
         return 1
     except (ValueError, OSError) as e:  # local checks: AdapterError, RequestError, missing files
         print(f"error: {e}", file=sys.stderr)
@@ -38,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     client = argparse.ArgumentParser(add_help=False)
     client.add_argument("--server", default=None, help="host:port (default $ADAPTERSERVE_SERVER or localhost:50051)")
     client.add_argument("--api-key", default=None, help="API key (default $ADAPTERSERVE_API_KEY)")
+    client.add_argument("--timeout", type=_seconds_arg, metavar="SECONDS",
+                        help="deadline of the call (default $ADAPTERSERVE_TIMEOUT or 600)")
     parser = argparse.ArgumentParser(prog="adapterserve", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
@@ -58,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lora-rank", type=int)
     p.add_argument("--config", help="YAML/JSON file of config overrides (adapterserve.server.settings.DEFAULTS)")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
+    p.add_argument("--grace-period", type=_grace_arg, metavar="SECONDS", help="on SIGTERM/SIGINT, how long "
+                   "running requests may take to finish (default: config drain_grace_s, 30)")
     p.set_defaults(run=_serve)
 
     p = sub.add_parser("upload", parents=[client], help="validate and upload an adapter directory")
@@ -108,18 +124,41 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _client(args: argparse.Namespace) -> Client:
-    return Client(args.server or default_server(), args.api_key or os.environ.get("ADAPTERSERVE_API_KEY"))
+    return Client(args.server or default_server(), args.api_key or os.environ.get("ADAPTERSERVE_API_KEY"),
+                  timeout=args.timeout)
+
+
+def _seconds_arg(text: str) -> float:
+    try:
+        return seconds(text, "the value")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _grace_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"the value must be a number of seconds >= 0, got {text!r}")
+    return value
 
 
 # serve
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from adapterserve.server import launch
+    from adapterserve.server import serve_command
+    from adapterserve.server.settings import merge_config
 
     config = serve_config(args)
-    endpoints = launch.start(config, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
+    return serve_command.run(config, merge_config(config)["drain_grace_s"], lambda e: _announce(args, e),
+                             host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                              ray_address=args.ray_address)
+
+
+def _announce(args: argparse.Namespace, endpoints: Endpoints) -> None:
     print(f"adapterserve is serving: gRPC {endpoints.grpc}, HTTP {endpoints.http}/v1  (Ctrl-C stops)", flush=True)
     if not args.api_keys:
         print("  open mode (no --api-keys): anyone who reaches this machine may use and change adapters; "
@@ -128,11 +167,6 @@ def _serve(args: argparse.Namespace) -> int:
     if not args.no_encoder:
         print(f"       adapterserve classify --server {endpoints.grpc} --adapter sentiment \"a wonderful film\"",
               flush=True)
-    _wait_for_signal()
-    from ray import serve
-
-    serve.shutdown()
-    return 0
 
 
 def serve_config(args: argparse.Namespace) -> dict:
@@ -153,6 +187,8 @@ def serve_config(args: argparse.Namespace) -> dict:
         config["encoder"] = False if args.no_encoder else args.encoder
     if args.replicas is not None:
         config["replica"] = {**config.get("replica", {}), "num_replicas": args.replicas}
+    if args.grace_period is not None:
+        config["drain_grace_s"] = args.grace_period
     return config
 
 
@@ -164,16 +200,6 @@ def _read_config_file(path: str) -> dict:
     if not isinstance(loaded, dict):
         raise ValueError(f"{path} must hold a mapping of config keys")
     return loaded
-
-
-def _wait_for_signal() -> None:
-    import signal
-    import threading
-
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
 
 
 # adapters

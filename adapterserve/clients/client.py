@@ -14,10 +14,14 @@
 
 Calls raise ClientError with the gRPC status code and the server's message.
 The address defaults to $ADAPTERSERVE_SERVER or localhost:50051, the key to
-$ADAPTERSERVE_API_KEY.
+$ADAPTERSERVE_API_KEY. Every call has a deadline: `timeout` seconds for the whole call
+(a stream: until its last chunk; an upload: until the server has stored it), by default
+$ADAPTERSERVE_TIMEOUT or DEFAULT_TIMEOUT_S; past it the call is cancelled and raises
+ClientError(DEADLINE_EXCEEDED).
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -38,11 +42,32 @@ from adapterserve.server.proto import adapterserve_pb2 as pb
 from adapterserve.server.proto import adapterserve_pb2_grpc as pb_grpc
 
 DEFAULT_SERVER = "localhost:50051"
+DEFAULT_TIMEOUT_S = 600.0  # as OpenAI's clients: room for a long generation, not for a hang
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
 def default_server() -> str:
     return os.environ.get("ADAPTERSERVE_SERVER") or DEFAULT_SERVER
+
+
+def deadline_s(timeout: float | None = None) -> float:
+    """Seconds a call may take: `timeout`, else $ADAPTERSERVE_TIMEOUT, else DEFAULT_TIMEOUT_S;
+    ValueError unless a number of seconds > 0."""
+    if timeout is not None:
+        return seconds(timeout, "timeout")
+    given = os.environ.get("ADAPTERSERVE_TIMEOUT")
+    return seconds(given, "$ADAPTERSERVE_TIMEOUT") if given else DEFAULT_TIMEOUT_S
+
+
+def seconds(value: float | str, name: str) -> float:
+    """`value` as a finite number of seconds > 0; ValueError naming `name` otherwise."""
+    try:
+        number = math.nan if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not 0 < number < math.inf:
+        raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+    return number
 
 
 def generate_request(
@@ -88,23 +113,24 @@ def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
 
 
 class Client:
-    """Blocking client. `generate`/`stream` take the keyword arguments of `generate_request`."""
+    """Blocking client. `generate`/`stream` take the keyword arguments of `generate_request`;
+    `timeout` is each call's deadline in seconds (default: see `deadline_s`)."""
 
     def __init__(self, server: str | None = None, api_key: str | None = None, *, timeout: float | None = None):
         self.server = server or default_server()
         self._metadata = _metadata(api_key if api_key is not None else os.environ.get("ADAPTERSERVE_API_KEY"))
-        self._timeout = timeout
+        self.timeout = deadline_s(timeout)
         self._channel = grpc.insecure_channel(self.server, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.AdapterServeStub(self._channel)
 
     def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[Chunk]:
         """Yield chunks as they are generated; closing the iterator early cancels the request."""
-        call = self._stub.Generate(generate_request(prompt, **kwargs), metadata=self._metadata, timeout=self._timeout)
+        call = self._stub.Generate(generate_request(prompt, **kwargs), metadata=self._metadata, timeout=self.timeout)
         try:
             for message in call:
                 yield Chunk.from_proto(message)
         except grpc.RpcError as e:
-            raise ClientError.from_rpc(e) from None
+            raise ClientError.from_rpc(e, self.timeout) from None
         finally:
             call.cancel()  # no-op once the call is complete
 
@@ -148,9 +174,9 @@ class Client:
 
     def _call(self, method, request):
         try:
-            return method(request, metadata=self._metadata, timeout=self._timeout)
+            return method(request, metadata=self._metadata, timeout=self.timeout)
         except grpc.RpcError as e:
-            raise ClientError.from_rpc(e) from None
+            raise ClientError.from_rpc(e, self.timeout) from None
 
     def close(self) -> None:
         self._channel.close()
@@ -168,18 +194,18 @@ class AsyncClient:
     def __init__(self, server: str | None = None, api_key: str | None = None, *, timeout: float | None = None):
         self.server = server or default_server()
         self._metadata = _metadata(api_key if api_key is not None else os.environ.get("ADAPTERSERVE_API_KEY"))
-        self._timeout = timeout
+        self.timeout = deadline_s(timeout)
         self._channel = grpc.aio.insecure_channel(self.server, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.AdapterServeStub(self._channel)
 
     async def stream(self, prompt: str | Sequence[int], **kwargs) -> AsyncIterator[Chunk]:
         """Yield chunks as they are generated; closing the iterator (or cancelling) cancels the request."""
-        call = self._stub.Generate(generate_request(prompt, **kwargs), metadata=self._metadata, timeout=self._timeout)
+        call = self._stub.Generate(generate_request(prompt, **kwargs), metadata=self._metadata, timeout=self.timeout)
         try:
             async for message in call:
                 yield Chunk.from_proto(message)
         except grpc.RpcError as e:
-            raise ClientError.from_rpc(e) from None
+            raise ClientError.from_rpc(e, self.timeout) from None
         finally:
             call.cancel()
 
@@ -214,9 +240,9 @@ class AsyncClient:
 
     async def _call(self, method, request):
         try:
-            return await method(request, metadata=self._metadata, timeout=self._timeout)
+            return await method(request, metadata=self._metadata, timeout=self.timeout)
         except grpc.RpcError as e:
-            raise ClientError.from_rpc(e) from None
+            raise ClientError.from_rpc(e, self.timeout) from None
 
     async def close(self) -> None:
         await self._channel.close()

@@ -18,7 +18,9 @@ class ClientError(Exception):
         self.details = details
 
     @classmethod
-    def from_rpc(cls, error: grpc.RpcError) -> ClientError:
+    def from_rpc(cls, error: grpc.RpcError, deadline_s: float | None = None) -> ClientError:
+        if error.code() is grpc.StatusCode.DEADLINE_EXCEEDED and deadline_s is not None:
+            return cls(error.code(), f"no reply within the call's deadline of {deadline_s:g} s")
         return cls(error.code(), error.details() or "")
 
 

@@ -1,12 +1,13 @@
 """Admission at one ingress replica: how many calls it holds, whether it takes another.
 
 Every call the ingress serves (gRPC or HTTP, unary or streamed) enters through
-`admit()` and leaves when it ends (a stream: when its last chunk is sent or its
-caller goes away). A call over `max_in_flight` is shed at once with Overloaded
-(RESOURCE_EXHAUSTED / 429, retry advice) instead of queueing behind the others;
-once `drain()` is called every new call gets ServerDraining (UNAVAILABLE / 503)
-while those in flight finish. Health watches have a budget of their own, so
-unauthenticated watchers cannot fill the ingress.
+`admit()` (or `take()`, for a place that outlives the handler: an SSE stream) and
+leaves when it ends (a stream: when its last chunk is sent or its caller goes away).
+A call over `max_in_flight` is shed at once with Overloaded (RESOURCE_EXHAUSTED /
+429, retry advice) instead of queueing behind the others; once `drain()` is called
+every new call gets ServerDraining (UNAVAILABLE / 503) while those in flight finish.
+Health watches have a budget of their own, so unauthenticated watchers cannot fill
+the ingress.
 """
 from __future__ import annotations
 
@@ -14,6 +15,29 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from adapterserve.errors import Overloaded, ServerDraining
+
+
+class Place:
+    """One admitted call's place; given back once, by release() or when it is dropped."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission: Admission | None = admission
+
+    def hand_over(self) -> Place:
+        """The same place as a new Place (for a stream to release when it ends); this one then
+        holds nothing, so releasing it is a no-op."""
+        admission, self._admission = self._admission, None
+        if admission is None:
+            raise RuntimeError("this admission place was already released")
+        return Place(admission)
+
+    def release(self) -> None:
+        if self._admission is not None:
+            self._admission.in_flight -= 1
+            self._admission = None
+
+    def __del__(self) -> None:  # a stream whose response never started still gives its place back
+        self.release()
 
 
 class Admission:
@@ -24,19 +48,24 @@ class Admission:
         self.health_watches = 0
         self.draining = False
 
-    @contextmanager
-    def admit(self) -> Iterator[None]:
-        """Hold one place for the call in the `with` body; raise if there is none."""
+    def take(self) -> Place:
+        """A place for one call, to release() when it ends; raise if there is none."""
         if self.draining:
             raise ServerDraining("the server is shutting down and takes no new requests; retry on another server")
         if self.in_flight >= self.max_in_flight:
             raise Overloaded(f"the server is at capacity ({self.max_in_flight} requests in flight at this ingress "
                              "replica); retry in a moment", retry_after_s=1.0)
         self.in_flight += 1
+        return Place(self)
+
+    @contextmanager
+    def admit(self) -> Iterator[None]:
+        """Hold one place for the call in the `with` body; raise if there is none."""
+        place = self.take()
         try:
             yield
         finally:
-            self.in_flight -= 1
+            place.release()
 
     @contextmanager
     def watch(self) -> Iterator[None]:

@@ -20,6 +20,7 @@ from ray.serve import Application
 
 from adapterserve.config import EngineConfig
 from adapterserve.server.ingress import Ingress
+from adapterserve.server.limits import check_server_limits, engine_max_ongoing
 from adapterserve.server.replica import EngineReplica
 from adapterserve.server.settings import merge_config, replica_actor_options, resolve_paths
 
@@ -27,19 +28,30 @@ from adapterserve.server.settings import merge_config, replica_actor_options, re
 def build_app(config: Mapping[str, Any] | None = None) -> Application:
     """The application for `config` (overrides of settings.DEFAULTS); ValueError on bad settings."""
     cfg = resolve_paths(merge_config(config))
-    EngineConfig(**cfg["engine"])  # refuse bad engine settings here, not in every replica
-    replica = EngineReplica.options(name="EngineReplica", **_replica_options(cfg, "replica")).bind(cfg)
+    engine = EngineConfig(**cfg["engine"])  # refuse bad engine settings here, not in every replica
+    check_server_limits(cfg)
+    drain = _drain_options(cfg)
+    options = {**_replica_options(cfg, "replica"), "max_ongoing_requests": engine_max_ongoing(cfg, engine)}
+    replica = EngineReplica.options(name="EngineReplica", **options, **drain).bind(cfg)
     encoder = None
     if cfg["encoder"]:
         EngineConfig(**cfg["encoder_engine"])
         options = _replica_options(cfg, "encoder_replica")
-        encoder = EngineReplica.options(name="EncoderReplica", **options).bind(cfg, "encoder")
-    return Ingress.options(name="Ingress", **cfg["ingress"]).bind(replica, cfg, encoder)
+        encoder = EngineReplica.options(name="EncoderReplica", **options, **drain).bind(cfg, "encoder")
+    return Ingress.options(name="Ingress", **cfg["ingress"], **drain).bind(replica, cfg, encoder)
 
 
 def app_builder(args: dict[str, Any]) -> Application:
     """Entry point for a Serve config's `import_path`; `args` are the config overrides."""
     return build_app(args)
+
+
+def _drain_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Serve's stop of a replica (scale-down, upgrade, shutdown) lets its requests finish for drain_grace_s."""
+    grace = cfg["drain_grace_s"]
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
+        raise ValueError(f"drain_grace_s must be a number of seconds >= 0, got {grace!r}")
+    return {"graceful_shutdown_timeout_s": float(grace), "graceful_shutdown_wait_loop_s": 0.5}
 
 
 def _replica_options(cfg: Mapping[str, Any], key: str) -> dict[str, Any]:

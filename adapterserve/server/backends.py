@@ -46,6 +46,10 @@ class Backends:
     def model(self) -> DeploymentHandle:
         return self._handles[self.model_id]
 
+    def deployments(self) -> dict[str, DeploymentHandle]:
+        """Deployment name -> handle, for every engine deployment (what health asks)."""
+        return {handle.deployment_name: handle for handle in self._handles.values()}
+
     def handle(self, backbone: str) -> DeploymentHandle:
         return self._handles[backbone]
 

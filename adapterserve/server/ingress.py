@@ -1,11 +1,15 @@
 """The entry deployment: gRPC (through Serve's gRPC proxy) and HTTP (through its HTTP proxy).
 
-Every call: authenticate (API key -> tenant), validate, resolve the adapter name
-to an immutable version, then forward to an engine replica with the version's
-content hash as `multiplexed_model_id`, so replicas that hold it are preferred.
+Every call: authenticate (API key -> tenant), take a place (admission.py: beyond
+`max_in_flight` calls are shed with RESOURCE_EXHAUSTED / 429 and retry advice), validate,
+resolve the adapter name to an immutable version, tokenize and length-check the prompt
+(prompts.py: the engine gets token ids), then forward to an engine replica with the
+version's content hash as `multiplexed_model_id`, so replicas that hold it are preferred.
 Generate goes to the generation backbone, Classify and Embed to the encoder
 (backends.py picks the deployment; an adapter goes where it was validated).
-Errors become gRPC status codes (see status.py) or OpenAI-style HTTP errors.
+Errors become gRPC status codes (see status.py; a failed call ends with its status and
+retry metadata rather than raising, which would lose the metadata) or OpenAI-style
+HTTP errors. Health: grpc.health.v1 (health_rpc.py) and GET /health.
 """
 # No `from __future__ import annotations`: FastAPI reads the route signatures at run time.
 import asyncio
@@ -18,10 +22,8 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -31,45 +33,63 @@ from adapterserve.adapters_store.staging import StoreLimits
 from adapterserve.adapters_store.store import open_store
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.server import messages, openai_http
+from adapterserve.server.admission import Admission, Place
 from adapterserve.server.auth import grpc_tenant, http_tenant, load_keys
 from adapterserve.server.backends import Backends
+from adapterserve.server.grpc_services import refuse_undecodable
+from adapterserve.server.health import DeploymentHealth
+from adapterserve.server.health_rpc import HealthRpc
+from adapterserve.server.http_body import read_json
 from adapterserve.server.metrics import IngressMetrics
+from adapterserve.server.prompts import limits_of, load_tokenizer, prompt_token_ids
 from adapterserve.server.proto import adapterserve_pb2 as pb
-from adapterserve.server.status import grpc_error, http_status, status_of
+from adapterserve.server.replies import raise_if_error
+from adapterserve.server.status import grpc_error, http_headers, http_status, status_of
 from adapterserve.server.uploads import receive_upload
 from adapterserve.server.validation import adapter_validator
 
-SERVICE_NAME = "adapterserve.v1.AdapterServe"
 logger = logging.getLogger("adapterserve.server")
 http_app = FastAPI(title="adapterserve", description="OpenAI-compatible completions over many adapters")
 
 
 # Helpers come before the class: serve.ingress captures the class when it is decorated.
-async def _json(request: Request) -> Any:
-    try:
-        return await request.json()
-    except ValueError as exc:
-        raise errors.RequestError(f"the request body is not valid JSON ({exc})") from exc
-
-
 async def _prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
     yield first
     async for chunk in rest:
         yield chunk
 
 
+async def _holding(place: Place, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's events, its admission place given back when it ends."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        place.release()
+
+
+def _empty_reply(method: str):
+    """An empty message of `method`'s reply type (sent with an error status; clients drop it)."""
+    return getattr(pb, pb.DESCRIPTOR.services_by_name["AdapterServe"].methods_by_name[method].output_type.name)()
+
+
 def _http_error(exc: BaseException) -> JSONResponse:
-    return JSONResponse(openai_http.error_body(exc), status_code=http_status(exc))
+    return JSONResponse(openai_http.error_body(exc), status_code=http_status(exc), headers=http_headers(exc))
 
 
 @serve.deployment
 @serve.ingress(http_app)
-class Ingress:
+class Ingress(HealthRpc):
     def __init__(self, replica: DeploymentHandle, config: dict[str, Any],
                  encoder: DeploymentHandle | None = None) -> None:
         self.backends = Backends(replica, encoder, config)
-        self.replica = self.backends.model  # the generation backbone: ServerInfo and health ask it
+        self.replica = self.backends.model  # the generation backbone: ServerInfo asks it
+        self.admission = Admission(config["max_in_flight"], config["max_health_watches"])
+        self.health = DeploymentHealth(self.backends.deployments())
+        self.tokenizer = load_tokenizer(config["model"])  # the generation backbone's
+        self.max_prompt_chars = config["max_prompt_chars"]
         self.max_texts = config["max_texts_per_request"]
+        self.max_request_bytes = config["max_request_bytes"]
         self.backbone_id = config["model_id"]
         self.limits = StoreLimits(max_total_bytes=config["max_upload_bytes"], max_files=config["max_upload_files"])
         self.store = open_store(config["store"], limits=self.limits, **config["store_options"])
@@ -84,14 +104,16 @@ class Ingress:
         started, code = time.monotonic(), "OK"
         try:
             tenant = grpc_tenant(self.keys, grpc_context)
-            chunks = self._generate(messages.prompt_of(request), messages.sampling_of(request.sampling),
-                                    messages.adapter_ref_of(request.adapter), tenant)
-            async with aclosing(self._measured(chunks, started)) as relayed:  # closed at once if the caller goes
-                async for chunk in relayed:
-                    yield messages.chunk_message(chunk)
+            refuse_undecodable(request)
+            with self.admission.admit():
+                chunks = self._generate(messages.prompt_of(request), messages.sampling_of(request.sampling),
+                                        messages.adapter_ref_of(request.adapter), tenant)
+                async with aclosing(self._measured(chunks, started)) as relayed:  # closed at once if the caller goes
+                    async for chunk in relayed:
+                        yield messages.chunk_message(chunk)
         except Exception as exc:
             code = status_of(exc).name
-            raise grpc_error(grpc_context, exc)
+            grpc_error(grpc_context, exc)  # the stream ends with this status
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
@@ -101,22 +123,28 @@ class Ingress:
     async def _generate(
         self, prompt: messages.Prompt, sampling: SamplingParams, ref: str | None, tenant: str | None
     ) -> AsyncIterator[dict[str, Any]]:
-        """Resolve the adapter, then stream the replica's chunks (errors raised as ours)."""
+        """Resolve the adapter, tokenize, then stream the replica's chunks (errors raised as ours)."""
         self._ensure_gc()
         version = await self._resolve(ref, tenant) if ref else None
         routing = {"multiplexed_model_id": version.content_hash} if version else {}
         handle = (await self.backends.for_call("generate", version)).options(stream=True, **routing)
-        request = {"prompt": prompt, "sampling": sampling, "adapter": version, "request_id": uuid.uuid4().hex}
+        ids = await self._token_ids(prompt, sampling, version)
+        request = {"prompt": ids, "sampling": sampling, "adapter": version, "request_id": uuid.uuid4().hex}
         response, ended = handle.generate.remote(request), False
         try:
             async for chunk in response:
-                if "error" in chunk:
-                    raise getattr(errors, chunk["error"], RuntimeError)(chunk["message"])
+                raise_if_error(chunk)
                 yield chunk
             ended = True
         finally:
             if not ended:  # closed early (the caller went away): the replica aborts the request
                 response.cancel()
+
+    async def _token_ids(self, prompt: messages.Prompt, sampling: SamplingParams,
+                         version: AdapterVersion | None) -> list[int]:
+        limits = limits_of(await self.backends.static(self.backends.model_id), self.max_prompt_chars)
+        virtual_tokens = int((version.info or {}).get("virtual_tokens", 0)) if version else 0
+        return await prompt_token_ids(prompt, self.tokenizer, limits, sampling.max_tokens, virtual_tokens)
 
     async def _measured(self, chunks: AsyncGenerator[dict, None], started: float) -> AsyncIterator[dict]:
         """The chunks, counted: time to the first, prompt tokens, tokens sent (once, at the end)."""
@@ -167,8 +195,7 @@ class Ingress:
         if version:
             handle = handle.options(multiplexed_model_id=version.content_hash)
         reply = await getattr(handle, task).remote({"texts": texts, "adapter": version})
-        if "error" in reply:
-            raise getattr(errors, reply["error"], RuntimeError)(reply["message"])
+        raise_if_error(reply)
         return reply
 
     # --- gRPC: adapters -----------------------------------------------------
@@ -219,49 +246,38 @@ class Ingress:
         return await self._unary("ServerInfo", grpc_context, run, request)
 
     async def _unary(self, method: str, grpc_context, run, request):
-        """Authenticate, run, and turn errors into status codes; counts the call."""
+        """Authenticate, take a place, run; an error ends the call with its status (and an empty
+        reply, which the client never sees). Counts the call."""
         started, code = time.monotonic(), "OK"
         try:
-            return await run(grpc_tenant(self.keys, grpc_context), request)
+            tenant = grpc_tenant(self.keys, grpc_context)
+            refuse_undecodable(request)
+            with self.admission.admit():
+                return await run(tenant, request)
         except Exception as exc:
             code = status_of(exc).name
-            raise grpc_error(grpc_context, exc)
+            grpc_error(grpc_context, exc)
+            return _empty_reply(method)
         finally:
             self.metrics.finished(method, code, time.monotonic() - started)
 
-    # --- gRPC: grpc.health.v1 -----------------------------------------------
-
-    async def Check(self, request: health_pb2.HealthCheckRequest, grpc_context) -> health_pb2.HealthCheckResponse:
-        if request.service not in ("", SERVICE_NAME):
-            grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
-            grpc_context.set_details(f"unknown service {request.service!r}; this server has {SERVICE_NAME!r}")
-            raise LookupError(request.service)
-        return health_pb2.HealthCheckResponse(status=await self._health())
-
-    async def Watch(self, request: health_pb2.HealthCheckRequest, grpc_context):
-        """Sends the status now and again whenever it changes (checked every few seconds)."""
-        last = None
-        while True:
-            status = await self._health()
-            if status != last:
-                yield health_pb2.HealthCheckResponse(status=status)
-                last = status
-            await asyncio.sleep(5.0)
-
-    async def _health(self) -> int:
-        try:
-            await asyncio.wait_for(self.replica.describe.remote(), timeout=5.0)
-            return health_pb2.HealthCheckResponse.SERVING
-        except Exception:
-            return health_pb2.HealthCheckResponse.NOT_SERVING
-
     # --- HTTP (OpenAI-compatible) ---------------------------------------------
+
+    @http_app.get("/health")
+    async def health_route(self) -> JSONResponse:
+        """200 while every engine deployment serves, else 503; the body says which does not."""
+        report = await self.health.report()
+        serving = not self.admission.draining and all(state == "ok" for state in report.values())
+        body = {"status": "ok" if serving else "unavailable", "draining": self.admission.draining,
+                "deployments": report}
+        return JSONResponse(body, status_code=200 if serving else 503)
 
     @http_app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         try:
             tenant = http_tenant(self.keys, request.headers)
-            versions = await asyncio.to_thread(self.store.list, tenant=tenant)
+            with self.admission.admit():
+                versions = await asyncio.to_thread(self.store.list, tenant=tenant)
             return JSONResponse(openai_http.models_body(self.backbone_id, versions))
         except Exception as exc:
             return _http_error(exc)
@@ -271,19 +287,37 @@ class Ingress:
         started, code = time.monotonic(), "OK"
         try:
             tenant = http_tenant(self.keys, request.headers)
-            call = openai_http.parse_completion(await _json(request), self.backbone_id)
-            chunks = self._measured(self._generate(call.prompt, call.sampling, call.adapter, tenant), started)
-            first = await anext(chunks)  # errors before the first token get a proper HTTP status
-            if call.stream:
-                events = openai_http.sse_events(call, _prepend(first, chunks))
-                return StreamingResponse(events, media_type="text/event-stream")
-            rest = [c async for c in chunks]
-            return JSONResponse(openai_http.completion_body(call, [first, *rest]))
+            place = self.admission.take()
+            try:
+                return await self._complete(request, tenant, place, started)
+            finally:
+                place.release()  # a stream took it over (released when its events end); else the call is done
         except Exception as exc:
             code = status_of(exc).name
             return _http_error(exc)
         finally:
             self.metrics.finished("completions", code, time.monotonic() - started)
+
+    async def _complete(self, request: Request, tenant: str | None, place: Place, started: float):
+        call = openai_http.parse_completion(await read_json(request, self.max_request_bytes), self.backbone_id)
+        chunks = self._measured(self._generate(call.prompt, call.sampling, call.adapter, tenant), started)
+        first = await anext(chunks)  # errors before the first token get a proper HTTP status
+        if call.stream:
+            events = openai_http.sse_events(call, _prepend(first, chunks))
+            return StreamingResponse(_holding(place.hand_over(), events), media_type="text/event-stream")
+        rest = [c async for c in chunks]
+        return JSONResponse(openai_http.completion_body(call, [first, *rest]))
+
+    # --- lifecycle: `adapterserve serve` drains every replica (drain.py) -----
+
+    async def drain(self) -> int:
+        """Take no new calls from now on (UNAVAILABLE); returns the calls still in flight."""
+        self.admission.drain()
+        return self.admission.in_flight
+
+    async def in_flight(self) -> int:
+        """Calls this replica holds now (health watches apart)."""
+        return self.admission.in_flight
 
     # --- housekeeping -------------------------------------------------------
 

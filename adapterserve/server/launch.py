@@ -1,24 +1,34 @@
-"""Starting the server on Ray: what `adapterserve serve` runs (and the tests, in-process)."""
+"""Starting and stopping the server on Ray: what `adapterserve serve` runs (and the tests, in-process).
+
+    endpoints = launch.start(config, grpc_port=50051, http_port=8000)  # local Ray, own ports
+    ...
+    launch.drain(config, grace_s=30)  # no new requests; running ones finish
+    launch.shutdown()                  # Serve, Ray and every process they started gone
+"""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import signal
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray import serve
 
+from adapterserve.server import drain as draining
 from adapterserve.server.app import build_app
-from adapterserve.server.serve_env import SERVE_ENV, local_serve_env
+from adapterserve.server.grpc_services import SERVICER_FUNCTIONS
+from adapterserve.server.local_ray import LocalRay
+from adapterserve.server.serve_env import SERVE_ENV
 from adapterserve.server.settings import merge_config
 
 # The gRPC servicers Serve registers on the Ingress replicas' ports and its fallback proxy
-# (import paths, as a Serve config names them).
-GRPC_SERVICER_FUNCTIONS = [
-    "adapterserve.server.proto.adapterserve_pb2_grpc.add_AdapterServeServicer_to_server",
-    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
-]
+# (import paths, as a Serve config names them); their request parsing never fails before ours.
+GRPC_SERVICER_FUNCTIONS = SERVICER_FUNCTIONS
+_local: LocalRay | None = None  # the Ray start() started in this process, if any
 
 
 @dataclass(frozen=True)
@@ -37,21 +47,71 @@ def start(
 ) -> Endpoints:
     """Start (or join) Ray and Serve and deploy the application; returns once it is ready.
 
-    Without `ray_address` a local Ray is started unless this process already has one."""
+    Without `ray_address` a local Ray is started unless this process already has one: then
+    the ports are checked first (ports.PortInUse names a taken one) and the Ray gets ports and
+    files of its own (local_ray.py)."""
+    global _local
+    app = build_app(config)  # bad settings are refused before anything starts
+    if _local is not None and not ray.is_initialized():  # its Ray was shut down without shutdown()
+        stale, _local = _local, None
+        stale.kill()
     if not ray.is_initialized():
-        env = local_serve_env() if ray_address is None else SERVE_ENV
-        for key, value in env.items():  # read by the Serve actors this Ray starts (serve_env.py)
-            os.environ.setdefault(key, value)
-        ray.init(address=ray_address, include_dashboard=False, configure_logging=False)
+        with _keeping_sigterm_handler():
+            if ray_address is None:
+                _local = LocalRay.start(host, {"--grpc-port": grpc_port, "--http-port": http_port})
+            else:
+                for key, value in SERVE_ENV.items():  # for the Serve actors, if this driver starts Serve
+                    os.environ.setdefault(key, value)
+                ray.init(address=ray_address, include_dashboard=False, configure_logging=False)
     serve.start(
         http_options={"host": host, "port": http_port},
         grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS},
     )
     name = merge_config(config)["app_name"]
-    serve.run(build_app(config), name=name, route_prefix="/", blocking=False)
+    serve.run(app, name=name, route_prefix="/", blocking=False)
     return Endpoints(grpc=f"{host}:{grpc_port}", http=f"http://{host}:{http_port}")
+
+
+def drain(config: Mapping[str, Any] | None, grace_s: float) -> int:
+    """Stop taking requests and wait up to `grace_s` for running ones to finish; returns how
+    many were still running then."""
+    return draining.drain(merge_config(config)["app_name"], grace_s)
 
 
 def stop(config: Mapping[str, Any] | None = None) -> None:
     """Remove the application (Ray and Serve's proxies keep running)."""
     serve.delete(merge_config(config)["app_name"])
+
+
+def shutdown(*, graceful: bool = True) -> None:
+    """Stop Serve (letting replicas finish their requests, unless not `graceful`) and Ray. A Ray
+    start() started stops with every process it runs, nothing left holding a port; a joined
+    Ray keeps running."""
+    global _local
+    local, _local = _local, None
+    try:
+        if graceful and ray.is_initialized():
+            serve.shutdown()
+    finally:
+        if local is not None:
+            local.stop()
+
+
+def kill() -> None:
+    """End the Ray start() started at once, with every process it runs, without asking Ray
+    (for a process about to exit: its Ray connection is left dead)."""
+    if _local is not None:
+        _local.kill()
+
+
+@contextmanager
+def _keeping_sigterm_handler() -> Iterator[None]:
+    """ray.init sets a SIGTERM handler of its own (exit at once): keep the caller's instead."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, handler)

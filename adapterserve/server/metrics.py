@@ -51,10 +51,21 @@ class ReplicaMetrics:
         self.adapter_unloads = metrics.Counter("adapterserve_adapter_unloads", description="Adapters unloaded.")
         self.queue_depth = metrics.Gauge("adapterserve_queue_depth", description="Requests waiting in the engine.")
         self.running = metrics.Gauge("adapterserve_running_requests", description="Requests the engine is running.")
+        self.restarts = metrics.Counter(
+            "adapterserve_engine_restarts",
+            description="Engine processes restarted after a fault (gone, broken, stalled).",
+        )
         self._queues: tuple[int, int] | None = None  # as last set
+        self._restarts = 0  # as last counted
 
     def lookup(self, tier: str, hit: bool) -> None:
         (self.cache_hits if hit else self.cache_misses).inc(tags={"tier": tier})
+
+    def engine_restarts(self, total: int) -> None:
+        """Count the restarts since the last call (`total`: all of this replica's)."""
+        if total > self._restarts:
+            self.restarts.inc(total - self._restarts)
+            self._restarts = total
 
     def queues(self, waiting: int, running: int) -> None:
         """Set both gauges, when they changed (this is called for every streamed chunk)."""

@@ -8,6 +8,12 @@ Many requests run at once on one replica: the engine batches them. The engine ru
 in a child process of its own (`engine_process: true`, the default), so this
 process's event loop only relays chunks; `false` keeps it in this process.
 
+Health: Serve calls `check_health` every health_check_period_s. It probes the engine
+(engine_process/supervisor.py): one that is gone, broken, stalled or wedged is ended
+(its requests fail with UNAVAILABLE at once) and restarted in place; the check fails,
+and Serve replaces the replica, only when that cannot help. `health()` tells the
+ingress whether the replica serves now (its gRPC health and /health).
+
 The same class serves the generation backbone (role "model": Generate) and the
 encoder (role "encoder": Classify and Embed, with the example adapters
 published into the store at start when the config lists them).
@@ -19,6 +25,7 @@ import dataclasses
 import itertools
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from functools import partial
 from typing import Any
 
 from ray import serve
@@ -33,13 +40,15 @@ from adapterserve.errors import (
     AdapterIntegrityError,
     AdapterNotFound,
     CapacityError,
+    EngineBroken,
     EngineDied,
     RequestError,
 )
-from adapterserve.server.engine_process import start_engine
+from adapterserve.server.engine_process import EngineSupervisor, start_engine
 from adapterserve.server.loaded import LoadedAdapter
 from adapterserve.server.metrics import ReplicaMetrics
 from adapterserve.server.relay import RelayPacer
+from adapterserve.server.replies import error_reply
 from adapterserve.server.validation import describe_adapter
 
 ADAPTER_KINDS = ("lora", "ia3", "prompt_tuning", "p_tuning", "prefix_tuning", "bottleneck", "classifier_head")
@@ -48,7 +57,8 @@ ENCODER_ADAPTER_KINDS = ("lora", "ia3", "bottleneck", "classifier_head")
 ROLES = {"model": ("model", "model_id", "engine", "pinned_adapters"),
          "encoder": ("encoder", "encoder_id", "encoder_engine", "encoder_pinned_adapters")}
 # Errors a request can meet in the replica; sent back as data so their type survives Ray.
-_REQUEST_ERRORS = (AdapterError, AdapterNotFound, AdapterIntegrityError, RequestError, CapacityError, EngineDied)
+_REQUEST_ERRORS = (AdapterError, AdapterNotFound, AdapterIntegrityError, RequestError, CapacityError, EngineDied,
+                   EngineBroken)
 _MAX_LOAD_ATTEMPTS = 3
 
 
@@ -64,7 +74,10 @@ def check_pinnable(version: AdapterVersion, backbone_id: str) -> None:
 class EngineReplica:
     async def __init__(self, config: dict[str, Any], role: str = "model") -> None:
         path_key, id_key, engine_key, pinned_key = ROLES[role]
-        self.engine = start_engine(config[path_key], config[engine_key], own_process=config["engine_process"])
+        own_process = config["engine_process"]
+        self.engine = EngineSupervisor(partial(start_engine, config[path_key], config[engine_key], own_process),
+                                       restartable=own_process, stall_timeout_s=config["stall_timeout_s"],
+                                       start_timeout_s=config["engine_start_timeout_s"])
         self.backbone_id: str = config[id_key]
         self.store = open_store(config["store"], **config["store_options"])
         self.cache = HostAdapterCache(config["host_cache_bytes"], self._read, fetch=self.store.fetch)
@@ -108,10 +121,19 @@ class EngineReplica:
     def _read(self, path):
         return read_adapter(path, self.engine.facts.backbone_spec, self.engine.facts.adapter_limits)
 
-    def check_health(self) -> None:
-        """Serve's health check: a replica whose engine process died is restarted."""
-        if not self.engine.alive:
-            raise EngineDied("the engine process is gone; this replica must restart")
+    async def check_health(self) -> None:
+        """Serve's health check: probe the engine (a failed one restarts in place); raise, so that
+        Serve replaces this replica, when its engine will not serve again here."""
+        await self.engine.check()
+        self.metrics.engine_restarts(self.engine.restarts)
+        if (why := self.engine.failed) is not None:
+            raise EngineDied(f"{why}; this replica must be replaced")
+
+    async def health(self) -> str | None:
+        """None while this replica serves; else why not (as of the latest check, and restarts)."""
+        if self.engine.failed is None and self.engine.restarting:
+            return f"its engine is restarting ({self.engine.problem})"
+        return self.engine.failed or self.engine.problem
 
     def __del__(self) -> None:  # Serve calls it on a graceful shutdown
         engine = getattr(self, "engine", None)
@@ -172,7 +194,7 @@ class EngineReplica:
                     async for chunk in self._chunks(stream, version):
                         yield chunk
         except _REQUEST_ERRORS as exc:
-            yield {"error": type(exc).__name__, "message": str(exc)}
+            yield error_reply(exc)
         except (asyncio.CancelledError, GeneratorExit):  # the caller went away
             self._cancelled += 1
             raise
@@ -212,7 +234,7 @@ class EngineReplica:
             outputs = await task(request["texts"], loaded.engine_id if loaded else None)
             return {key: [_plain(o) for o in outputs], "adapter": version.ref if version else ""}
         except _REQUEST_ERRORS as exc:
-            return {"error": type(exc).__name__, "message": str(exc)}
+            return error_reply(exc)
         finally:
             self._pooling -= 1
             if loaded is not None:
@@ -251,6 +273,9 @@ class EngineReplica:
             "loaded_adapters": sorted(self._resident.keys() | self._pinned.keys()),
             "pinned_adapters": sorted(self._pinned),
             "cancelled_requests": self._cancelled,
+            "engine_pid": self.engine.pid,  # None when the engine runs in this process
+            "engine_restarts": self.engine.restarts,
+            "engine_problem": self.engine.failed or self.engine.problem,
         }
         return {"static": static, "live": live}
 

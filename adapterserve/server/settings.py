@@ -43,16 +43,39 @@ DEFAULTS: dict[str, Any] = {
     "pinned_adapters": [],  # adapter refs (name or name@N) each generation replica loads at start and keeps
     "encoder_pinned_adapters": [],  # the same for the encoder's replicas (e.g. ["sentiment"])
     "max_texts_per_request": 256,  # Classify/Embed texts in one call
+    # HTTP body bytes (413 beyond): room for the longest prompt taken (1 Mi characters, up to
+    # 4 bytes each in UTF-8, plus JSON escapes); no HTTP call holds more in the ingress
+    "max_request_bytes": 8 << 20,
     "max_upload_bytes": 2 << 30,
     "max_upload_files": 32,
     "host_cache_bytes": 2 << 30,  # adapters read into host memory, per replica
     "max_adapters_per_replica": 32,  # multiplexed adapters registered with one engine
     "gc_interval_s": 600.0,  # how often the ingress removes files of deleted versions
     "gc_grace_s": 3600.0,  # ... deleted longer ago than this (longer than any request)
+    # admission at each ingress replica (docs/reliability.md): calls held at once (gRPC and HTTP,
+    # streams until they end; beyond: RESOURCE_EXHAUSTED / 429 with retry advice) and open
+    # grpc.health.v1 Watch streams; together below ingress.max_ongoing_requests, so the ingress
+    # sheds with its own message before Serve queues
+    "max_in_flight": 768,
+    "max_health_watches": 32,
+    # a text prompt longer than this is refused before it is tokenized (413); None: 32 characters
+    # per token of the generation backbone's max_model_len
+    "max_prompt_chars": None,
+    # engine health: work waiting and no step for this long = stalled (ended and restarted in
+    # place); a restarted engine must be ready within engine_start_timeout_s or the replica is replaced
+    "stall_timeout_s": 60.0,
+    "engine_start_timeout_s": 600.0,
+    # seconds running requests get to finish when the server stops (SIGTERM/SIGINT, or Serve
+    # stopping a replica: its graceful_shutdown_timeout_s); docs/reliability.md
+    "drain_grace_s": 30.0,
     "replica": {  # Ray Serve options of the engine deployment
         "num_replicas": 1,
-        "max_ongoing_requests": 64,
+        # None: the engine's max_num_seqs + max_queued_requests + a few health and adapter calls,
+        # so a burst reaches the engine, which sheds it (RESOURCE_EXHAUSTED), instead of queueing in Serve
+        "max_ongoing_requests": None,
         "max_queued_requests": 256,
+        "health_check_period_s": 1.0,  # the engine is probed this often (a dead one is seen at once)
+        "health_check_timeout_s": 10.0,
         "autoscaling_config": None,
         "ray_actor_options": None,  # None: 1 CPU, plus 1 GPU when the engine device is cuda
     },
@@ -60,6 +83,8 @@ DEFAULTS: dict[str, Any] = {
         "num_replicas": 1,
         "max_ongoing_requests": 64,
         "max_queued_requests": 256,
+        "health_check_period_s": 1.0,  # the engine is probed this often (a dead one is seen at once)
+        "health_check_timeout_s": 10.0,
         "autoscaling_config": None,
         "ray_actor_options": {"num_cpus": 0.5},
     },

@@ -1,14 +1,23 @@
 """What each error becomes on the wire: a gRPC status code, an HTTP status.
 
-The ingress sets the code and details on Ray Serve's gRPC context and re-raises;
-Serve's proxy then answers with that status instead of INTERNAL.
+The ingress sets the code, details and retry advice (trailing metadata `retry-after-s`;
+HTTP: a Retry-After header) on Ray Serve's gRPC context. Ray's own errors for a replica
+that went away (its actor died, its node died, Serve stopped it and cancelled its
+requests) are UNAVAILABLE: retryable, the replica is being replaced.
 """
 from __future__ import annotations
 
 import logging
+import math
 
 import grpc
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.exceptions import LocalRayletDiedError, NodeDiedError, ObjectLostError, RayActorError, WorkerCrashedError
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+    RequestCancelledError,
+)
 
 from adapterserve.errors import (
     AccessDenied,
@@ -27,9 +36,14 @@ from adapterserve.errors import (
 from adapterserve.server.backends import NotServed
 
 logger = logging.getLogger("adapterserve.server")
+RETRY_AFTER_KEY = "retry-after-s"  # gRPC trailing metadata: seconds to wait before retrying
+# A replica that went away under a call. RequestCancelledError: Serve cancelled the call (the
+# replica is stopping); when the caller itself cancels, no status is reported at all.
+REPLICA_GONE = (RayActorError, WorkerCrashedError, NodeDiedError, LocalRayletDiedError, ObjectLostError,
+                ReplicaUnavailableError, RequestCancelledError)
 
 # Most specific first: AdapterTooLarge is an AdapterError, AccessDenied a PermissionError.
-_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+_CODES: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], grpc.StatusCode], ...] = (
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
     (AccessDenied, grpc.StatusCode.PERMISSION_DENIED),
     (AdapterNotFound, grpc.StatusCode.NOT_FOUND),
@@ -40,6 +54,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (BackPressureError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeploymentUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (REPLICA_GONE, grpc.StatusCode.UNAVAILABLE),
     (EngineDied, grpc.StatusCode.UNAVAILABLE),
     (EngineBroken, grpc.StatusCode.UNAVAILABLE),
     (ServerDraining, grpc.StatusCode.UNAVAILABLE),
@@ -67,8 +82,12 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
 
 
 def message_of(exc: BaseException) -> str:
-    if isinstance(exc, (BackPressureError, DeploymentUnavailableError)):
+    if isinstance(exc, BackPressureError):
         return f"the server is at capacity, retry later ({exc.message})"
+    if isinstance(exc, DeploymentUnavailableError):
+        return f"no replica can take this now, retry later ({exc.message})"
+    if isinstance(exc, REPLICA_GONE):
+        return f"the replica serving this request went away ({type(exc).__name__}); retry: it is being replaced"
     if status_of(exc) is grpc.StatusCode.INTERNAL:
         logger.exception("internal error", exc_info=exc)
         return f"internal server error: {type(exc).__name__}: {exc}"
@@ -76,9 +95,12 @@ def message_of(exc: BaseException) -> str:
 
 
 def grpc_error(context, exc: BaseException) -> BaseException:
-    """Put `exc`'s status on a RayServegRPCContext; return the exception to raise."""
+    """Put `exc`'s status, and its retry advice if any, on a RayServegRPCContext; return `exc`.
+    Serve sends trailing metadata only with a call that returns: end the call, do not raise."""
     context.set_code(status_of(exc))
     context.set_details(message_of(exc))
+    if (after := retry_after_s(exc)) is not None:
+        context.set_trailing_metadata([(RETRY_AFTER_KEY, f"{after:g}")])
     return exc
 
 
@@ -92,6 +114,13 @@ def retry_after_s(exc: BaseException) -> float | None:
     """Seconds a client should wait before retrying (Retry-After / retry metadata), if any."""
     if isinstance(exc, Overloaded):
         return exc.retry_after_s
-    if isinstance(exc, (BackPressureError, DeploymentUnavailableError, EngineDied, EngineBroken, ServerDraining)):
+    if isinstance(exc, (BackPressureError, DeploymentUnavailableError, EngineDied, EngineBroken, ServerDraining,
+                        *REPLICA_GONE)):
         return 1.0
     return None
+
+
+def http_headers(exc: BaseException) -> dict[str, str]:
+    """Retry-After (whole seconds, at least 1) when `exc` comes with retry advice."""
+    after = retry_after_s(exc)
+    return {} if after is None else {"Retry-After": str(max(1, math.ceil(after)))}

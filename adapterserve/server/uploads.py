@@ -17,6 +17,7 @@ from typing import Any
 from adapterserve.adapters_store.records import check_name
 from adapterserve.adapters_store.staging import StoreLimits
 from adapterserve.errors import AdapterError, AdapterTooLarge, RequestError
+from adapterserve.server.grpc_services import refuse_undecodable
 from adapterserve.server.proto import adapterserve_pb2 as pb
 
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
@@ -36,6 +37,7 @@ async def receive_upload(
 ) -> pb.UploadHeader:
     """Write the upload's files under `dest`; return its header once every file is complete."""
     first = await anext(messages, None)
+    refuse_undecodable(first)
     if first is None or first.WhichOneof("part") != "header":
         raise RequestError("an upload starts with a header message (name and file list)")
     header = first.header
@@ -44,6 +46,7 @@ async def receive_upload(
         (dest / path).parent.mkdir(parents=True, exist_ok=True)
         (dest / path).touch()
     async for message in messages:
+        refuse_undecodable(message)
         if message.WhichOneof("part") != "chunk":
             raise RequestError("only file chunks may follow the upload header")
         _write(dest, files, message.chunk)

@@ -70,3 +70,10 @@ def test_classify_needs_an_adapter_and_texts():
         cli.main(["classify", "--server", "127.0.0.1:1", "some text"])
     with pytest.raises(SystemExit):
         cli.main(["classify", "--server", "127.0.0.1:1", "--adapter", "sentiment"])
+
+
+def test_serve_grace_period_flag():
+    assert cli.serve_config(_serve_args("--grace-period", "45")) == {"drain_grace_s": 45.0}
+    assert cli.serve_config(_serve_args("--grace-period", "0")) == {"drain_grace_s": 0.0}  # cut at once
+    with pytest.raises(SystemExit):
+        _serve_args("--grace-period", "-1")

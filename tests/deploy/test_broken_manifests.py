@@ -136,3 +136,15 @@ def test_serve_config_that_does_not_fit_the_pods(rayservices):
         "args.model /data/Llama-3.2-1B-Instruct is on no volume of the worker pods "
         "(/models, /etc/adapterserve/keys, /var/cache/adapterserve, /tmp/ray, /dev/shm)",
     ]
+
+
+def test_pods_that_would_be_killed_mid_drain(rayservices):
+    doc = copy.deepcopy(rayservices["base"])
+    doc["spec"]["serveConfigV2"] = doc["spec"]["serveConfigV2"].replace("drain_grace_s: 120", "drain_grace_s: 200")
+    del doc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert [p.split(": ", 1)[1] for p in vm.check_consistency(doc)] == [
+        "head pods get terminationGracePeriodSeconds 30, not more than the 200 s their replicas may take to drain "
+        "(drain_grace_s, graceful_shutdown_timeout_s)",
+        "gpu pods get terminationGracePeriodSeconds 150, not more than the 200 s their replicas may take to drain "
+        "(drain_grace_s, graceful_shutdown_timeout_s)",
+    ]

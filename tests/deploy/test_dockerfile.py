@@ -80,3 +80,14 @@ def _pyproject_allows(package: str, version: str) -> bool:
     project = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]
     requirements = [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra]
     return any(r.name == package and r.specifier.contains(version) for r in requirements)
+
+
+def test_docker_stop_lets_serve_drain():
+    """`docker stop` sends STOPSIGNAL (serve drains on SIGTERM), then SIGKILL after --stop-timeout:
+    the documented --stop-timeout is longer than the default grace period."""
+    from adapterserve.server.settings import DEFAULTS
+
+    assert [a for op, a in final_stage() if op == "STOPSIGNAL"] == ["SIGTERM"]
+    for text in (DOCKERFILE.read_text(), (DEPLOY.parent / "docs" / "reliability.md").read_text()):
+        timeouts = [int(t) for t in re.findall(r"--stop-timeout (\d+)", text)]
+        assert timeouts and all(t > DEFAULTS["drain_grace_s"] + 15 for t in timeouts)

@@ -67,3 +67,10 @@ def test_secrets_only_by_reference(rendered, rayservices, name):
 
 def test_secret_example_is_valid():
     assert check_examples() == []
+
+
+def test_serve_config_registers_the_servicers_adapterserve_serve_does():
+    from adapterserve.server.launch import GRPC_SERVICER_FUNCTIONS
+
+    config = yaml.safe_load(rsc.read_serve_config())
+    assert config["grpc_options"]["grpc_servicer_functions"] == GRPC_SERVICER_FUNCTIONS

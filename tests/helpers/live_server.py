@@ -29,7 +29,8 @@ ADAPTERS = {  # three adapters of different ranks and targets
     "chat": dict(r=8, lora_alpha=16, target_modules=ALL, seed=2),
     "poem": dict(r=2, lora_alpha=4, target_modules=["o_proj", "down_proj"], use_rslora=True, seed=3),
 }
-MAX_ONGOING, MAX_QUEUED = 4, 2  # per engine replica
+MAX_RUNNING, MAX_WAITING = 8, 4  # per engine: max_num_seqs, max_queued_requests (beyond: shed)
+MAX_IN_FLIGHT, MAX_HEALTH_WATCHES = 32, 4  # per ingress replica (beyond: shed)
 MAX_UPLOAD_BYTES = 256 << 10
 NUM_KV_BLOCKS = 64  # x 16 tokens: max_model_len 1024
 STEP_BUDGET = 128  # tokens per engine step: longer prompts run in chunks
@@ -72,9 +73,11 @@ def server(ray_session, tiny_model, tmp_path_factory) -> Server:
     (root / "keys").write_text(f"# test tenants\n{ALICE} alice\n{BOB} bob\n")
     overrides = {
         "max_upload_bytes": MAX_UPLOAD_BYTES,
-        "engine": {"max_lora_rank": 16, "max_loras": 4, "num_kv_blocks": NUM_KV_BLOCKS, "max_num_seqs": 8,
+        "engine": {"max_lora_rank": 16, "max_loras": 4, "num_kv_blocks": NUM_KV_BLOCKS, "max_num_seqs": MAX_RUNNING,
+                   "max_queued_requests": MAX_WAITING,
                    "max_num_batched_tokens": STEP_BUDGET},
-        "replica": {"max_ongoing_requests": MAX_ONGOING, "max_queued_requests": MAX_QUEUED},
+        "max_in_flight": MAX_IN_FLIGHT,
+        "max_health_watches": MAX_HEALTH_WATCHES,
         "encoder_pinned_adapters": ["sentiment"],  # an example adapter, published by the encoder at start
     }
     (root / "config.json").write_text(json.dumps(overrides))

@@ -1,17 +1,29 @@
-"""Backpressure, cancellation and deletion while requests run."""
+"""Backpressure, cancellation and deletion while requests run.
+
+Load is shed where it is first seen with a message and retry advice: by the ingress
+replica beyond max_in_flight calls, by the engine beyond max_num_seqs running plus
+max_queued_requests waiting. Refused calls get RESOURCE_EXHAUSTED with trailing
+metadata `retry-after-s` (HTTP: 429 with Retry-After) at once; admitted ones complete.
+"""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections.abc import Mapping
 
 import grpc
 import pytest
+import requests
 
-from adapterserve.clients.client import AsyncClient
+from adapterserve.clients.client import generate_request
 from adapterserve.clients.types import ClientError
-from tests.helpers.live_server import ALICE, MAX_ONGOING, MAX_QUEUED, NUM_KV_BLOCKS
+from adapterserve.server.proto import adapterserve_pb2 as pb
+from adapterserve.server.proto import adapterserve_pb2_grpc as pb_grpc
+from tests.helpers.live_server import ALICE, MAX_IN_FLIGHT, MAX_RUNNING, MAX_WAITING, NUM_KV_BLOCKS
 
 LONG = dict(max_tokens=150, temperature=0.0, ignore_eos=True)
+AUTH = (("authorization", f"Bearer {ALICE}"),)
 
 
 def _wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> None:
@@ -23,26 +35,100 @@ def _wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> No
         time.sleep(0.1)
 
 
-def test_overload_is_resource_exhausted_while_admitted_requests_complete(server, uploaded, alice):
-    """More long requests at once than the replica runs plus queues: the rest are refused at
-    once with RESOURCE_EXHAUSTED (no hang); every admitted one completes correctly."""
-    long = {**LONG, "max_tokens": 300}
+async def _generate(stub, prompt: str, **sampling) -> list[int] | tuple[grpc.StatusCode, str, dict]:
+    """The tokens, or (code, details, trailing metadata) of the refusal."""
+    call = stub.Generate(generate_request(prompt, adapter="chat", **sampling), metadata=AUTH, timeout=300)
+    tokens: list[int] = []
+    try:
+        async for message in call:
+            tokens += message.token_ids
+    except grpc.aio.AioRpcError as refused:
+        return refused.code(), refused.details(), dict(refused.trailing_metadata() or ())
+    return tokens
+
+
+def _sse(server, prompt: str, max_tokens: int) -> tuple[int, Mapping[str, str], list[int]]:
+    body = {"model": "chat", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    with requests.post(f"{server.http}/v1/completions", json=body, stream=True, timeout=300,
+                       headers={"Authorization": f"Bearer {ALICE}"}) as reply:
+        tokens = []
+        for line in reply.iter_lines(decode_unicode=True):
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                tokens += event["choices"][0]["token_ids"]
+        return reply.status_code, reply.headers, tokens  # names compared case-insensitively
+
+
+def test_a_burst_is_shed_with_retry_advice_while_admitted_requests_complete(server, uploaded, alice):
+    """Three times what the engine runs plus queues, at once, over gRPC and SSE: the rest are
+    refused at once with RESOURCE_EXHAUSTED / 429 and retry advice (no hang, no queueing in
+    Serve); every admitted one completes with the tokens it has alone."""
+    long = {**LONG, "max_tokens": 100}  # 8 running fit the KV cache: no preemption
     expected = alice.generate("The lighthouse keeper", adapter="chat", **long).token_ids  # also loads "chat"
-    burst = 3 * (MAX_ONGOING + MAX_QUEUED)
+    burst = 3 * (MAX_RUNNING + MAX_WAITING)
 
     async def scenario():
-        async with AsyncClient(server.grpc, api_key=ALICE, timeout=300) as client:  # generous: CI may be loaded
-            calls = [client.generate("The lighthouse keeper", adapter="chat", **long) for _ in range(burst)]
-            return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=300)
+        async with grpc.aio.insecure_channel(server.grpc) as channel:
+            stub = pb_grpc.AdapterServeStub(channel)
+            calls = [_generate(stub, "The lighthouse keeper", **long) for _ in range(burst - 6)]
+            calls += [asyncio.to_thread(_sse, server, "The lighthouse keeper", 100) for _ in range(6)]
+            return await asyncio.wait_for(asyncio.gather(*calls), timeout=300)
 
     results = asyncio.run(scenario())
-    refused = [r for r in results if isinstance(r, ClientError)]
-    completed = [r for r in results if not isinstance(r, BaseException)]
-    assert all(r.code is grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused), refused
-    assert len(refused) + len(completed) == burst, results
-    assert refused and len(completed) >= MAX_ONGOING  # how many of each depends on arrival timing
-    assert all(r.token_ids == expected and r.finish_reason == "length" for r in completed)
-    assert "retry later" in refused[0].details
+    grpc_results, sse_results = results[:-6], results[-6:]
+    refused = [r for r in grpc_results if isinstance(r, tuple)]
+    completed = [r for r in grpc_results if isinstance(r, list)] + [t for status, _, t in sse_results if status == 200]
+    assert refused and len(completed) >= MAX_RUNNING  # how many of each depends on arrival timing
+    assert all(tokens == expected for tokens in completed)
+    for code, details, trailing in refused:
+        assert code is grpc.StatusCode.RESOURCE_EXHAUSTED, details
+        assert float(trailing["retry-after-s"]) >= 1 and "retry" in details
+    for status, headers, _ in sse_results:
+        assert status == 200 or (status == 429 and int(headers["Retry-After"]) >= 1), (status, headers)
+
+
+def test_calls_over_max_in_flight_are_shed_at_the_ingress(server, uploaded, alice):
+    """Calls held open (uploads that send nothing) fill the ingress replica's places: the next
+    call is shed there at once with retry advice; once they end, calls are taken again."""
+    _wait_until(lambda: _ingress_in_flight() == 0, what="the previous tests' calls to end")
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(server.grpc) as channel:
+            stub, stop = pb_grpc.AdapterServeStub(channel), asyncio.Event()
+
+            async def nothing():
+                await stop.wait()
+                yield pb.UploadAdapterRequest()  # never sent: the call is cancelled first
+
+            held = [stub.UploadAdapter(nothing(), metadata=AUTH, timeout=300) for _ in range(MAX_IN_FLIGHT)]
+            await asyncio.to_thread(_wait_until, lambda: _ingress_in_flight() == MAX_IN_FLIGHT,
+                                    what="every held call to take its place")
+            refusal = await _generate(stub, "A server", max_tokens=2)
+            assert not any(call.done() for call in held)
+            for call in held:
+                call.cancel()
+            return refusal
+
+    code, details, trailing = asyncio.run(scenario())
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and trailing["retry-after-s"] == "1"
+    assert f"at capacity ({MAX_IN_FLIGHT} requests in flight at this ingress replica)" in details
+    _wait_until(lambda: _answers(alice), what="the ingress to take calls again")
+
+
+def _ingress_in_flight() -> int:
+    from ray import serve
+
+    return serve.get_deployment_handle("Ingress", "adapterserve").in_flight.remote().result(timeout_s=60)
+
+
+def _answers(client) -> bool:
+    try:
+        return bool(client.generate("A server", adapter="chat", max_tokens=2).token_ids)
+    except ClientError as error:
+        assert error.code is grpc.StatusCode.RESOURCE_EXHAUSTED, error
+        return False
 
 
 def test_cancelled_stream_frees_its_kv_blocks(alice, uploaded):

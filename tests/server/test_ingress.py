@@ -10,6 +10,7 @@ from types import MethodType, SimpleNamespace
 import pytest
 
 from adapterserve.adapters_store.keys import ApiKeys
+from adapterserve.server.admission import Admission
 from adapterserve.server.ingress import Ingress
 from adapterserve.server.proto import adapterserve_pb2 as pb
 
@@ -65,18 +66,23 @@ async def _ingress_and_handle(response=None):
     async def for_call(task, version):
         return handle
 
+    async def static(backbone):
+        return {"vocab_size": 512, "max_model_len": 1024}
+
     metrics = SimpleNamespace(ttft=_metric(), prompt_tokens=_metric(), generated_tokens=_metric(),
                               finished=lambda *a: None)
-    ingress = SimpleNamespace(backends=SimpleNamespace(for_call=for_call), keys=ApiKeys.open(), metrics=metrics,
+    backends = SimpleNamespace(for_call=for_call, static=static, model_id="tiny")
+    ingress = SimpleNamespace(backends=backends, keys=ApiKeys.open(), metrics=metrics, tokenizer=None,
+                              max_prompt_chars=None, admission=Admission(max_in_flight=4, max_health_watches=1),
                               _gc_task=asyncio.get_running_loop().create_future())  # no store collection here
-    for name in ("Generate", "_generate", "_measured", "_ensure_gc"):
+    for name in ("Generate", "_generate", "_token_ids", "_measured", "_ensure_gc"):
         setattr(ingress, name, MethodType(getattr(Ingress.func_or_class, name), ingress))
     return ingress, handle
 
 
 def _call(ingress):
     context = SimpleNamespace(invocation_metadata=lambda: ())
-    return ingress.Generate(pb.GenerateRequest(text="hello"), context)
+    return ingress.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2])), context)
 
 
 @pytest.mark.parametrize("how", ["cancelled at yield", "closed", "cancelled awaiting"])
@@ -96,9 +102,9 @@ def test_a_caller_gone_mid_stream_cancels_the_replicas_request(how):
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-        return handle.response.cancelled
+        return handle.response.cancelled, ingress.admission.in_flight
 
-    assert asyncio.run(scenario())
+    assert asyncio.run(scenario()) == (True, 0)  # and its admission place is given back
 
 
 def test_a_stream_that_ends_is_not_cancelled():

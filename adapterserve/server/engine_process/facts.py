@@ -35,10 +35,12 @@ class EngineLoad:
     requests: int = 0  # requests the engine holds (waiting or running)
     waiting: int = 0
     running: int = 0
+    broken: str | None = None  # why the engine serves no more requests; None while it serves
+    stalled_s: float = 0.0  # seconds its work has gone without progress (0.0 when it has none)
 
     @classmethod
     def of(cls, engine) -> EngineLoad:
-        if isinstance(engine, EncoderEngine):  # runs each call at once: no queues
-            return cls()
+        """The load of a decoder Engine (an EncoderEngine's: LocalEngine.last_load)."""
         scheduler = engine.scheduler
-        return cls(engine.blocks.num_free, len(engine.requests), len(scheduler.waiting), len(scheduler.running))
+        return cls(engine.blocks.num_free, len(engine.requests), len(scheduler.waiting), len(scheduler.running),
+                   engine.broken, engine.seconds_without_progress())

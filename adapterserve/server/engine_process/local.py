@@ -2,7 +2,8 @@
 
 EngineProcess offers the same API with the engine in a child process (which runs
 a LocalEngine). Decoders batch classify/embed with streams through their step
-loop; an EncoderEngine runs each call at once, off the event loop.
+loop; an EncoderEngine runs each call at once, off the event loop (encoder_calls.py
+times them for health).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from adapterserve.engine.engine import Engine, Prompt
 from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.errors import AdapterNotFound
+from adapterserve.server.engine_process.encoder_calls import EncoderCalls
 from adapterserve.server.engine_process.facts import EngineFacts, EngineLoad
 
 AdapterIds = Sequence[str | None] | str | None
@@ -26,6 +28,7 @@ class LocalEngine:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.facts = EngineFacts.of(engine)
+        self._encoder_calls = EncoderCalls()
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, engine_kwargs: Mapping[str, Any] | None = None) -> LocalEngine:
@@ -40,12 +43,12 @@ class LocalEngine:
 
     async def classify(self, texts: Sequence[Prompt], adapter_ids: AdapterIds) -> list[ClassifyOutput]:
         if self.facts.encoder:
-            return await asyncio.to_thread(self.engine.classify, texts, adapter_ids)
+            return await self._encoder_calls.run(self.engine.classify, texts, adapter_ids)
         return await self.engine.classify_async(texts, adapter_ids)
 
     async def embed(self, texts: Sequence[Prompt], adapter_ids: AdapterIds = None) -> list[EmbedOutput]:
         if self.facts.encoder:
-            return await asyncio.to_thread(self.engine.embed, texts, adapter_ids)
+            return await self._encoder_calls.run(self.engine.embed, texts, adapter_ids)
         return await self.engine.embed_async(texts, adapter_ids)
 
     async def add_adapter(self, adapter_id: str, adapter: Adapter, pinned: bool = False) -> None:
@@ -66,11 +69,17 @@ class LocalEngine:
 
     @property
     def last_load(self) -> EngineLoad:
+        if self.facts.encoder:
+            return EngineLoad(broken=self._encoder_calls.broken, stalled_s=self._encoder_calls.busy_s())
         return EngineLoad.of(self.engine)
 
     @property
     def alive(self) -> bool:
         return True
+
+    @property
+    def pid(self) -> int | None:
+        return None  # no process of its own
 
     def close(self) -> None:
         pass

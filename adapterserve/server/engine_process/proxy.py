@@ -5,7 +5,7 @@ interpreter lock with the engine's step thread. One reader thread receives the
 child's messages (about one per engine step) and hands each stream's chunks to its
 event loop with one call_soon_threadsafe per message; streams merge the chunks
 that waited, as Engine.stream does. If the child dies, every waiter fails with
-EngineDied.
+EngineDied at once and `on_exit` is called (from the reader thread) with that error.
 
 The child is started with multiprocessing's "spawn", which imports the parent's
 main module again: a script that starts one needs the `if __name__ == "__main__":`
@@ -20,7 +20,7 @@ import multiprocessing
 import os
 import threading
 from collections import defaultdict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +54,8 @@ class _Stream:
 
 
 class EngineProcess:
-    def __init__(self, model_dir: str | Path, engine_kwargs: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, model_dir: str | Path, engine_kwargs: Mapping[str, Any] | None = None,
+                 on_exit: Callable[[EngineDied], None] | None = None) -> None:
         """Start the child and wait until its engine is built (its error, if building fails)."""
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
@@ -71,6 +72,8 @@ class EngineProcess:
         self._calls: dict[int, Future] = {}
         self._dead: EngineDied | None = None
         self._closing = False
+        self._killed_because: str | None = None
+        self._on_exit = on_exit
         self._reader = threading.Thread(target=self._read, name="engine-process-reader", daemon=True)
         self._reader.start()
 
@@ -141,6 +144,14 @@ class EngineProcess:
     @property
     def pid(self) -> int | None:
         return self._process.pid
+
+    def kill(self, reason: str) -> None:
+        """End the child now (a wedged or broken engine): its waiters fail with EngineDied(reason)."""
+        self._killed_because = reason
+        self._process.kill()
+        self._process.join()
+        self._reader.join()
+        self._conn.close()
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the child (requests still running fail with EngineDied); idempotent."""
@@ -214,7 +225,10 @@ class EngineProcess:
         except Exception as exc:  # a message that does not unpickle: the pipe is out of step
             cause = exc
             self._process.kill()
-        self._fail_all(self._death(cause))
+        death = self._death(cause)
+        self._fail_all(death)
+        if self._on_exit is not None and not self._closing:
+            self._on_exit(death)
 
     def _deliver(self, entries: list[tuple[int, bool, Any]]) -> None:
         """Each stream's chunks to its loop (one call per loop), each call's result to its future."""
@@ -231,6 +245,8 @@ class EngineProcess:
     def _death(self, cause: BaseException | None) -> EngineDied:
         if self._closing:
             return EngineDied("the engine process was closed")
+        if self._killed_because is not None:
+            return EngineDied(f"{self._killed_because}; its engine process was ended and its requests failed")
         self._process.join(2.0)
         why = f": {type(cause).__name__}: {cause}" if cause else ""
         return EngineDied(f"the engine process exited (exit code {self._process.exitcode}){why}; "

@@ -1,0 +1,95 @@
+"""The gRPC services as Serve registers them, with message parsing that cannot fail
+before our code runs.
+
+grpc parses each request message before any handler sees it; bytes that are no valid
+message (corrupt, truncated, a string that is not UTF-8) would end the call with
+UNKNOWN. Registered through these functions, such a request reaches the ingress as an
+Undecodable, which it refuses with INVALID_ARGUMENT naming the message type.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import descriptor_pool
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2_grpc
+
+from adapterserve.errors import RequestError
+from adapterserve.server.proto import adapterserve_pb2_grpc
+
+# import paths, as a Serve config's grpc_servicer_functions names them
+SERVICER_FUNCTIONS = [
+    "adapterserve.server.grpc_services.add_adapterserve",
+    "adapterserve.server.grpc_services.add_health",
+]
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A request whose bytes did not parse as the method's message."""
+
+    method: str  # "/package.Service/Method"
+    error: str
+
+    def refuse(self) -> RequestError:
+        return RequestError(f"the request is not a valid {_message_name(self.method)} message: {self.error}")
+
+
+def refuse_undecodable(request: Any) -> None:
+    """RequestError (INVALID_ARGUMENT) if the request's bytes did not parse."""
+    if isinstance(request, Undecodable):
+        raise request.refuse()
+
+
+def add_adapterserve(servicer: Any, server: Any) -> None:
+    adapterserve_pb2_grpc.add_AdapterServeServicer_to_server(servicer, _SafeParsing(server))
+
+
+def add_health(servicer: Any, server: Any) -> None:
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, _SafeParsing(server))
+
+
+class _SafeParsing:
+    """Stands in for the server while a generated add_*_to_server registers its handlers."""
+
+    def __init__(self, server: Any) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        for handler in handlers:
+            handler._method_handlers = {m: _safe(m, h) for m, h in handler._method_handlers.items()}
+        self._server.add_generic_rpc_handlers(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
+        add = getattr(self._server, "add_registered_method_handlers", None)
+        if add is not None:  # grpcio before 1.63 has only generic handlers
+            add(service, {name: _safe(f"/{service}/{name}", h) for name, h in handlers.items()})
+
+
+def _safe(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    parse = handler.request_deserializer
+    if parse is None:
+        return handler
+    return handler._replace(request_deserializer=_parser(method, parse))
+
+
+def _parser(method: str, parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse_or_mark(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return Undecodable(method, str(exc))
+
+    return parse_or_mark
+
+
+def _message_name(method: str) -> str:
+    """The method's request message type, e.g. adapterserve.v1.GenerateRequest."""
+    service, name = method.strip("/").split("/")
+    try:
+        return descriptor_pool.Default().FindServiceByName(service).FindMethodByName(name).input_type.full_name
+    except KeyError:
+        return f"request of {method}"
