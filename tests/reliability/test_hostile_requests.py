@@ -13,7 +13,6 @@ import json
 import select
 import socket
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -25,26 +24,12 @@ import requests
 from adapterserve.server.settings import DEFAULTS
 from tests.helpers.live_server import ALICE
 from tests.reliability.hostile_corpus import BASE, GRPC_CASES, HTTP_CASES, MAX_MODEL_LEN, VOCAB
+from tests.reliability.innocents import INNOCENTS, Innocent, stream
 
-MAX_TOKENS = 24
 MAX_REQUEST_BYTES = DEFAULTS["max_request_bytes"]
 OVERSIZED = ("declared over max_request_bytes", "chunked over max_request_bytes")
 NEVER = {grpc.StatusCode.OK, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 LEAKS = ("Traceback", 'File "', "internal server error")
-
-
-@dataclass(frozen=True)
-class Innocent:
-    via: str  # "grpc" or "http" (SSE)
-    adapter: str | None  # None = the base model
-    prompt: str
-
-
-INNOCENTS = (
-    Innocent("grpc", None, "The lighthouse keeper"),
-    Innocent("grpc", "sql", "To make bread you need"),
-    Innocent("http", "chat", "A server that answers many questions"),
-)
 
 
 @dataclass(repr=False)  # pytest shows each failing case's own answer, not every answer
@@ -54,61 +39,6 @@ class Storm:
     alone: dict[Innocent, tuple[list[int], str]] = field(default_factory=dict)
     during: dict[Innocent, list[tuple[list[int], str]]] = field(default_factory=dict)
     failed: dict[Innocent, str] = field(default_factory=dict)  # an innocent stream's error
-
-
-class Busy(Exception):
-    """The server asked to retry later before the first token (its queue was full)."""
-
-
-# --- innocent streams -------------------------------------------------------------------
-
-def _stream_grpc(server, innocent: Innocent, started: threading.Event) -> tuple[list[int], str]:
-    from adapterserve.clients.client import Client
-    from adapterserve.clients.types import ClientError
-
-    tokens, text = [], ""
-    with Client(server.grpc, api_key=ALICE, timeout=120) as client:
-        try:
-            for chunk in client.stream(innocent.prompt, adapter=innocent.adapter, max_tokens=MAX_TOKENS,
-                                       temperature=0.0, ignore_eos=True):
-                tokens += chunk.token_ids
-                text += chunk.text
-                started.set()
-        except ClientError as error:
-            if error.code is grpc.StatusCode.RESOURCE_EXHAUSTED and not tokens:
-                raise Busy from error
-            raise
-    return tokens, text
-
-
-def _stream_http(server, innocent: Innocent, started: threading.Event) -> tuple[list[int], str]:
-    body = {"model": innocent.adapter or BASE, "prompt": innocent.prompt, "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True}
-    with requests.post(f"{server.http}/v1/completions", json=body, stream=True, timeout=120,
-                       headers={"Authorization": f"Bearer {ALICE}"}) as reply:
-        if reply.status_code == 429:
-            raise Busy(reply.text)
-        assert reply.status_code == 200, reply.text
-        tokens, text = [], ""
-        for line in reply.iter_lines(decode_unicode=True):
-            if not line or line == "data: [DONE]":
-                continue
-            event = json.loads(line.removeprefix("data: "))
-            assert "error" not in event, event
-            tokens += event["choices"][0]["token_ids"]
-            text += event["choices"][0]["text"]
-            started.set()
-    return tokens, text
-
-
-def _stream(server, innocent: Innocent, started: threading.Event | None = None) -> tuple[list[int], str]:
-    run = _stream_grpc if innocent.via == "grpc" else _stream_http
-    for _ in range(60):
-        try:
-            return run(server, innocent, started or threading.Event())
-        except Busy:
-            time.sleep(0.5)  # the previous tests' work drains
-    raise AssertionError(f"{innocent} was never admitted")
 
 
 # --- hostile requests -------------------------------------------------------------------
@@ -210,7 +140,7 @@ def storm(server, uploaded) -> Storm:
     with Client(server.grpc, api_key=ALICE, timeout=60) as client:
         info = client.server_info()
     assert (info.backbone_id, info.vocab_size, info.max_model_len) == (BASE, VOCAB, MAX_MODEL_LEN)
-    result = Storm(alone={i: _stream(server, i) for i in INNOCENTS})
+    result = Storm(alone={i: stream(server, i) for i in INNOCENTS})
     assert len({tuple(t) for t, _ in result.alone.values()}) == len(INNOCENTS), "adapters must change the tokens"
     result.during = {i: [] for i in INNOCENTS}
     started = {i: threading.Event() for i in INNOCENTS}
@@ -219,7 +149,7 @@ def storm(server, uploaded) -> Storm:
     def keep_streaming(innocent: Innocent) -> None:
         try:
             while not over.is_set():
-                result.during[innocent].append(_stream(server, innocent, started[innocent]))
+                result.during[innocent].append(stream(server, innocent, started[innocent]))
         except Exception as error:  # reported by the innocent streams' test
             result.failed[innocent] = repr(error)
             started[innocent].set()
