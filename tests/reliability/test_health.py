@@ -112,18 +112,8 @@ def test_endless_health_watches_are_bounded_and_generate_still_succeeds(server, 
 def test_kill_9_of_the_engine_fails_its_streams_with_unavailable_and_the_engine_restarts(
         server, alice, uploaded, reference):
     before = _live()
-    grpc_stream = alice.stream(PROMPT, adapter="chat", **LONG)
-    next(grpc_stream)
-    body = {"model": "chat", "prompt": PROMPT, "stream": True, **LONG}
-    with requests.post(f"{server.http}/v1/completions", json=body, stream=True, timeout=120,
-                       headers={"Authorization": f"Bearer {ALICE}"}) as sse:
-        events = sse.iter_lines(decode_unicode=True)
-        next(e for e in events if e.startswith("data: {"))  # it streams
-        os.kill(before["engine_pid"], signal.SIGKILL)
-        with pytest.raises(ClientError) as ended:
-            list(grpc_stream)
-        last = [json.loads(e[6:]) for e in events if e.startswith("data: {")][-1]
-    assert ended.value.code is grpc.StatusCode.UNAVAILABLE and "exit code -9" in ended.value.details
+    ended, last = _killed_under_two_streams(server, alice, before["engine_pid"])
+    assert ended.code is grpc.StatusCode.UNAVAILABLE and "exit code -9" in ended.details
     assert last["error"]["code"] == 503 and "exit code -9" in last["error"]["message"]
 
     later = _poll(lambda: _generated(alice, "chat", 8), "Generate to be served again")
@@ -166,18 +156,25 @@ def test_kill_9_of_the_replica_itself_is_unavailable_and_serve_replaces_it(serve
     name = next(a for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"])
     actor = ray.get_actor(name["name"], namespace=name["namespace"])
     replica_pid = ray.get(actor.__ray_call__.remote(lambda replica: os.getpid()), timeout=60)
+    ended, last = _killed_under_two_streams(server, alice, replica_pid)
+    assert ended.code is grpc.StatusCode.UNAVAILABLE and "went away" in ended.details
+    assert last["error"]["code"] == 503 and "went away" in last["error"]["message"]
+    later = _poll(lambda: _generated(alice, "chat", 8), "Generate on the replacement replica")
+    assert later.token_ids == reference("chat", PROMPT, 8)[0]
+
+
+def _killed_under_two_streams(server, alice, pid: int) -> tuple[ClientError, dict]:
+    """SIGKILL `pid` while a gRPC stream and an SSE stream run; the gRPC stream's error and
+    the SSE stream's last event."""
     grpc_stream = alice.stream(PROMPT, adapter="chat", **LONG)
     next(grpc_stream)
     body = {"model": "chat", "prompt": PROMPT, "stream": True, **LONG}
     with requests.post(f"{server.http}/v1/completions", json=body, stream=True, timeout=120,
                        headers={"Authorization": f"Bearer {ALICE}"}) as sse:
         events = sse.iter_lines(decode_unicode=True)
-        next(e for e in events if e.startswith("data: {"))
-        os.kill(replica_pid, signal.SIGKILL)
+        next(e for e in events if e.startswith("data: {"))  # it streams
+        os.kill(pid, signal.SIGKILL)
         with pytest.raises(ClientError) as ended:
             list(grpc_stream)
         last = [json.loads(e[6:]) for e in events if e.startswith("data: {")][-1]
-    assert ended.value.code is grpc.StatusCode.UNAVAILABLE and "went away" in ended.value.details
-    assert last["error"]["code"] == 503 and "went away" in last["error"]["message"]
-    later = _poll(lambda: _generated(alice, "chat", 8), "Generate on the replacement replica")
-    assert later.token_ids == reference("chat", PROMPT, 8)[0]
+    return ended.value, last
