@@ -111,15 +111,13 @@ def _added(local: list[Timed], served: list[Timed]) -> dict[str, float]:
 def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int], engine_process: bool,
              relay_chunk_ms: float) -> dict[int, tuple[list[Timed], list[Timed]]]:
     """Per concurrency: (in-process engine, server) results of the same prompts, interleaved."""
-    import ray
 
     from adapterserve import Engine, SamplingParams
     from adapterserve.clients.client import AsyncClient
     from adapterserve.server import launch
 
     config = {"model": str(path), "engine": engine_cfg, "encoder": False, "store": tempfile.mkdtemp(),
-              "engine_process": engine_process, "relay_chunk_ms": relay_chunk_ms,
-              "replica": {"max_ongoing_requests": 512, "max_queued_requests": 1024}}
+              "engine_process": engine_process, "relay_chunk_ms": relay_chunk_ms}
     endpoints = launch.start(config, grpc_port=free_port(), http_port=free_port())
     engine = Engine.from_pretrained(path, **engine_cfg)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -136,8 +134,7 @@ def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: li
         engine = None  # its GPU memory goes before the next server starts
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        launch.stop(config)
-        ray.shutdown()
+        launch.shutdown()
 
 
 def main() -> None:
