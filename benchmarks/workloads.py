@@ -163,14 +163,18 @@ def register(engine: Engine, p: Plan) -> None:
         engine.load_adapter(adapter_id, path)
 
 
-def warm_up(engine: Engine, trace: StepTrace, p: Plan, batch: int, vocab: int, s: Settings) -> None:
+def warm_up(engine: Engine, trace: StepTrace, p: Plan, timed: list[list[int]], vocab: int, s: Settings) -> None:
     """Same adapters, short prompts; request i stops after 1 + (buckets >= batch - i)
     tokens, so the decode batch shrinks through every graph bucket, keeping the
-    requests added last (as the timed run's tail does)."""
+    requests added last (as the timed run's tail does). Then the timed prompts for two
+    tokens each: the same prefill steps (whole prompts and chunks, beside the decodes of
+    requests whose prompts are done) compile their kernel variants now, not in the timed run."""
+    batch = len(timed)
     buckets = [b for b in BUCKETS if b < batch] + [batch]
     max_tokens = [1 + sum(b >= batch - i for b in buckets) for i in range(batch)]
     prompts = make_prompts(batch, vocab, (4, min(24, s.prompt_range[0])), s.seed + 1)
     run_requests(engine, trace, prompts, p.adapter_ids, max_tokens)
+    run_requests(engine, trace, timed, p.adapter_ids, [2] * batch)
 
 
 def run_workload(backbone: Backbone, p: Plan, prompts: list[list[int]], s: Settings, bandwidth: float) -> dict:
@@ -182,7 +186,7 @@ def run_workload(backbone: Backbone, p: Plan, prompts: list[list[int]], s: Setti
         engine = backbone.engine(engine_config(p, prompts, virtual, s))
         register(engine, p)
         trace = StepTrace(engine)
-        warm_up(engine, trace, p, batch, model.cfg.vocab_size, s)
+        warm_up(engine, trace, p, prompts, model.cfg.vocab_size, s)
         if p.cold:
             for adapter_id in list(engine.slots.slot_of):
                 engine.slots.evict(adapter_id)
