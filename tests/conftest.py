@@ -36,3 +36,9 @@ def ray_session():
         yield f"http://127.0.0.1:{metrics_port}/metrics"
     finally:
         ray.shutdown()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """tests/deploy runs first: it starts Serve again with its own proxy ports (Serve has one
+    set per cluster), which would end the session's live server had a test started it before."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/deploy/"))  # stable: order kept otherwise

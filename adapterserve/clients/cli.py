@@ -6,13 +6,15 @@
     adapterserve upload ./my-lora --name sql            # prints sql@1
     adapterserve generate --adapter sql --max-tokens 32 "SELECT"
     adapterserve list
+    cat reviews.txt | adapterserve classify --adapter sentiment -   # '-': one text per line of stdin
 
 Client commands read --server / $ADAPTERSERVE_SERVER, --api-key / $ADAPTERSERVE_API_KEY and
 --timeout / $ADAPTERSERVE_TIMEOUT (seconds a call may take, default 600).
 `serve` drains on SIGTERM or SIGINT (Ctrl-C): new requests are refused while running ones get
 --grace-period seconds to finish, then everything it started stops; a second signal stops at once.
 Exit status: 0 done, 1 the server refused or failed (or a second signal stopped `serve` at once),
-2 bad arguments, a port already in use or a local check failed.
+2 bad arguments, a port already in use or a local check failed, 141 the reader of stdout went
+away (`adapterserve generate ... | head -1`), as for a command killed by SIGPIPE.
 """
 from __future__ import annotations
 
@@ -26,17 +28,34 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from adapterserve import __version__
 from adapterserve.clients.client import Client, default_server, seconds
+from adapterserve.clients.local_check import check_locally
 from adapterserve.clients.types import ClientError
 
 if TYPE_CHECKING:
     from adapterserve.server.launch import Endpoints
 
 
+STDOUT_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a command its pipe's reader left
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run one command; returns the exit status (see above)."""
+    try:
+        try:
+            return _run(_parser().parse_args(argv))
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return args.run(args)
+    except BrokenPipeError:
+        raise
     except ClientError as e:
         hint = "; allow more with --timeout SECONDS" if e.code is grpc.StatusCode.DEADLINE_EXCEEDED else ""
         print(f"error: {e.code.name}: {e.details}{hint}", file=sys.stderr)
@@ -46,6 +65,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _stdout_closed() -> int:
+    """Stop quietly: stdout's reader is gone, so nothing more can be shown."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
+    except (OSError, ValueError):
+        pass  # stdout is no file (redirected in-process)
+    return STDOUT_CLOSED
+
+
 def _parser() -> argparse.ArgumentParser:
     client = argparse.ArgumentParser(add_help=False)
     client.add_argument("--server", default=None, help="host:port (default $ADAPTERSERVE_SERVER or localhost:50051)")
@@ -53,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     client.add_argument("--timeout", type=_seconds_arg, metavar="SECONDS",
                         help="deadline of the call (default $ADAPTERSERVE_TIMEOUT or 600)")
     parser = argparse.ArgumentParser(prog="adapterserve", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="start the server (local Ray unless --ray-address)")
@@ -70,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="engine device, e.g. cuda (default cpu)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--max-lora-rank", type=int)
+    p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template for /v1/chat/completions "
+                   "(default: the tokenizer's own)")
     p.add_argument("--config", help="YAML/JSON file of config overrides (adapterserve.server.settings.DEFAULTS)")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
     p.add_argument("--grace-period", type=_grace_arg, metavar="SECONDS", help="on SIGTERM/SIGINT, how long "
@@ -77,10 +108,13 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_serve)
 
     p = sub.add_parser("upload", parents=[client], help="validate and upload an adapter directory")
-    p.add_argument("directory")
+    p.add_argument("directory", help="the adapter's directory, or s3://bucket/prefix for the server to fetch")
     p.add_argument("--name", required=True)
+    p.add_argument("--http-url", help="the server's HTTP address, for s3:// (default $ADAPTERSERVE_HTTP_URL "
+                   "or port 8000 of --server's host)")
     p.add_argument("--public", action="store_true", help="let every tenant use it")
-    p.add_argument("--no-validate", action="store_true", help="skip the local check (the server checks anyway)")
+    p.add_argument("--no-validate", action="store_true", help="skip the local check of sizes (and, with "
+                   "adapterserve[engine] installed, of the adapter itself); the server checks anyway")
     p.set_defaults(run=_upload)
 
     p = sub.add_parser("list", parents=[client], help="list the adapters you can use")
@@ -96,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_info)
 
     p = sub.add_parser("generate", parents=[client], help="generate text, streamed to stdout")
-    p.add_argument("prompt", nargs="?")
+    p.add_argument("prompt", nargs="?", help="the prompt; - reads it from stdin (less one final newline)")
     p.add_argument("--prompt-token-ids", help="comma-separated token ids instead of PROMPT")
     p.add_argument("--adapter", help="NAME or NAME@VERSION (default: the base model)")
     p.add_argument("--max-tokens", type=int)
@@ -106,17 +140,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--presence-penalty", type=float, help="[-2, 2]: less likely to repeat any generated token")
+    p.add_argument("--frequency-penalty", type=float, help="[-2, 2]: less likely the more a token was generated")
+    p.add_argument("--repetition-penalty", type=float, help="> 0, 1 = off: tokens of the prompt and output")
     p.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text, finish_reason")
     p.set_defaults(run=_generate)
 
     p = sub.add_parser("classify", parents=[client], help="label texts with an adapter's classification head")
-    p.add_argument("texts", nargs="+", metavar="TEXT")
+    p.add_argument("texts", nargs="+", metavar="TEXT", help="- reads texts from stdin, one per line")
     p.add_argument("--adapter", required=True, help="NAME or NAME@VERSION of an adapter with a head")
     p.add_argument("--json", action="store_true", help="print one JSON object per text")
     p.set_defaults(run=_classify)
 
     p = sub.add_parser("embed", parents=[client], help="sentence vectors from the encoder")
-    p.add_argument("texts", nargs="+", metavar="TEXT")
+    p.add_argument("texts", nargs="+", metavar="TEXT", help="- reads texts from stdin, one per line")
     p.add_argument("--adapter", help="NAME or NAME@VERSION (default: the base encoder)")
     p.add_argument("--json", action="store_true", help="print one JSON list of floats per text")
     p.set_defaults(run=_embed)
@@ -149,8 +186,12 @@ def _grace_arg(text: str) -> float:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from adapterserve.server import serve_command
-    from adapterserve.server.settings import merge_config
+    try:
+        from adapterserve.server import serve_command
+        from adapterserve.server.settings import merge_config
+    except ModuleNotFoundError as e:  # a client-only install
+        print(f"error: {e}; serving needs pip install 'adapterserve[serve]'", file=sys.stderr)
+        return 2
 
     config = serve_config(args)
     return serve_command.run(config, merge_config(config)["drain_grace_s"], lambda e: _announce(args, e),
@@ -178,7 +219,8 @@ def serve_config(args: argparse.Namespace) -> dict:
             engine[key] = getattr(args, flag)
     if engine:
         config["engine"] = engine
-    for flag, key in (("model", "model"), ("store", "store"), ("api_keys", "api_keys_file")):
+    for flag, key in (("model", "model"), ("store", "store"), ("api_keys", "api_keys_file"),
+                      ("chat_template", "chat_template")):
         if getattr(args, flag):
             config[key] = getattr(args, flag)
     if args.no_encoder and args.encoder:
@@ -206,6 +248,8 @@ def _read_config_file(path: str) -> dict:
 
 
 def _upload(args: argparse.Namespace) -> int:
+    if args.directory.startswith("s3://"):
+        return _upload_by_reference(args)
     from adapterserve.clients.upload_stream import collect_files
 
     with _client(args) as client:
@@ -218,33 +262,21 @@ def _upload(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_locally(client: Client, directory: str, name: str, total_bytes: int, num_files: int) -> None:
-    """Read the adapter as the server will (against its backbone); AdapterError if unfit."""
-    from adapterserve.adapters_store.formats.peft_lora import read_peft_lora
-    from adapterserve.adapters_store.formats.types import BackboneSpec
-    from adapterserve.errors import AdapterTooLarge
+def _upload_by_reference(args: argparse.Namespace) -> int:
+    """The server fetches s3://... itself (through its HTTP route: clients/by_reference.py)."""
+    from adapterserve.clients.by_reference import LoadRefused, http_url, load_by_reference
+    from adapterserve.clients.client import deadline_s
 
-    info = client.server_info()
-    if total_bytes > info.max_upload_bytes or num_files > info.max_upload_files:
-        raise AdapterTooLarge(
-            f"{directory!r} holds {num_files} files, {total_bytes} bytes; the server takes at most "
-            f"{info.max_upload_files} files, {info.max_upload_bytes} bytes"
-        )
-    if info.encoder_id and not _targets_any(directory, info.linear_shapes):
-        return  # made for the encoder, which ServerInfo does not describe: the server checks it
-    spec = BackboneSpec(info.model_type, info.num_layers, info.hidden_size, info.linear_shapes)
-    read_peft_lora(directory, spec, info.max_lora_rank, name=name)
-
-
-def _targets_any(directory: str, modules) -> bool:
-    """Whether the PEFT config in `directory` targets any of `modules` (the generation backbone's)."""
+    base = http_url(args.http_url, args.server or default_server())
+    api_key = args.api_key or os.environ.get("ADAPTERSERVE_API_KEY")
     try:
-        with open(os.path.join(directory, "adapter_config.json")) as f:
-            targets = json.load(f).get("target_modules") or []
-    except (OSError, ValueError):
-        return False
-    targets = [targets] if isinstance(targets, str) else targets
-    return any(t.split(".")[-1] in modules for t in targets)
+        loaded = load_by_reference(base, args.directory, args.name, api_key=api_key, public=args.public,
+                                   timeout=deadline_s(args.timeout))
+    except LoadRefused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(loaded["id"])
+    return 0
 
 
 def _progress_bar(files):
@@ -257,6 +289,8 @@ def _progress_bar(files):
 def _list(args: argparse.Namespace) -> int:
     with _client(args) as client:
         adapters = client.list_adapters(args.name)
+        if args.name and not adapters:  # none of that name: NOT_FOUND with the server's hint
+            adapters = [client.get_adapter(args.name)]
     if args.json:
         print(json.dumps([a.__dict__ for a in adapters], indent=1))
         return 0
@@ -287,7 +321,8 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = _prompt(args)
     sampling = {"adapter": args.adapter, "max_tokens": args.max_tokens, "temperature": args.temperature,
                 "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "stop": args.stop,
-                "ignore_eos": args.ignore_eos}
+                "ignore_eos": args.ignore_eos, "presence_penalty": args.presence_penalty,
+                "frequency_penalty": args.frequency_penalty, "repetition_penalty": args.repetition_penalty}
     with _client(args) as client:
         if args.json:
             print(json.dumps(client.generate(prompt, **sampling).to_json()))
@@ -303,17 +338,19 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _classify(args: argparse.Namespace) -> int:
+    texts = _texts(args.texts)
     with _client(args) as client:
-        results = client.classify(args.texts, args.adapter)
-    for text, r in zip(args.texts, results):
+        results = client.classify(texts, args.adapter)
+    for text, r in zip(texts, results):
         print(json.dumps({"text": text, **r.to_json()}) if args.json else f"{r.label}\t{r.probability:.4f}\t{text}")
     return 0
 
 
 def _embed(args: argparse.Namespace) -> int:
+    texts = _texts(args.texts)
     with _client(args) as client:
-        vectors = client.embed(args.texts, args.adapter)
-    for text, v in zip(args.texts, vectors):
+        vectors = client.embed(texts, args.adapter)
+    for text, v in zip(texts, vectors):
         preview = ", ".join(f"{x:.4f}" for x in v[:4])
         print(json.dumps(v) if args.json else f"{len(v)} dims: [{preview}, ...]\t{text}")
     return 0
@@ -322,6 +359,8 @@ def _embed(args: argparse.Namespace) -> int:
 def _prompt(args: argparse.Namespace) -> str | list[int]:
     if (args.prompt is None) == (args.prompt_token_ids is None):
         raise ValueError("give either PROMPT or --prompt-token-ids (not both)")
+    if args.prompt == "-":
+        return _prompt_from_stdin()
     if args.prompt is not None:
         return args.prompt
     text = args.prompt_token_ids
@@ -329,6 +368,33 @@ def _prompt(args: argparse.Namespace) -> str | list[int]:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise ValueError(f"--prompt-token-ids must be comma-separated integers, got {text!r}") from None
+
+
+def _prompt_from_stdin() -> str:
+    text = _read_stdin()
+    text = text.removesuffix("\n")  # `echo PROMPT |` adds one
+    if not text:
+        raise ValueError("PROMPT is - but stdin held no text")
+    return text
+
+
+def _texts(given: Sequence[str]) -> list[str]:
+    """TEXT arguments with a '-' replaced by stdin's non-blank lines."""
+    if given.count("-") > 1:
+        raise ValueError("give - (stdin) as TEXT once")
+    texts = []
+    for text in given:
+        texts += [line for line in _read_stdin().splitlines() if line.strip()] if text == "-" else [text]
+    if not texts:
+        raise ValueError("TEXT is - but stdin held no text (one text per line)")
+    return texts
+
+
+def _read_stdin() -> str:
+    try:
+        return sys.stdin.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"stdin is not {e.encoding} text: {e.reason} at byte {e.start}") from None
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import grpc
@@ -38,8 +38,8 @@ from adapterserve.clients.types import (
     ServerInfo,
 )
 from adapterserve.clients.upload_stream import Progress, collect_files, upload_messages
-from adapterserve.server.proto import adapterserve_pb2 as pb
-from adapterserve.server.proto import adapterserve_pb2_grpc as pb_grpc
+from adapterserve.proto import adapterserve_pb2 as pb
+from adapterserve.proto import adapterserve_pb2_grpc as pb_grpc
 
 DEFAULT_SERVER = "localhost:50051"
 DEFAULT_TIMEOUT_S = 600.0  # as OpenAI's clients: room for a long generation, not for a hang
@@ -82,12 +82,18 @@ def generate_request(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; unset sampling fields take the server's defaults."""
-    optional = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+    optional = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+                "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+                "repetition_penalty": repetition_penalty}
     sampling = pb.SamplingParams(
         top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-        **{k: v for k, v in optional.items() if v is not None},
+        logit_bias=dict(logit_bias or {}), **{k: v for k, v in optional.items() if v is not None},
     )
     if isinstance(prompt, str):
         return pb.GenerateRequest(text=prompt, adapter=adapter or "", sampling=sampling)

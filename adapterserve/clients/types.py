@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from adapterserve.server.proto import adapterserve_pb2 as pb
+from adapterserve.proto import adapterserve_pb2 as pb
 
 
 class ClientError(Exception):

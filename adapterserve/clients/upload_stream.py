@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapterserve.server.proto import adapterserve_pb2 as pb
+from adapterserve.proto import adapterserve_pb2 as pb
 
 CHUNK_BYTES = 1 << 20
 Progress = Callable[[int], None]  # called with the bytes just sent

@@ -156,7 +156,7 @@ class Engine(AdapterHost, AsyncFront):
         request = Request(prompt_ids=self._prompt_ids(prompt), sampling=sampling, adapter_id=adapter_id, task=task)
         if request_id is not None:
             request.request_id = request_id
-        self._check_stop_ids(sampling)
+        self._check_token_ids(sampling)
         if sampling.seed is not None:
             request.generator = torch.Generator(device=self.runner.device).manual_seed(sampling.seed)
         with self._lock:
@@ -206,11 +206,13 @@ class Engine(AdapterHost, AsyncFront):
         raise RequestError(f"prompt has {prompt} tokens{virtual} and max_tokens is {wanted}: "
                            f"{prompt + extra + wanted} is over this engine's max_model_len of {self.max_model_len}")
 
-    def _check_stop_ids(self, sampling: SamplingParams) -> None:
+    def _check_token_ids(self, sampling: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
-        bad = [t for t in sampling.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"stop_token_ids must be in [0, {vocab}), got {bad[:4]}")
+        for name, ids in (("stop_token_ids", sampling.stop_token_ids),
+                          ("logit_bias token ids", [t for t, _ in sampling.logit_bias])):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"{name} must be in [0, {vocab}), got {bad[:4]}")
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -17,6 +17,7 @@ from adapterserve.engine.attention_meta import SequenceLayout, build_attention_m
 from adapterserve.engine.context import BatchContext, VirtualTokens, set_context
 from adapterserve.engine.host_copy import to_device
 from adapterserve.engine.kv_cache import BlockManager
+from adapterserve.engine.penalties import PenaltyState
 from adapterserve.engine.request import Request
 from adapterserve.engine.sampler import sample
 from adapterserve.engine.scheduler import ScheduledBatch
@@ -89,6 +90,7 @@ class ModelRunner:
         self.sampled = torch.zeros(max_tokens, dtype=torch.long, device=self.device)  # last step's token ids
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        self.penalties = PenaltyState(model.cfg.vocab_size, self.device)
         self.families_of = lambda slot: frozenset()  # slot -> families it holds; bound by the engine
         self.prefix_pages = lambda slot: []  # slot -> KV blocks of its prefix; bound by the engine
         self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs
@@ -125,8 +127,11 @@ class ModelRunner:
         finished = [requests[i] for i in done]
         if not generating:
             return StepResult(finished, None, None, pooled)
-        tokens = sample(logits, [requests[i].sampling for i in generating], [generators[i] for i in generating],
-                        self.generator)
+        rows = [requests[i] for i in generating]  # in the order of the logits' rows
+        penalties = self.penalties.prepare(rows)
+        tokens = sample(logits, [r.sampling for r in rows], [generators[i] for i in generating],
+                        self.generator, penalties)
+        self.penalties.record(penalties, tokens)
         for row, i in enumerate(generating):
             requests[i].pending_row = row
         return self._publish(finished, tokens, pooled)

@@ -1,5 +1,6 @@
 """Next-token sampling for a batch where every row has its own parameters.
 
+Logit bias and penalties come first (engine/penalties.py), for greedy rows too.
 Temperature, top-k and top-p are applied to the whole batch at once. The random
 draw uses the exponential-race form of sampling (argmax of p / E, E ~ Exp(1)),
 so a seeded request draws its noise from its own generator and gets the same
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from adapterserve.engine.host_copy import to_device
+from adapterserve.engine.penalties import StepPenalties, apply_penalties
 from adapterserve.engine.sampling_params import SamplingParams
 
 
@@ -38,9 +40,13 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
+    penalties: StepPenalties | None = None,
 ) -> torch.Tensor:
-    """logits: [B, V] float32 -> one token id per row: [B] long, on the logits' device."""
+    """logits: [B, V] float32 -> one token id per row: [B] long, on the logits' device.
+    The logits are not changed in place."""
     device = logits.device
+    if penalties is not None:
+        logits = apply_penalties(logits, penalties)
     chosen = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return chosen

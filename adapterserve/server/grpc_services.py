@@ -5,6 +5,13 @@ grpc parses each request message before any handler sees it; bytes that are no v
 message (corrupt, truncated, a string that is not UTF-8) would end the call with
 UNKNOWN. Registered through these functions, such a request reaches the ingress as an
 Undecodable, which it refuses with INVALID_ARGUMENT naming the message type.
+
+grpc's server also sheds calls on its own before any handler runs: past 1,000 calls
+accepted but not yet handed to the application (a burst on an asyncio server), it
+cancels a growing share of new ones (CANCELLED; all of them past 3,000).
+`hold_pending_calls()`, called in the ingress replica before Serve starts its gRPC
+server there, raises those limits, so a burst reaches the ingress's admission, which
+sheds what it cannot take with RESOURCE_EXHAUSTED and retry advice.
 """
 from __future__ import annotations
 
@@ -18,8 +25,9 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2_grpc
 
 from adapterserve.errors import RequestError
-from adapterserve.server.proto import adapterserve_pb2_grpc
+from adapterserve.proto import adapterserve_pb2_grpc
 
+PENDING_CALLS = 16384  # grpc's soft limit of calls waiting for the application (default 1,000)
 # import paths, as a Serve config's grpc_servicer_functions names them
 SERVICER_FUNCTIONS = [
     "adapterserve.server.grpc_services.add_adapterserve",
@@ -42,6 +50,17 @@ def refuse_undecodable(request: Any) -> None:
     """RequestError (INVALID_ARGUMENT) if the request's bytes did not parse."""
     if isinstance(request, Undecodable):
         raise request.refuse()
+
+
+def hold_pending_calls() -> None:
+    """Raise grpc's pending-call limits for the gRPC servers Serve starts in this process later
+    (Serve builds their options from its DEFAULT_GRPC_SERVER_OPTIONS list)."""
+    from ray.serve._private import constants
+
+    options = constants.DEFAULT_GRPC_SERVER_OPTIONS
+    wanted = [("grpc.server.max_pending_requests", PENDING_CALLS),
+              ("grpc.server.max_pending_requests_hard_limit", 2 * PENDING_CALLS)]
+    options[:] = [o for o in options if o[0] not in dict(wanted)] + wanted  # in place: grpc_util holds it too
 
 
 def add_adapterserve(servicer: Any, server: Any) -> None:

@@ -8,10 +8,10 @@ version's content hash as `multiplexed_model_id`, so replicas that hold it are p
 Generate goes to the generation backbone, Classify and Embed to the encoder
 (backends.py picks the deployment; an adapter goes where it was validated).
 Errors become gRPC status codes (see status.py; a failed call ends with its status and
-retry metadata rather than raising, which would lose the metadata) or OpenAI-style
-HTTP errors. Health: grpc.health.v1 (health_rpc.py) and GET /health.
+retry metadata rather than raising, which would lose the metadata). The HTTP routes
+(OpenAI-compatible, vLLM's adapter routes, GET /health) are openai_routes.py's, mixed in;
+gRPC health is health_rpc.py's.
 """
-# No `from __future__ import annotations`: FastAPI reads the route signatures at run time.
 import asyncio
 import logging
 import tempfile
@@ -22,8 +22,6 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -32,56 +30,37 @@ from adapterserve.adapters_store.records import AdapterVersion, parse_ref
 from adapterserve.adapters_store.staging import StoreLimits
 from adapterserve.adapters_store.store import open_store
 from adapterserve.engine.sampling_params import SamplingParams
-from adapterserve.server import messages, openai_http
-from adapterserve.server.admission import Admission, Place
-from adapterserve.server.auth import grpc_tenant, http_tenant, load_keys
+from adapterserve.proto import adapterserve_pb2 as pb
+from adapterserve.server import messages
+from adapterserve.server.admission import Admission
+from adapterserve.server.auth import grpc_tenant, load_keys
 from adapterserve.server.backends import Backends
-from adapterserve.server.grpc_services import refuse_undecodable
+from adapterserve.server.grpc_services import hold_pending_calls, refuse_undecodable
 from adapterserve.server.health import DeploymentHealth
 from adapterserve.server.health_rpc import HealthRpc
-from adapterserve.server.http_body import read_json
 from adapterserve.server.metrics import IngressMetrics
+from adapterserve.server.openai_routes import OpenAIRoutes, http_app
 from adapterserve.server.prompts import limits_of, load_tokenizer, prompt_token_ids
-from adapterserve.server.proto import adapterserve_pb2 as pb
 from adapterserve.server.replies import raise_if_error
-from adapterserve.server.status import grpc_error, http_headers, http_status, status_of
+from adapterserve.server.status import grpc_error, status_of
 from adapterserve.server.uploads import receive_upload
 from adapterserve.server.validation import adapter_validator
 
 logger = logging.getLogger("adapterserve.server")
-http_app = FastAPI(title="adapterserve", description="OpenAI-compatible completions over many adapters")
 
 
 # Helpers come before the class: serve.ingress captures the class when it is decorated.
-async def _prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
-    yield first
-    async for chunk in rest:
-        yield chunk
-
-
-async def _holding(place: Place, events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """A stream's events, its admission place given back when it ends."""
-    try:
-        async for event in events:
-            yield event
-    finally:
-        place.release()
-
-
 def _empty_reply(method: str):
     """An empty message of `method`'s reply type (sent with an error status; clients drop it)."""
     return getattr(pb, pb.DESCRIPTOR.services_by_name["AdapterServe"].methods_by_name[method].output_type.name)()
 
 
-def _http_error(exc: BaseException) -> JSONResponse:
-    return JSONResponse(openai_http.error_body(exc), status_code=http_status(exc), headers=http_headers(exc))
-
-
 @serve.deployment
 @serve.ingress(http_app)
-class Ingress(HealthRpc):
+class Ingress(HealthRpc, OpenAIRoutes):
     def __init__(self, replica: DeploymentHandle, config: dict[str, Any],
                  encoder: DeploymentHandle | None = None) -> None:
+        hold_pending_calls()  # before Serve starts this replica's gRPC server
         self.backends = Backends(replica, encoder, config)
         self.replica = self.backends.model  # the generation backbone: ServerInfo asks it
         self.admission = Admission(config["max_in_flight"], config["max_health_watches"])
@@ -97,6 +76,7 @@ class Ingress(HealthRpc):
         self.metrics = IngressMetrics()
         self._gc_every, self._gc_grace = config["gc_interval_s"], config["gc_grace_s"]
         self._gc_task: asyncio.Task | None = None
+        self._init_http(config)
 
     # --- gRPC: generation ---------------------------------------------------
 
@@ -121,11 +101,13 @@ class Ingress(HealthRpc):
             self.metrics.finished("Generate", code, time.monotonic() - started)
 
     async def _generate(
-        self, prompt: messages.Prompt, sampling: SamplingParams, ref: str | None, tenant: str | None
+        self, prompt: messages.Prompt, sampling: SamplingParams, adapter: str | AdapterVersion | None,
+        tenant: str | None
     ) -> AsyncIterator[dict[str, Any]]:
-        """Resolve the adapter, tokenize, then stream the replica's chunks (errors raised as ours)."""
+        """Resolve the adapter (a ref; a version is used as it is), tokenize, then stream the
+        replica's chunks (errors raised as ours)."""
         self._ensure_gc()
-        version = await self._resolve(ref, tenant) if ref else None
+        version = await self._resolve(adapter, tenant) if isinstance(adapter, str) else adapter
         routing = {"multiplexed_model_id": version.content_hash} if version else {}
         handle = (await self.backends.for_call("generate", version)).options(stream=True, **routing)
         ids = await self._token_ids(prompt, sampling, version)
@@ -260,53 +242,6 @@ class Ingress(HealthRpc):
             return _empty_reply(method)
         finally:
             self.metrics.finished(method, code, time.monotonic() - started)
-
-    # --- HTTP (OpenAI-compatible) ---------------------------------------------
-
-    @http_app.get("/health")
-    async def health_route(self) -> JSONResponse:
-        """200 while every engine deployment serves, else 503; the body says which does not."""
-        report = await self.health.report()
-        serving = not self.admission.draining and all(state == "ok" for state in report.values())
-        body = {"status": "ok" if serving else "unavailable", "draining": self.admission.draining,
-                "deployments": report}
-        return JSONResponse(body, status_code=200 if serving else 503)
-
-    @http_app.get("/v1/models")
-    async def models(self, request: Request) -> JSONResponse:
-        try:
-            tenant = http_tenant(self.keys, request.headers)
-            with self.admission.admit():
-                versions = await asyncio.to_thread(self.store.list, tenant=tenant)
-            return JSONResponse(openai_http.models_body(self.backbone_id, versions))
-        except Exception as exc:
-            return _http_error(exc)
-
-    @http_app.post("/v1/completions")
-    async def completions(self, request: Request):
-        started, code = time.monotonic(), "OK"
-        try:
-            tenant = http_tenant(self.keys, request.headers)
-            place = self.admission.take()
-            try:
-                return await self._complete(request, tenant, place, started)
-            finally:
-                place.release()  # a stream took it over (released when its events end); else the call is done
-        except Exception as exc:
-            code = status_of(exc).name
-            return _http_error(exc)
-        finally:
-            self.metrics.finished("completions", code, time.monotonic() - started)
-
-    async def _complete(self, request: Request, tenant: str | None, place: Place, started: float):
-        call = openai_http.parse_completion(await read_json(request, self.max_request_bytes), self.backbone_id)
-        chunks = self._measured(self._generate(call.prompt, call.sampling, call.adapter, tenant), started)
-        first = await anext(chunks)  # errors before the first token get a proper HTTP status
-        if call.stream:
-            events = openai_http.sse_events(call, _prepend(first, chunks))
-            return StreamingResponse(_holding(place.hand_over(), events), media_type="text/event-stream")
-        rest = [c async for c in chunks]
-        return JSONResponse(openai_http.completion_body(call, [first, *rest]))
 
     # --- lifecycle: `adapterserve serve` drains every replica (drain.py) -----
 

@@ -8,7 +8,7 @@ from adapterserve import request_fields as check
 from adapterserve.adapters_store.records import AdapterVersion
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.errors import RequestError, RequestTooLarge
-from adapterserve.server.proto import adapterserve_pb2 as pb
+from adapterserve.proto import adapterserve_pb2 as pb
 
 Prompt = str | list[int]
 
@@ -32,9 +32,12 @@ def sampling_of(p: pb.SamplingParams) -> SamplingParams:
         "stop": tuple(p.stop),
         "ignore_eos": p.ignore_eos,
     }
-    for name in ("max_tokens", "temperature", "top_p", "seed"):
+    for name in ("max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
         if p.HasField(name):
             fields[name] = getattr(p, name)
+    if p.logit_bias:
+        fields["logit_bias"] = dict(p.logit_bias)
     return SamplingParams(**fields)
 
 

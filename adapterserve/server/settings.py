@@ -19,10 +19,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from adapterserve.server.chat_template import resolve_chat_template
+from adapterserve.server.lora_sources import check_sources
+
 HOME = Path("~/.adapterserve")
 OPEN_KEYS = None  # api_keys_file value for open mode
 # dicts whose keys belong to someone else (EngineConfig, the store backend): merged unchecked
-_FREE_FORM = {"engine", "encoder_engine", "store_options", "preload_adapters"}
+_FREE_FORM = {"engine", "encoder_engine", "store_options", "preload_adapters", "lora_s3_options"}
 DEFAULT_ENCODER_ID = "all-MiniLM-L6-v2"
 EXAMPLE_ADAPTERS = {"sentiment": "sentiment-lora", "topic": "topic-bottleneck"}  # under examples/adapters
 
@@ -43,6 +46,12 @@ DEFAULTS: dict[str, Any] = {
     "pinned_adapters": [],  # adapter refs (name or name@N) each generation replica loads at start and keeps
     "encoder_pinned_adapters": [],  # the same for the encoder's replicas (e.g. ["sentiment"])
     "max_texts_per_request": 256,  # Classify/Embed texts in one call
+    # OpenAI HTTP: a Jinja chat template (a file, or the template itself) instead of the tokenizer's
+    "chat_template": None,
+    # where /v1/load_lora_adapter may read: local directories, s3://bucket[/prefix] ("s3://": any
+    # bucket); empty: loading by path is off (server/lora_sources.py)
+    "lora_sources": [],
+    "lora_s3_options": {},  # boto3 S3 client options for s3:// lora paths; {}: the store's endpoint_url
     # HTTP body bytes (413 beyond): room for the longest prompt taken (1 Mi characters, up to
     # 4 bytes each in UTF-8, plus JSON escapes); no HTTP call holds more in the ingress
     "max_request_bytes": 8 << 20,
@@ -127,6 +136,8 @@ def resolve_paths(config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"model directory {config['model']!r} has no config.json; point --model at a checkpoint")
     config["model_id"] = config["model_id"] or Path(config["model"]).name
     _resolve_encoder(config)
+    config["chat_template"] = resolve_chat_template(config["chat_template"])
+    config["lora_sources"] = check_sources(config["lora_sources"])
     if config["api_keys_file"]:
         config["api_keys_file"] = str(Path(config["api_keys_file"]).expanduser().absolute())
     return config

@@ -17,8 +17,8 @@ from typing import Any
 from adapterserve.adapters_store.records import check_name
 from adapterserve.adapters_store.staging import StoreLimits
 from adapterserve.errors import AdapterError, AdapterTooLarge, RequestError
+from adapterserve.proto import adapterserve_pb2 as pb
 from adapterserve.server.grpc_services import refuse_undecodable
-from adapterserve.server.proto import adapterserve_pb2 as pb
 
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 

@@ -1,6 +1,7 @@
 """The command line without a server: argument handling, config from flags, exit codes."""
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -77,3 +78,34 @@ def test_serve_grace_period_flag():
     assert cli.serve_config(_serve_args("--grace-period", "0")) == {"drain_grace_s": 0.0}  # cut at once
     with pytest.raises(SystemExit):
         _serve_args("--grace-period", "-1")
+
+
+def test_version_is_the_package_version(capsys):
+    import importlib.metadata
+
+    import adapterserve
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"adapterserve {adapterserve.__version__}\n"
+    assert importlib.metadata.version("adapterserve") == adapterserve.__version__, "one version, from __init__"
+
+
+@pytest.mark.parametrize("argv, stdin, message", [
+    (["generate", "-"], "", "error: PROMPT is - but stdin held no text\n"),
+    (["generate", "-"], "\n", "error: PROMPT is - but stdin held no text\n"),
+    (["classify", "--adapter", "sentiment", "-"], "\n  \n", "error: TEXT is - but stdin held no text (one text per line)\n"),
+    (["embed", "-", "-"], "a\n", "error: give - (stdin) as TEXT once\n"),
+])
+def test_stdin_that_holds_no_input_is_a_local_error(argv, stdin, message, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    assert cli.main([*argv, "--server", "127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err == message
+
+
+def test_stdin_that_is_not_text_is_a_local_error(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 au lait\n"), encoding="utf-8"))
+    assert cli.main(["embed", "-", "--server", "127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err == "error: stdin is not utf-8 text: invalid continuation byte at byte 3\n"
+

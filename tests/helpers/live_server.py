@@ -4,7 +4,10 @@ plugin registered by tests/conftest.py: tests/server and tests/reliability share
 The server is started the way `adapterserve serve` starts it (the CLI's flags ->
 config -> launch.start), on free loopback ports, with API keys for two tenants
 (alice, bob) and small limits so that overload and oversized uploads are cheap
-to provoke. Three PEFT LoRA adapters are uploaded by alice with the CLI.
+to provoke. Three PEFT LoRA adapters are uploaded by alice with the CLI. The tiny Llama's
+tokenizer has no chat template: the server gets tests/fixtures/chat/template.jinja
+(--chat-template). Adapters may be loaded by path from `lora_sources`: a local folder and
+one prefix of a bucket on a moto S3 server (`moto_s3`).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import pytest
 
 from adapterserve.server.serve_env import free_port
 from tests.helpers.lora import load_base, load_peft, make_peft_lora
+from tests.helpers.moto_s3 import MotoS3, start_moto
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
@@ -34,6 +38,8 @@ MAX_IN_FLIGHT, MAX_HEALTH_WATCHES = 32, 4  # per ingress replica (beyond: shed)
 MAX_UPLOAD_BYTES = 256 << 10
 NUM_KV_BLOCKS = 64  # x 16 tokens: max_model_len 1024
 STEP_BUDGET = 128  # tokens per engine step: longer prompts run in chunks
+CHAT_TEMPLATE = Path(__file__).parents[1] / "fixtures" / "chat" / "template.jinja"
+S3_ALLOWED = "allowed"  # the prefix of moto_s3's bucket the server may load adapters from
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,18 @@ def lora_dirs(tiny_model, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def server(ray_session, tiny_model, tmp_path_factory) -> Server:
+def moto_s3() -> MotoS3:
+    """An S3 server with one empty bucket, for adapters loaded by reference."""
+    pytest.importorskip("moto.server")
+    running, s3 = start_moto()
+    try:
+        yield s3
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="session")
+def server(ray_session, tiny_model, moto_s3, tmp_path_factory) -> Server:
     """`adapterserve serve --model ... --store ... --api-keys ... --config ...` on free ports."""
     from ray import serve
 
@@ -79,12 +96,16 @@ def server(ray_session, tiny_model, tmp_path_factory) -> Server:
         "max_in_flight": MAX_IN_FLIGHT,
         "max_health_watches": MAX_HEALTH_WATCHES,
         "encoder_pinned_adapters": ["sentiment"],  # an example adapter, published by the encoder at start
+        "lora_sources": [str(root / "sources"), f"s3://{moto_s3.bucket}/{S3_ALLOWED}"],
+        "lora_s3_options": moto_s3.options,
     }
+    (root / "sources").mkdir()
     (root / "config.json").write_text(json.dumps(overrides))
     grpc_port, http_port = free_port(), free_port()
     args = cli._parser().parse_args([
         "serve", "--model", str(tiny_model), "--store", str(root / "store"), "--api-keys", str(root / "keys"),
         "--config", str(root / "config.json"), "--grpc-port", str(grpc_port), "--http-port", str(http_port),
+        "--chat-template", str(CHAT_TEMPLATE),
     ])
     config = cli.serve_config(args)
     try:

@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from adapterserve.server.proto import adapterserve_pb2 as pb
+from adapterserve.proto import adapterserve_pb2 as pb
 from tests.helpers.live_server import ALICE, BOB
 
 VOCAB = 512
@@ -34,6 +34,8 @@ class HttpCase:
     status: int
     says: str
     headers: dict[str, str] = field(default_factory=lambda: {"Authorization": f"Bearer {ALICE}"})
+    path: str = "/v1/completions"
+    method: str = "POST"
 
 
 @dataclass(frozen=True)
@@ -104,8 +106,13 @@ HTTP_CASES: list[HttpCase] = [
     _bad_field("logprobs", 5, "'logprobs' is not supported"),
     _bad_field("echo", True, "'echo' is not supported"),
     _bad_field("best_of", 4, "'best_of' is not supported"),
-    _bad_field("logit_bias", {"50": 100}, "'logit_bias' is not supported"),
-    _bad_field("presence_penalty", 1.5, "'presence_penalty' is not supported"),
+    _bad_field("logit_bias", {"50": 101}, "'logit_bias[50]' must be between -100 and 100"),
+    _bad_field("logit_bias", {"9999": 1}, "logit_bias token ids must be in [0, 512)"),
+    _bad_field("logit_bias", {str(i): 1 for i in range(301)}, "'logit_bias' has 301 entries"),
+    _bad_field("logit_bias", "x", "'logit_bias'"),
+    _bad_field("presence_penalty", 2.5, "'presence_penalty' must be between -2 and 2"),
+    _bad_field("frequency_penalty", "high", "'frequency_penalty' must be a number"),
+    _bad_field("repetition_penalty", -1, "'repetition_penalty' must be between"),
     _bad_field("user", 12, "'user' must be a string"),
     # prompts
     _bad_field("prompt", "", "'prompt' is empty"),

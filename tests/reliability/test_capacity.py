@@ -18,8 +18,8 @@ import requests
 
 from adapterserve.clients.client import generate_request
 from adapterserve.clients.types import ClientError
-from adapterserve.server.proto import adapterserve_pb2 as pb
-from adapterserve.server.proto import adapterserve_pb2_grpc as pb_grpc
+from adapterserve.proto import adapterserve_pb2 as pb
+from adapterserve.proto import adapterserve_pb2_grpc as pb_grpc
 from tests.helpers.live_server import ALICE, MAX_IN_FLIGHT, MAX_RUNNING, MAX_WAITING, NUM_KV_BLOCKS
 
 LONG = dict(max_tokens=150, temperature=0.0, ignore_eos=True)

@@ -1,11 +1,11 @@
 """Hostile requests over HTTP and gRPC while innocent streams run (the live test server).
 
 Innocent greedy streams (the base model and two adapters, over gRPC and SSE) are run
-alone first; then they stream again and again while the corpus of hostile_corpus.py
-arrives over both protocols, plus bodies over max_request_bytes (declared, and
-chunked without a length). Every hostile request must get its 4xx or its gRPC status
-(never OK, UNKNOWN or INTERNAL) with a message naming the problem, and every innocent
-stream must end token-identical to its run alone.
+alone first; then they stream again and again while the corpora of hostile_corpus.py
+(completions, gRPC) and hostile_openai_corpus.py (every other HTTP route) arrive, plus
+bodies over max_request_bytes (declared, and chunked without a length). Every hostile
+request must get its 4xx or its gRPC status (never OK, UNKNOWN or INTERNAL) with a message
+naming the problem, and every innocent stream must end token-identical to its run alone.
 """
 from __future__ import annotations
 
@@ -23,9 +23,12 @@ import requests
 
 from adapterserve.server.settings import DEFAULTS
 from tests.helpers.live_server import ALICE
-from tests.reliability.hostile_corpus import BASE, GRPC_CASES, HTTP_CASES, MAX_MODEL_LEN, VOCAB
+from tests.reliability.hostile_corpus import BASE, GRPC_CASES, MAX_MODEL_LEN, VOCAB
+from tests.reliability.hostile_corpus import HTTP_CASES as COMPLETION_CASES
+from tests.reliability.hostile_openai_corpus import ROUTE_CASES
 from tests.reliability.innocents import INNOCENTS, Innocent, stream
 
+HTTP_CASES = COMPLETION_CASES + ROUTE_CASES
 MAX_REQUEST_BYTES = DEFAULTS["max_request_bytes"]
 OVERSIZED = ("declared over max_request_bytes", "chunked over max_request_bytes")
 NEVER = {grpc.StatusCode.OK, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
@@ -52,7 +55,8 @@ def _http_answer(reply: requests.Response) -> tuple[int, str]:
 
 def _send_http(server, case) -> tuple[int, str]:
     headers = {"Content-Type": "application/json", **case.headers}
-    return _http_answer(requests.post(f"{server.http}/v1/completions", data=case.body, headers=headers, timeout=120))
+    reply = requests.request(case.method, f"{server.http}{case.path}", data=case.body, headers=headers, timeout=120)
+    return _http_answer(reply)
 
 
 def _send_grpc(channel: grpc.Channel, case) -> tuple[grpc.StatusCode, str]:

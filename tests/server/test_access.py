@@ -54,7 +54,7 @@ def test_wrong_key_on_http_is_401(server):
     reply = requests.post(f"{server.http}/v1/completions", json={"model": "x", "prompt": "hi"},
                           headers={"Authorization": "Bearer nope"}, timeout=60)
     assert reply.status_code == 401
-    assert reply.json()["error"]["type"] == "unauthenticated"
+    assert reply.json()["error"]["type"] == "authentication_error"  # OpenAI's name for a 401
 
 
 def test_other_tenants_adapters_are_refused(bob, uploaded):

@@ -10,9 +10,9 @@ from types import MethodType, SimpleNamespace
 import pytest
 
 from adapterserve.adapters_store.keys import ApiKeys
+from adapterserve.proto import adapterserve_pb2 as pb
 from adapterserve.server.admission import Admission
 from adapterserve.server.ingress import Ingress
-from adapterserve.server.proto import adapterserve_pb2 as pb
 
 
 class _Response:

@@ -6,9 +6,9 @@ import math
 import pytest
 
 from adapterserve.errors import RequestError, RequestTooLarge
+from adapterserve.proto import adapterserve_pb2 as pb
 from adapterserve.request_fields import MAX_PROMPT_CHARS, MAX_PROMPT_IDS, MAX_TEXT_CHARS
 from adapterserve.server.messages import prompt_of, sampling_of, texts_of
-from adapterserve.server.proto import adapterserve_pb2 as pb
 
 
 def test_unset_fields_keep_the_defaults_and_set_ones_are_kept():

@@ -1,4 +1,4 @@
-"""OpenAI-compatible bodies and error mapping (no Ray needed)."""
+"""OpenAI-compatible /v1/completions bodies and error mapping (no Ray needed)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,15 +18,16 @@ from adapterserve.errors import (
     Unauthenticated,
 )
 from adapterserve.server.auth import http_tenant, key_from_pairs
-from adapterserve.server.openai_http import completion_body, error_body, parse_completion, sse_events
+from adapterserve.server.openai_errors import error_body
+from adapterserve.server.openai_http import completion_body, parse_completion, sse_events
 from adapterserve.server.status import http_status, status_of
 
 
-def test_base_model_id_means_no_adapter():
+def test_model_prompt_and_sampling_are_read():
     call = parse_completion({"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0}, "tiny")
-    assert call.adapter is None and call.prompt == "hi"
+    assert (call.model, call.prompt) == ("tiny", "hi")
     assert (call.sampling.max_tokens, call.sampling.temperature) == (3, 0.0)
-    assert parse_completion({"model": "sql@2", "prompt": [[1, 2, 3]]}, "tiny").adapter == "sql@2"
+    assert parse_completion({"model": "sql@2", "prompt": [[1, 2, 3]]}, "tiny").prompt == [1, 2, 3]
     assert parse_completion({"model": "sql", "prompt": [1, 2]}, "tiny").prompt == [1, 2]
 
 
@@ -98,10 +99,11 @@ BAD_BODIES = [
     (_body(echo=True), "'echo' is not supported by this server (only false or null), got True"),
     (_body(logprobs=0), "'logprobs' is not supported by this server (only null), got 0"),
     (_body(suffix="end"), "'suffix' is not supported"),
-    (_body(presence_penalty=0.5), "'presence_penalty' is not supported by this server (only 0 or null), got 0.5"),
-    (_body(frequency_penalty="0"), "'frequency_penalty' is not supported"),
-    (_body(logit_bias={"50256": -100}), "'logit_bias' is not supported by this server (only {} or null)"),
-    (_body(repetition_penalty=1.1), "'repetition_penalty' is not supported"),
+    (_body(presence_penalty=2.5), "'presence_penalty' must be between -2 and 2, got 2.5"),
+    (_body(frequency_penalty="0"), "'frequency_penalty' must be a number, got '0'"),
+    (_body(logit_bias={"abc": -100}), "'logit_bias' keys must be token ids"),
+    (_body(logit_bias=[1]), "'logit_bias[0]' must be a (token id, bias) pair"),
+    (_body(repetition_penalty=0), "'repetition_penalty' must be between 1e-06 and 1e+06, got 0"),
     (_body(prompt="a\ud800b"), "'prompt' holds a lone surrogate (U+D800 at character 1)"),
     (_body(prompt=["\udfff"]), "'prompt[0]' holds a lone surrogate (U+DFFF at character 0)"),
     (_body(stop=["ok", "x\udc80"]), "'stop[1]' holds a lone surrogate"),
@@ -117,7 +119,8 @@ def test_bad_bodies_are_refused_naming_the_field(body, message):
         parse_completion(body, "tiny")
     assert str(caught.value).startswith(message), str(caught.value)
     sent = json.dumps(error_body(caught.value), ensure_ascii=False).encode("utf-8")  # as JSONResponse encodes it
-    assert json.loads(sent)["error"]["code"] == 400
+    error = json.loads(sent)["error"]
+    assert (error["code"], error["type"]) == (400, "invalid_request_error")
 
 
 CHUNKS = [

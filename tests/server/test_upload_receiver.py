@@ -8,7 +8,7 @@ import pytest
 
 from adapterserve.adapters_store.staging import StoreLimits
 from adapterserve.errors import AdapterError, AdapterTooLarge, RequestError
-from adapterserve.server.proto import adapterserve_pb2 as pb
+from adapterserve.proto import adapterserve_pb2 as pb
 from adapterserve.server.uploads import receive_upload
 
 FILES = {"adapter_config.json": b"{}", "sub/adapter_model.safetensors": b"x" * 10, "empty.txt": b""}

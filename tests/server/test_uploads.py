@@ -7,7 +7,7 @@ import pytest
 
 from adapterserve.clients.types import ClientError
 from adapterserve.clients.upload_stream import collect_files, upload_messages
-from adapterserve.server.proto import adapterserve_pb2_grpc as pb_grpc
+from adapterserve.proto import adapterserve_pb2_grpc as pb_grpc
 from tests.helpers import PICKLE_SENTINEL, make_bad_adapter, make_peft_lora
 from tests.helpers.live_server import ALICE, MAX_UPLOAD_BYTES, run_cli
 

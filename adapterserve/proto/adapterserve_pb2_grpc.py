@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from adapterserve.server.proto import adapterserve_pb2 as adapterserve_dot_server_dot_proto_dot_adapterserve__pb2
+from adapterserve.proto import adapterserve_pb2 as adapterserve_dot_proto_dot_adapterserve__pb2
 
 GRPC_GENERATED_VERSION = '1.66.2'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + f' but the generated code in adapterserve/server/proto/adapterserve_pb2_grpc.py depends on'
+        + f' but the generated code in adapterserve/proto/adapterserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,43 +36,43 @@ class AdapterServeStub(object):
         """
         self.Generate = channel.unary_stream(
                 '/adapterserve.v1.AdapterServe/Generate',
-                request_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.GenerateResponse.FromString,
+                request_serializer=adapterserve_dot_proto_dot_adapterserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=adapterserve_dot_proto_dot_adapterserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.UploadAdapter = channel.stream_unary(
                 '/adapterserve.v1.AdapterServe/UploadAdapter',
-                request_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.UploadAdapterRequest.SerializeToString,
-                response_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.AdapterInfo.FromString,
+                request_serializer=adapterserve_dot_proto_dot_adapterserve__pb2.UploadAdapterRequest.SerializeToString,
+                response_deserializer=adapterserve_dot_proto_dot_adapterserve__pb2.AdapterInfo.FromString,
                 _registered_method=True)
         self.ListAdapters = channel.unary_unary(
                 '/adapterserve.v1.AdapterServe/ListAdapters',
-                request_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ListAdaptersRequest.SerializeToString,
-                response_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ListAdaptersResponse.FromString,
+                request_serializer=adapterserve_dot_proto_dot_adapterserve__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=adapterserve_dot_proto_dot_adapterserve__pb2.ListAdaptersResponse.FromString,
                 _registered_method=True)
         self.GetAdapter = channel.unary_unary(
                 '/adapterserve.v1.AdapterServe/GetAdapter',
-                request_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.GetAdapterRequest.SerializeToString,
-                response_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.AdapterInfo.FromString,
+                request_serializer=adapterserve_dot_proto_dot_adapterserve__pb2.GetAdapterRequest.SerializeToString,
+                response_deserializer=adapterserve_dot_proto_dot_adapterserve__pb2.AdapterInfo.FromString,
                 _registered_method=True)
         self.DeleteAdapter = channel.unary_unary(
                 '/adapterserve.v1.AdapterServe/DeleteAdapter',
-                request_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.DeleteAdapterRequest.SerializeToString,
-                response_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.DeleteAdapterResponse.FromString,
+                request_serializer=adapterserve_dot_proto_dot_adapterserve__pb2.DeleteAdapterRequest.SerializeToString,
+                response_deserializer=adapterserve_dot_proto_dot_adapterserve__pb2.DeleteAdapterResponse.FromString,
                 _registered_method=True)
         self.ServerInfo = channel.unary_unary(
                 '/adapterserve.v1.AdapterServe/ServerInfo',
-                request_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ServerInfoRequest.SerializeToString,
-                response_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ServerInfoResponse.FromString,
+                request_serializer=adapterserve_dot_proto_dot_adapterserve__pb2.ServerInfoRequest.SerializeToString,
+                response_deserializer=adapterserve_dot_proto_dot_adapterserve__pb2.ServerInfoResponse.FromString,
                 _registered_method=True)
         self.Classify = channel.unary_unary(
                 '/adapterserve.v1.AdapterServe/Classify',
-                request_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ClassifyRequest.SerializeToString,
-                response_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ClassifyResponse.FromString,
+                request_serializer=adapterserve_dot_proto_dot_adapterserve__pb2.ClassifyRequest.SerializeToString,
+                response_deserializer=adapterserve_dot_proto_dot_adapterserve__pb2.ClassifyResponse.FromString,
                 _registered_method=True)
         self.Embed = channel.unary_unary(
                 '/adapterserve.v1.AdapterServe/Embed',
-                request_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.EmbedRequest.SerializeToString,
-                response_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.EmbedResponse.FromString,
+                request_serializer=adapterserve_dot_proto_dot_adapterserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=adapterserve_dot_proto_dot_adapterserve__pb2.EmbedResponse.FromString,
                 _registered_method=True)
 
 
@@ -136,43 +136,43 @@ def add_AdapterServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.GenerateRequest.FromString,
-                    response_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=adapterserve_dot_proto_dot_adapterserve__pb2.GenerateRequest.FromString,
+                    response_serializer=adapterserve_dot_proto_dot_adapterserve__pb2.GenerateResponse.SerializeToString,
             ),
             'UploadAdapter': grpc.stream_unary_rpc_method_handler(
                     servicer.UploadAdapter,
-                    request_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.UploadAdapterRequest.FromString,
-                    response_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.AdapterInfo.SerializeToString,
+                    request_deserializer=adapterserve_dot_proto_dot_adapterserve__pb2.UploadAdapterRequest.FromString,
+                    response_serializer=adapterserve_dot_proto_dot_adapterserve__pb2.AdapterInfo.SerializeToString,
             ),
             'ListAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.ListAdapters,
-                    request_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ListAdaptersRequest.FromString,
-                    response_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ListAdaptersResponse.SerializeToString,
+                    request_deserializer=adapterserve_dot_proto_dot_adapterserve__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=adapterserve_dot_proto_dot_adapterserve__pb2.ListAdaptersResponse.SerializeToString,
             ),
             'GetAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.GetAdapter,
-                    request_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.GetAdapterRequest.FromString,
-                    response_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.AdapterInfo.SerializeToString,
+                    request_deserializer=adapterserve_dot_proto_dot_adapterserve__pb2.GetAdapterRequest.FromString,
+                    response_serializer=adapterserve_dot_proto_dot_adapterserve__pb2.AdapterInfo.SerializeToString,
             ),
             'DeleteAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteAdapter,
-                    request_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.DeleteAdapterRequest.FromString,
-                    response_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.DeleteAdapterResponse.SerializeToString,
+                    request_deserializer=adapterserve_dot_proto_dot_adapterserve__pb2.DeleteAdapterRequest.FromString,
+                    response_serializer=adapterserve_dot_proto_dot_adapterserve__pb2.DeleteAdapterResponse.SerializeToString,
             ),
             'ServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.ServerInfo,
-                    request_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ServerInfoRequest.FromString,
-                    response_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ServerInfoResponse.SerializeToString,
+                    request_deserializer=adapterserve_dot_proto_dot_adapterserve__pb2.ServerInfoRequest.FromString,
+                    response_serializer=adapterserve_dot_proto_dot_adapterserve__pb2.ServerInfoResponse.SerializeToString,
             ),
             'Classify': grpc.unary_unary_rpc_method_handler(
                     servicer.Classify,
-                    request_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ClassifyRequest.FromString,
-                    response_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ClassifyResponse.SerializeToString,
+                    request_deserializer=adapterserve_dot_proto_dot_adapterserve__pb2.ClassifyRequest.FromString,
+                    response_serializer=adapterserve_dot_proto_dot_adapterserve__pb2.ClassifyResponse.SerializeToString,
             ),
             'Embed': grpc.unary_unary_rpc_method_handler(
                     servicer.Embed,
-                    request_deserializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.EmbedRequest.FromString,
-                    response_serializer=adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.EmbedResponse.SerializeToString,
+                    request_deserializer=adapterserve_dot_proto_dot_adapterserve__pb2.EmbedRequest.FromString,
+                    response_serializer=adapterserve_dot_proto_dot_adapterserve__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -200,8 +200,8 @@ class AdapterServe(object):
             request,
             target,
             '/adapterserve.v1.AdapterServe/Generate',
-            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.GenerateRequest.SerializeToString,
-            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.GenerateResponse.FromString,
+            adapterserve_dot_proto_dot_adapterserve__pb2.GenerateRequest.SerializeToString,
+            adapterserve_dot_proto_dot_adapterserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -227,8 +227,8 @@ class AdapterServe(object):
             request_iterator,
             target,
             '/adapterserve.v1.AdapterServe/UploadAdapter',
-            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.UploadAdapterRequest.SerializeToString,
-            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.AdapterInfo.FromString,
+            adapterserve_dot_proto_dot_adapterserve__pb2.UploadAdapterRequest.SerializeToString,
+            adapterserve_dot_proto_dot_adapterserve__pb2.AdapterInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -254,8 +254,8 @@ class AdapterServe(object):
             request,
             target,
             '/adapterserve.v1.AdapterServe/ListAdapters',
-            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ListAdaptersRequest.SerializeToString,
-            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ListAdaptersResponse.FromString,
+            adapterserve_dot_proto_dot_adapterserve__pb2.ListAdaptersRequest.SerializeToString,
+            adapterserve_dot_proto_dot_adapterserve__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -281,8 +281,8 @@ class AdapterServe(object):
             request,
             target,
             '/adapterserve.v1.AdapterServe/GetAdapter',
-            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.GetAdapterRequest.SerializeToString,
-            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.AdapterInfo.FromString,
+            adapterserve_dot_proto_dot_adapterserve__pb2.GetAdapterRequest.SerializeToString,
+            adapterserve_dot_proto_dot_adapterserve__pb2.AdapterInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -308,8 +308,8 @@ class AdapterServe(object):
             request,
             target,
             '/adapterserve.v1.AdapterServe/DeleteAdapter',
-            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.DeleteAdapterRequest.SerializeToString,
-            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.DeleteAdapterResponse.FromString,
+            adapterserve_dot_proto_dot_adapterserve__pb2.DeleteAdapterRequest.SerializeToString,
+            adapterserve_dot_proto_dot_adapterserve__pb2.DeleteAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -335,8 +335,8 @@ class AdapterServe(object):
             request,
             target,
             '/adapterserve.v1.AdapterServe/ServerInfo',
-            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ServerInfoRequest.SerializeToString,
-            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ServerInfoResponse.FromString,
+            adapterserve_dot_proto_dot_adapterserve__pb2.ServerInfoRequest.SerializeToString,
+            adapterserve_dot_proto_dot_adapterserve__pb2.ServerInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -362,8 +362,8 @@ class AdapterServe(object):
             request,
             target,
             '/adapterserve.v1.AdapterServe/Classify',
-            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ClassifyRequest.SerializeToString,
-            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.ClassifyResponse.FromString,
+            adapterserve_dot_proto_dot_adapterserve__pb2.ClassifyRequest.SerializeToString,
+            adapterserve_dot_proto_dot_adapterserve__pb2.ClassifyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -389,8 +389,8 @@ class AdapterServe(object):
             request,
             target,
             '/adapterserve.v1.AdapterServe/Embed',
-            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.EmbedRequest.SerializeToString,
-            adapterserve_dot_server_dot_proto_dot_adapterserve__pb2.EmbedResponse.FromString,
+            adapterserve_dot_proto_dot_adapterserve__pb2.EmbedRequest.SerializeToString,
+            adapterserve_dot_proto_dot_adapterserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

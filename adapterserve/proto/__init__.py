@@ -1,0 +1,1 @@
+"""The gRPC API: adapterserve.proto (shipped for stubs in any language) and its generated Python modules."""
