@@ -89,6 +89,32 @@ def test_a_burst_is_shed_with_retry_advice_while_admitted_requests_complete(serv
         assert status == 200 or (status == 429 and int(headers["Retry-After"]) >= 1), (status, headers)
 
 
+def test_a_burst_of_thousands_is_answered_by_admission_not_cancelled(server, uploaded, alice):
+    """2,000 calls at once over 20 connections: each is served or shed with RESOURCE_EXHAUSTED
+    by the ingress's admission. (grpc's own server would cancel calls past 1,000 waiting for
+    the application: grpc_services.hold_pending_calls raises that limit.)"""
+    expected = alice.generate("The lighthouse keeper", adapter="chat", max_tokens=4, temperature=0.0,
+                              ignore_eos=True).token_ids
+
+    async def scenario():
+        channels = [grpc.aio.insecure_channel(server.grpc, options=[("grpc.use_local_subchannel_pool", 1)])
+                    for _ in range(20)]
+        try:
+            stubs = [pb_grpc.AdapterServeStub(c) for c in channels]
+            calls = [_generate(stubs[i % 20], "The lighthouse keeper", max_tokens=4, temperature=0.0,
+                               ignore_eos=True) for i in range(2000)]
+            return await asyncio.wait_for(asyncio.gather(*calls), timeout=300)
+        finally:
+            for channel in channels:
+                await channel.close()
+
+    results = asyncio.run(scenario())
+    codes = {r[0] for r in results if isinstance(r, tuple)}
+    assert codes <= {grpc.StatusCode.RESOURCE_EXHAUSTED}, [r[:2] for r in results if isinstance(r, tuple)][:3]
+    served = [r for r in results if isinstance(r, list)]
+    assert served and all(tokens == expected for tokens in served)
+
+
 def test_calls_over_max_in_flight_are_shed_at_the_ingress(server, uploaded, alice):
     """Calls held open (uploads that send nothing) fill the ingress replica's places: the next
     call is shed there at once with retry advice; once they end, calls are taken again."""
