@@ -294,10 +294,10 @@ def _list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([a.__dict__ for a in adapters], indent=1))
         return 0
-    print(f"{'ADAPTER':<32} {'KIND':<6} {'RANK':>4} {'BYTES':>10}  {'PUBLIC':<6} CREATED")
+    print(f"{'ADAPTER':<32} {'KIND':<14} {'RANK':>4} {'BYTES':>10}  {'PUBLIC':<6} CREATED")
     for a in adapters:
         public = "yes" if a.public else "no"
-        print(f"{a.ref:<32} {a.kind:<6} {a.rank:>4} {a.size_bytes:>10}  {public:<6} {a.created_at}")
+        print(f"{a.ref:<32} {a.kind:<14} {a.rank:>4} {a.size_bytes:>10}  {public:<6} {a.created_at}")
     return 0
 
 

@@ -23,6 +23,7 @@ from adapterserve.server.chat_template import resolve_chat_template
 from adapterserve.server.lora_sources import check_sources
 
 HOME = Path("~/.adapterserve")
+TINY_CHAT_TEMPLATE = Path(__file__).resolve().parents[1] / "models" / "tiny_chat_template.jinja"
 OPEN_KEYS = None  # api_keys_file value for open mode
 # dicts whose keys belong to someone else (EngineConfig, the store backend): merged unchecked
 _FREE_FORM = {"engine", "encoder_engine", "store_options", "preload_adapters", "lora_s3_options"}
@@ -131,6 +132,8 @@ def resolve_paths(config: dict[str, Any]) -> dict[str, Any]:
     _check_pinned(config)
     if "://" not in config["store"]:
         config["store"] = str(Path(config["store"]).expanduser().absolute())
+    if not config["model"] and config["chat_template"] is None:  # the embedded default chats too
+        config["chat_template"] = str(TINY_CHAT_TEMPLATE)
     config["model"] = str(Path(config["model"]).expanduser().absolute()) if config["model"] else str(default_model())
     if not Path(config["model"], "config.json").is_file():
         raise ValueError(f"model directory {config['model']!r} has no config.json; point --model at a checkpoint")

@@ -5,8 +5,8 @@ The server is started the way `adapterserve serve` starts it (the CLI's flags ->
 config -> launch.start), on free loopback ports, with API keys for two tenants
 (alice, bob) and small limits so that overload and oversized uploads are cheap
 to provoke. Three PEFT LoRA adapters are uploaded by alice with the CLI. The tiny Llama's
-tokenizer has no chat template: the server gets tests/fixtures/chat/template.jinja
-(--chat-template). Adapters may be loaded by path from `lora_sources`: a local folder and
+tokenizer has no chat template: the server gets the one the embedded default uses
+(adapterserve/models/tiny_chat_template.jinja, through --chat-template). Adapters may be loaded by path from `lora_sources`: a local folder and
 one prefix of a bucket on a moto S3 server (`moto_s3`).
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from adapterserve.server.serve_env import free_port
+from adapterserve.server.settings import TINY_CHAT_TEMPLATE
 from tests.helpers.lora import load_base, load_peft, make_peft_lora
 from tests.helpers.moto_s3 import MotoS3, start_moto
 
@@ -38,7 +39,7 @@ MAX_IN_FLIGHT, MAX_HEALTH_WATCHES = 32, 4  # per ingress replica (beyond: shed)
 MAX_UPLOAD_BYTES = 256 << 10
 NUM_KV_BLOCKS = 64  # x 16 tokens: max_model_len 1024
 STEP_BUDGET = 128  # tokens per engine step: longer prompts run in chunks
-CHAT_TEMPLATE = Path(__file__).parents[1] / "fixtures" / "chat" / "template.jinja"
+CHAT_TEMPLATE = TINY_CHAT_TEMPLATE
 S3_ALLOWED = "allowed"  # the prefix of moto_s3's bucket the server may load adapters from
 
 
