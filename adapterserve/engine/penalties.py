@@ -21,6 +21,7 @@ from adapterserve.engine.host_copy import to_device
 from adapterserve.engine.request import Request
 from adapterserve.engine.request_tables import RequestTables
 from adapterserve.engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES
+from adapterserve.kernels import ops
 
 _PENALTIES = ("repetition", "frequency", "presence")
 
@@ -48,25 +49,12 @@ def apply_penalties(logits: torch.Tensor, step: StepPenalties) -> torch.Tensor:
         flat = (step.bias_rows.unsqueeze(1) * out.shape[1] + tokens).view(-1)
         out.view(-1).index_add_(0, flat, values.view(-1))  # adding the padding's 0.0 changes nothing
     if step.rows is not None:
-        out.index_copy_(0, step.rows, _penalised(out.index_select(0, step.rows), step))
+        tables = step.penalties
+        penalised = torch.empty(step.rows.shape[0], out.shape[1], dtype=out.dtype, device=out.device)
+        ops.penalise_rows(out, step.rows, step.table_rows, tables["counts"], tables["in_prompt"], tables["params"],
+                          step.in_use, penalised)  # one pass per row (Triton on a GPU)
+        out.index_copy_(0, step.rows, penalised)
     return out
-
-
-def _penalised(logits: torch.Tensor, step: StepPenalties) -> torch.Tensor:
-    # logits: [R, V], a copy
-    rows, tables = step.table_rows, step.penalties
-    params = tables["params"].index_select(0, rows)  # [R, 3]: repetition, frequency, presence
-    counts = tables["counts"].index_select(0, rows)
-    generated = counts > 0
-    if step.in_use[0]:
-        seen = tables["in_prompt"].index_select(0, rows).logical_or_(generated)
-        repetition = params[:, 0:1]
-        logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
-    if step.in_use[1]:
-        logits -= params[:, 1:2] * counts
-    if step.in_use[2]:
-        logits -= params[:, 2:3] * generated
-    return logits
 
 
 class PenaltyState:

@@ -78,3 +78,14 @@ def paged_prefill_attention(
     else:
         reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, cu_q, tiles,
                                           page_size, window, out)
+
+
+def penalise_rows(logits, rows, table_rows, counts, in_prompt, params, use, out) -> None:
+    """See reference.penalise_rows (the sampler's repetition, frequency and presence penalties)."""
+    if _on_gpu(logits):
+        from adapterserve.kernels import penalties
+
+        penalties.penalise_rows(logits, rows, table_rows, counts, in_prompt, params, use, out)
+    else:
+        reference.penalise_rows(logits, rows, table_rows, counts, in_prompt, params, use, out)
+

@@ -160,3 +160,22 @@ def paged_prefill_attention(
             visible &= j[None, :] > query_kv - window
         scores = scores.masked_fill(~visible, float("-inf"))
         out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(out.dtype)
+
+
+def penalise_rows(logits: torch.Tensor, rows: torch.Tensor, table_rows: torch.Tensor, counts: torch.Tensor,
+                  in_prompt: torch.Tensor, params: torch.Tensor, use: tuple[bool, bool, bool],
+                  out: torch.Tensor) -> None:
+    """Float32 twin of kernels.penalties.penalise_rows (same semantics)."""
+    x = logits.index_select(0, rows).float()
+    count = counts.index_select(0, table_rows)
+    generated = count > 0
+    p = params.index_select(0, table_rows).float()
+    if use[0]:
+        seen = in_prompt.index_select(0, table_rows) | generated
+        x = torch.where(seen, torch.where(x > 0, x / p[:, 0:1], x * p[:, 0:1]), x)
+    if use[1]:
+        x = x - p[:, 1:2] * count.float()
+    if use[2]:
+        x = x - p[:, 2:3] * generated.float()
+    out.copy_(x)
+
