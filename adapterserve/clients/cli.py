@@ -92,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store", help="adapter store: a directory or s3://bucket/prefix (default ~/.adapterserve/store)")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (every series, private adapter "
+                   "names and tenants included: for operators) on a port of its own, on --host; GET /metrics "
+                   "on --http-port shows the public series (docs/observability.md)")
     p.add_argument("--host", default="127.0.0.1", help="bind address of the HTTP and gRPC ports (Serve's "
                    "own gRPC ports bind all interfaces: docs/serving.md)")
     p.add_argument("--replicas", type=int, help="engine replicas (default 1)")
@@ -201,6 +204,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _announce(args: argparse.Namespace, endpoints: Endpoints) -> None:
     print(f"adapterserve is serving: gRPC {endpoints.grpc}, HTTP {endpoints.http}/v1  (Ctrl-C stops)", flush=True)
+    if endpoints.metrics:
+        print(f"  metrics: {endpoints.metrics} (every series: keep this port private)", flush=True)
     if not args.api_keys:
         print("  open mode (no --api-keys): anyone who reaches this machine may use and change adapters; "
               "Serve's gRPC ports listen on all interfaces", flush=True)
@@ -231,6 +236,8 @@ def serve_config(args: argparse.Namespace) -> dict:
         config["replica"] = {**config.get("replica", {}), "num_replicas": args.replicas}
     if args.grace_period is not None:
         config["drain_grace_s"] = args.grace_period
+    if args.metrics_port is not None:
+        config["metrics"] = {**config.get("metrics", {}), "port": args.metrics_port, "host": args.host}
     return config
 
 

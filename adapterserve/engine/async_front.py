@@ -11,9 +11,10 @@ engine that breaks fails every waiter with EngineBroken and the loop ends.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 
-from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput
+from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput, RequestTimes
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.errors import EngineBroken, RequestError
 
@@ -32,20 +33,25 @@ class AsyncFront:
 
     async def stream(
         self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
-        request_id: str | None = None,
+        request_id: str | None = None, times: RequestTimes | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield new tokens and text as steps produce them; the last chunk has finish_reason.
         Steps that finished while the consumer was busy arrive merged in one chunk, so a
         slow consumer (a server relaying each chunk) pays per chunk, not per token.
         Closing the iterator early (or cancelling its task) aborts the request. A request
-        that fails raises its error here."""
+        that fails raises its error here. `times`, if given, gets the request's stage times
+        (before each chunk that reaches a stage is yielded)."""
         queue: asyncio.Queue = asyncio.Queue()
-        request = self.add_request(prompt, sampling, adapter_id, request_id)
+        if times is not None:
+            times.added_ns = time.time_ns()
+        request = self.add_request(prompt, sampling, adapter_id, request_id, times=times)
         self._streams[request.request_id] = queue
         self._ensure_loop()
         try:
             while True:
                 chunk = merge_chunks([await queue.get()], queue)
+                if times is not None:
+                    _stamp(times, chunk)
                 yield chunk
                 if chunk.finished:
                     return
@@ -131,6 +137,15 @@ class AsyncFront:
         for _, future in self._pooling.values():
             if not future.done():
                 future.set_exception(exc)
+
+
+def _stamp(times: RequestTimes, chunk: RequestOutput) -> None:
+    """The first token's time (at the first chunk) and the end's (at the last)."""
+    now = time.time_ns()
+    if not times.first_token_ns:
+        times.first_token_ns = now
+    if chunk.finished:
+        times.finished_ns = now
 
 
 def merge_chunks(chunks: list, queue: asyncio.Queue) -> RequestOutput:

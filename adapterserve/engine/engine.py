@@ -35,11 +35,12 @@ from adapterserve.engine.pools.ia3 import Ia3Pool
 from adapterserve.engine.pools.lora import LoraPool
 from adapterserve.engine.pools.prefix import PrefixPool
 from adapterserve.engine.pools.prompt import PromptPool
-from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput
+from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput, RequestTimes
 from adapterserve.engine.runner import ModelRunner, StepResult
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.engine.scheduler import Scheduler
 from adapterserve.engine.slots import AdapterSlots
+from adapterserve.engine.stats import EngineStats
 from adapterserve.engine.stopping import check_stop_token, stream_delta, update_text
 from adapterserve.errors import AdapterNotFound, EngineBroken, Overloaded, RequestError
 from adapterserve.models.decoder import DecoderModel
@@ -87,6 +88,7 @@ class Engine(AdapterHost, AsyncFront):
         self._in_flight: StepResult | None = None  # launched, results not yet handled
         self.broken: str | None = None  # why a failed step broke the engine; None while it serves
         self._last_progress = time.monotonic()  # when the step loop last moved a request
+        self.stats = EngineStats()  # steps, batch sizes, queue times (metrics)
 
     @classmethod
     def from_pretrained(
@@ -149,11 +151,14 @@ class Engine(AdapterHost, AsyncFront):
         adapter_id: str | None = None,
         request_id: str | None = None,
         task: str = "generate",
+        times: RequestTimes | None = None,
     ) -> Request:
-        """Queue a request (RequestError if it is invalid, Overloaded if the queue is full)."""
+        """Queue a request (RequestError if it is invalid, Overloaded if the queue is full);
+        `times`, if given, gets the time it is first scheduled."""
         sampling = sampling or SamplingParams()
         self._check_serving()
-        request = Request(prompt_ids=self._prompt_ids(prompt), sampling=sampling, adapter_id=adapter_id, task=task)
+        request = Request(prompt_ids=self._prompt_ids(prompt), sampling=sampling, adapter_id=adapter_id, task=task,
+                          times=times)
         if request_id is not None:
             request.request_id = request_id
         self._check_token_ids(sampling)
@@ -256,6 +261,7 @@ class Engine(AdapterHost, AsyncFront):
         breaks the engine: EngineBroken."""
         with self._lock:
             self._check_serving()
+            started = time.perf_counter()
             try:
                 batch = self.scheduler.schedule()
                 failed = [self._fail(r, exc) for r, exc in self.scheduler.take_failed()]
@@ -264,6 +270,8 @@ class Engine(AdapterHost, AsyncFront):
                 outputs = self._resolve(done) if done is not None else []
             except Exception as exc:
                 raise self._break(exc) from exc
+            if launched is not None:
+                self.stats.step(batch.requests, batch.num_tokens, time.perf_counter() - started)
             if launched is not None or done is not None or failed:
                 self._last_progress = time.monotonic()
             return failed + outputs

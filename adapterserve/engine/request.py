@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from adapterserve.engine.detokenizer import DecodeState
@@ -16,6 +17,17 @@ class RequestStatus(enum.Enum):
 
 
 _ids = itertools.count()
+
+
+@dataclass
+class RequestTimes:
+    """When a streamed request reached each stage in the engine, as time.time_ns() (0: not
+    reached). Recorded only for a request that brings one (a traced request); read by traces."""
+
+    added_ns: int = 0
+    scheduled_ns: int = 0  # first admitted to a batch: its wait in the queue ends
+    first_token_ns: int = 0  # its first token reached its stream
+    finished_ns: int = 0
 
 
 @dataclass(eq=False)
@@ -45,6 +57,9 @@ class Request:
     generator: object = None  # torch.Generator of a seeded request
     result: object = None  # ClassifyOutput or EmbedOutput of a finished pooling request
     error: Exception | None = None  # why the engine ended it alone (finish_reason "error")
+    times: RequestTimes | None = None  # stage times, kept only when the request brings one
+    arrived_at: float = field(default_factory=time.monotonic)  # when it was queued (metrics)
+    scheduled_at: float | None = None  # when a step first ran it: its queue time ends (metrics)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Ids of the request's own KV entries [start, end) (virtual tokens as 0); a pending

@@ -23,6 +23,7 @@ to end alone.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.failed: list[tuple[Request, Exception]] = []  # taken out of the queues; the engine ends them
+        self.preemptions = 0  # running requests sent back to wait (KV cache full), so far (metrics)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -145,6 +147,8 @@ class Scheduler:
                 request.slot = slot
             self.blocks.grow(request.blocks, request.num_computed + n)
             request.status = RequestStatus.RUNNING
+            if request.times is not None and not request.times.scheduled_ns:
+                request.times.scheduled_ns = time.time_ns()
             self.running.append(request)
             batch.add(request, n)
             budget -= n
@@ -171,6 +175,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self.preemptions += 1
         self._free(request)
         request.num_computed = 0
         request.status = RequestStatus.WAITING

@@ -61,10 +61,20 @@ class AdapterSlots:
         self._heat: dict[str, tuple[float, int]] = {}  # adapter id -> (heat at its last acquire, that time)
         self._clock = 0  # acquires so far
         self.loads = 0  # placements so far (a metric)
+        self.evictions = 0  # idle adapters cleared to make room for another, so far (a metric)
 
     @property
     def num_pinned(self) -> int:
         return len(self.pinned)
+
+    @property
+    def num_used(self) -> int:
+        """Slots holding an adapter (idle, in use or pinned)."""
+        return self.num_slots - len(self._free_slots)
+
+    def resident_ids(self) -> list[str]:
+        """Ids of the adapters in slots (not those unloaded while still in use)."""
+        return [adapter_id for adapter_id in list(self.slot_of) if not adapter_id.startswith(_RETIRED)]
 
     def acquire(self, adapter_id: str, adapter: Adapter, keep: Collection[str] = ()) -> int | None:
         """Slot holding the adapter, referenced for one admitted request; None if there is
@@ -174,6 +184,7 @@ class AdapterSlots:
             if victim is None:
                 return None
             self._clear(victim)
+            self.evictions += 1
 
     def _victim(self, keep: Collection[str]) -> int | None:
         """The idle slot of least heat, not kept; ties go to the longest idle."""

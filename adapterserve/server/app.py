@@ -1,5 +1,6 @@
 """Builds the Serve application: an Ingress in front of engine replicas (the generation
-backbone's EngineReplica and, unless `encoder: false`, the EncoderReplica for Classify/Embed).
+backbone's EngineReplica and, unless `encoder: false`, the EncoderReplica for Classify/Embed),
+and the MetricsHub they all report to (server/metrics/hub.py).
 
     from ray import serve
     serve.run(build_app({"model": "/models/llama", "engine": {"device": "cuda"}}))
@@ -21,6 +22,7 @@ from ray.serve import Application
 from adapterserve.config import EngineConfig
 from adapterserve.server.ingress import Ingress
 from adapterserve.server.limits import check_server_limits, engine_max_ongoing
+from adapterserve.server.metrics.hub import MetricsHub, hub_options
 from adapterserve.server.replica import EngineReplica
 from adapterserve.server.settings import merge_config, replica_actor_options, resolve_paths
 
@@ -32,13 +34,14 @@ def build_app(config: Mapping[str, Any] | None = None) -> Application:
     check_server_limits(cfg)
     drain = _drain_options(cfg)
     options = {**_replica_options(cfg, "replica"), "max_ongoing_requests": engine_max_ongoing(cfg, engine)}
-    replica = EngineReplica.options(name="EngineReplica", **options, **drain).bind(cfg)
+    hub = MetricsHub.options(**hub_options()).bind(cfg)  # every replica reports to it; scrapes read it
+    replica = EngineReplica.options(name="EngineReplica", **options, **drain).bind(cfg, "model", hub)
     encoder = None
     if cfg["encoder"]:
         EngineConfig(**cfg["encoder_engine"])
         options = _replica_options(cfg, "encoder_replica")
-        encoder = EngineReplica.options(name="EncoderReplica", **options, **drain).bind(cfg, "encoder")
-    return Ingress.options(name="Ingress", **cfg["ingress"], **drain).bind(replica, cfg, encoder)
+        encoder = EngineReplica.options(name="EncoderReplica", **options, **drain).bind(cfg, "encoder", hub)
+    return Ingress.options(name="Ingress", **cfg["ingress"], **drain).bind(replica, cfg, encoder, hub)
 
 
 def app_builder(args: dict[str, Any]) -> Application:

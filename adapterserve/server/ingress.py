@@ -15,7 +15,6 @@ gRPC health is health_rpc.py's.
 import asyncio
 import logging
 import tempfile
-import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -38,11 +37,12 @@ from adapterserve.server.backends import Backends
 from adapterserve.server.grpc_services import hold_pending_calls, refuse_undecodable
 from adapterserve.server.health import DeploymentHealth
 from adapterserve.server.health_rpc import HealthRpc
-from adapterserve.server.metrics import IngressMetrics
+from adapterserve.server.metrics.calls import Call, CallMetrics
 from adapterserve.server.openai_routes import OpenAIRoutes, http_app
 from adapterserve.server.prompts import limits_of, load_tokenizer, prompt_token_ids
 from adapterserve.server.replies import raise_if_error
 from adapterserve.server.status import grpc_error, status_of
+from adapterserve.server.tracing import CallTrace, open_tracing
 from adapterserve.server.uploads import receive_upload
 from adapterserve.server.validation import adapter_validator
 
@@ -59,7 +59,7 @@ def _empty_reply(method: str):
 @serve.ingress(http_app)
 class Ingress(HealthRpc, OpenAIRoutes):
     def __init__(self, replica: DeploymentHandle, config: dict[str, Any],
-                 encoder: DeploymentHandle | None = None) -> None:
+                 encoder: DeploymentHandle | None = None, metrics_hub: DeploymentHandle | None = None) -> None:
         hold_pending_calls()  # before Serve starts this replica's gRPC server
         self.backends = Backends(replica, encoder, config)
         self.replica = self.backends.model  # the generation backbone: ServerInfo asks it
@@ -73,7 +73,8 @@ class Ingress(HealthRpc, OpenAIRoutes):
         self.limits = StoreLimits(max_total_bytes=config["max_upload_bytes"], max_files=config["max_upload_files"])
         self.store = open_store(config["store"], limits=self.limits, **config["store_options"])
         self.keys = load_keys(config["api_keys_file"])
-        self.metrics = IngressMetrics()
+        self.metrics = CallMetrics(metrics_hub, config["metrics"])  # reports to the hub; GET /metrics
+        self.tracing = open_tracing(config, "ingress")
         self._gc_every, self._gc_grace = config["gc_interval_s"], config["gc_grace_s"]
         self._gc_task: asyncio.Task | None = None
         self._init_http(config)
@@ -81,14 +82,15 @@ class Ingress(HealthRpc, OpenAIRoutes):
     # --- gRPC: generation ---------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context) -> AsyncIterator[pb.GenerateResponse]:
-        started, code = time.monotonic(), "OK"
+        counted, code = self.metrics.start("Generate"), "OK"
+        call = self.tracing.grpc_call("Generate", grpc_context.invocation_metadata())
         try:
-            tenant = grpc_tenant(self.keys, grpc_context)
+            tenant = counted.tenant = grpc_tenant(self.keys, grpc_context)
             refuse_undecodable(request)
             with self.admission.admit():
                 chunks = self._generate(messages.prompt_of(request), messages.sampling_of(request.sampling),
-                                        messages.adapter_ref_of(request.adapter), tenant)
-                async with aclosing(self._measured(chunks, started)) as relayed:  # closed at once if the caller goes
+                                        messages.adapter_ref_of(request.adapter), tenant, call)
+                async with aclosing(self._measured(chunks, counted)) as relayed:  # closed at once if the caller goes
                     async for chunk in relayed:
                         yield messages.chunk_message(chunk)
         except Exception as exc:
@@ -98,27 +100,39 @@ class Ingress(HealthRpc, OpenAIRoutes):
             code = "CANCELLED"
             raise
         finally:
-            self.metrics.finished("Generate", code, time.monotonic() - started)
+            counted.end(code)
+            call.tag_grpc(grpc_context)
+            call.finish(code)
 
     async def _generate(
         self, prompt: messages.Prompt, sampling: SamplingParams, adapter: str | AdapterVersion | None,
-        tenant: str | None
+        tenant: str | None, call: CallTrace
     ) -> AsyncIterator[dict[str, Any]]:
         """Resolve the adapter (a ref; a version is used as it is), tokenize, then stream the
         replica's chunks (errors raised as ours)."""
         self._ensure_gc()
-        version = await self._resolve(adapter, tenant) if isinstance(adapter, str) else adapter
+        if isinstance(adapter, str):
+            with call.span("resolve"):
+                adapter = await self._resolve(adapter, tenant)
+        version = adapter
+        call.resolved(version)
+        self.metrics.uses(version)
         routing = {"multiplexed_model_id": version.content_hash} if version else {}
         handle = (await self.backends.for_call("generate", version)).options(stream=True, **routing)
-        ids = await self._token_ids(prompt, sampling, version)
-        request = {"prompt": ids, "sampling": sampling, "adapter": version, "request_id": uuid.uuid4().hex}
+        with call.span("tokenize"):
+            ids = await self._token_ids(prompt, sampling, version)
+        call.tokenized(len(ids))
+        request = {"prompt": ids, "sampling": sampling, "adapter": version, "request_id": uuid.uuid4().hex,
+                   "trace": call.handoff()}
         response, ended = handle.generate.remote(request), False
         try:
             async for chunk in response:
                 raise_if_error(chunk)
+                call.relayed(chunk)
                 yield chunk
             ended = True
         finally:
+            call.replica_done()
             if not ended:  # closed early (the caller went away): the replica aborts the request
                 response.cancel()
 
@@ -128,21 +142,25 @@ class Ingress(HealthRpc, OpenAIRoutes):
         virtual_tokens = int((version.info or {}).get("virtual_tokens", 0)) if version else 0
         return await prompt_token_ids(prompt, self.tokenizer, limits, sampling.max_tokens, virtual_tokens)
 
-    async def _measured(self, chunks: AsyncGenerator[dict, None], started: float) -> AsyncIterator[dict]:
-        """The chunks, counted: time to the first, prompt tokens, tokens sent (once, at the end)."""
-        first, sent = True, 0
+    async def _measured(self, chunks: AsyncGenerator[dict, None], counted: Call) -> AsyncIterator[dict]:
+        """The chunks, counted: time to the first, prompt tokens, tokens sent; an error or a
+        cancel inside the stream is the call's status."""
+        first = True
         try:
             async for chunk in chunks:
                 if first:
-                    self.metrics.ttft.observe(time.monotonic() - started)
-                    self.metrics.prompt_tokens.inc(chunk.get("prompt_tokens", 0))
+                    counted.first_token(chunk.get("prompt_tokens", 0))
                     first = False
-                sent += len(chunk["token_ids"])
+                counted.tokens(len(chunk["token_ids"]))
                 yield chunk
+        except Exception as exc:
+            counted.failed_with = status_of(exc).name
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            counted.failed_with = "CANCELLED"
+            raise
         finally:
             await chunks.aclose()  # closed early: so is the source
-            if sent:  # a Counter refuses 0
-                self.metrics.generated_tokens.inc(sent)
 
     async def _resolve(self, ref: str, tenant: str | None) -> AdapterVersion:
         return await asyncio.to_thread(self.store.resolve, ref, tenant=tenant)
@@ -150,33 +168,48 @@ class Ingress(HealthRpc, OpenAIRoutes):
     # --- gRPC: encoder tasks ------------------------------------------------
 
     async def Classify(self, request: pb.ClassifyRequest, grpc_context) -> pb.ClassifyResponse:
+        call = self.tracing.grpc_call("Classify", grpc_context.invocation_metadata())
+
         async def run(tenant: str | None, request: pb.ClassifyRequest) -> pb.ClassifyResponse:
             texts = messages.texts_of(request.texts, self.max_texts)
             ref = messages.adapter_ref_of(request.adapter)
             if ref is None:
                 raise errors.RequestError("classify needs an adapter with a classification head: set adapter")
-            version = await self._resolve(ref, tenant)
+            with call.span("resolve"):
+                version = await self._resolve(ref, tenant)
             messages.check_has_head(version)
-            return messages.classify_response(await self._pooled("classify", texts, version))
+            return messages.classify_response(await self._pooled("classify", texts, version, call))
 
-        return await self._unary("Classify", grpc_context, run, request)
+        return await self._unary("Classify", grpc_context, run, request, call)
 
     async def Embed(self, request: pb.EmbedRequest, grpc_context) -> pb.EmbedResponse:
+        call = self.tracing.grpc_call("Embed", grpc_context.invocation_metadata())
+
         async def run(tenant: str | None, request: pb.EmbedRequest) -> pb.EmbedResponse:
             texts = messages.texts_of(request.texts, self.max_texts)
             ref = messages.adapter_ref_of(request.adapter)
-            version = await self._resolve(ref, tenant) if ref else None
-            return messages.embed_response(await self._pooled("embed", texts, version))
+            version = None
+            if ref:
+                with call.span("resolve"):
+                    version = await self._resolve(ref, tenant)
+            return messages.embed_response(await self._pooled("embed", texts, version, call))
 
-        return await self._unary("Embed", grpc_context, run, request)
+        return await self._unary("Embed", grpc_context, run, request, call)
 
-    async def _pooled(self, task: str, texts: list[str], version: AdapterVersion | None) -> dict[str, Any]:
+    async def _pooled(self, task: str, texts: list[str], version: AdapterVersion | None,
+                      call: CallTrace) -> dict[str, Any]:
         """Run classify/embed on the backbone that serves it; replica errors raised as ours."""
         self._ensure_gc()
+        call.resolved(version)
+        self.metrics.uses(version)
         handle = await self.backends.for_call(task, version)
         if version:
             handle = handle.options(multiplexed_model_id=version.content_hash)
-        reply = await getattr(handle, task).remote({"texts": texts, "adapter": version})
+        request = {"texts": texts, "adapter": version, "trace": call.handoff()}
+        try:
+            reply = await getattr(handle, task).remote(request)
+        finally:
+            call.replica_done()
         raise_if_error(reply)
         return reply
 
@@ -227,12 +260,13 @@ class Ingress(HealthRpc, OpenAIRoutes):
 
         return await self._unary("ServerInfo", grpc_context, run, request)
 
-    async def _unary(self, method: str, grpc_context, run, request):
+    async def _unary(self, method: str, grpc_context, run, request, call: CallTrace | None = None):
         """Authenticate, take a place, run; an error ends the call with its status (and an empty
-        reply, which the client never sees). Counts the call."""
-        started, code = time.monotonic(), "OK"
+        reply, which the client never sees). Counts the call; traces it (as `call` if given)."""
+        counted, code = self.metrics.start(method), "OK"
+        call = call or self.tracing.grpc_call(method, grpc_context.invocation_metadata())
         try:
-            tenant = grpc_tenant(self.keys, grpc_context)
+            tenant = counted.tenant = grpc_tenant(self.keys, grpc_context)
             refuse_undecodable(request)
             with self.admission.admit():
                 return await run(tenant, request)
@@ -241,7 +275,9 @@ class Ingress(HealthRpc, OpenAIRoutes):
             grpc_error(grpc_context, exc)
             return _empty_reply(method)
         finally:
-            self.metrics.finished(method, code, time.monotonic() - started)
+            counted.end(code)
+            call.tag_grpc(grpc_context)
+            call.finish(code)
 
     # --- lifecycle: `adapterserve serve` drains every replica (drain.py) -----
 

@@ -19,6 +19,7 @@ import ray
 from ray import serve
 
 from adapterserve.server import drain as draining
+from adapterserve.server import ports
 from adapterserve.server.app import build_app
 from adapterserve.server.grpc_services import SERVICER_FUNCTIONS
 from adapterserve.server.local_ray import LocalRay
@@ -35,6 +36,7 @@ _local: LocalRay | None = None  # the Ray start() started in this process, if an
 class Endpoints:
     grpc: str  # host:port for clients
     http: str  # base URL of the OpenAI-compatible routes
+    metrics: str | None = None  # URL of the metrics port's scrape, when there is one
 
 
 def start(
@@ -52,12 +54,15 @@ def start(
     files of its own (local_ray.py)."""
     global _local
     app = build_app(config)  # bad settings are refused before anything starts
+    metrics = merge_config(config)["metrics"]
     if _local is not None and not ray.is_initialized():  # its Ray was shut down without shutdown()
         stale, _local = _local, None
         stale.kill()
     if not ray.is_initialized():
         with _keeping_sigterm_handler():
             if ray_address is None:
+                if metrics["port"] is not None:  # the hub binds it: checked here, before anything starts
+                    ports.check_free(metrics["host"], {"--metrics-port": metrics["port"]})
                 _local = LocalRay.start(host, {"--grpc-port": grpc_port, "--http-port": http_port})
             else:
                 for key, value in SERVE_ENV.items():  # for the Serve actors, if this driver starts Serve
@@ -69,7 +74,8 @@ def start(
     )
     name = merge_config(config)["app_name"]
     serve.run(app, name=name, route_prefix="/", blocking=False)
-    return Endpoints(grpc=f"{host}:{grpc_port}", http=f"http://{host}:{http_port}")
+    scrape = f"http://{metrics['host']}:{metrics['port']}/metrics" if metrics["port"] is not None else None
+    return Endpoints(grpc=f"{host}:{grpc_port}", http=f"http://{host}:{http_port}", metrics=scrape)
 
 
 def drain(config: Mapping[str, Any] | None, grace_s: float) -> int:

@@ -35,7 +35,7 @@ TYPES = {
 }
 ROUTES = ("GET /v1/models", "GET /v1/models/{model}", "POST /v1/completions", "POST /v1/chat/completions",
           "POST /v1/embeddings", "POST /v1/classify", "POST /v1/load_lora_adapter", "POST /v1/unload_lora_adapter",
-          "GET /health")
+          "GET /health", "GET /metrics")
 _FIELD = re.compile(r"'([A-Za-z_][\w.\[\]]*)' ")  # a check's message: "'stop[0]' must be a string, ..."
 _ABOUT_MODEL = (AdapterNotFound, AccessDenied, NotServed)
 

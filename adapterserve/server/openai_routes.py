@@ -1,26 +1,27 @@
-"""The ingress's HTTP routes: OpenAI-compatible, vLLM's adapter routes, and /health.
+"""The ingress's HTTP routes: OpenAI-compatible, vLLM's adapter routes, /health and /metrics.
 
     GET  /v1/models, /v1/models/{model}     the backbones and the adapters the key may use
     POST /v1/completions, /v1/chat/completions   generation (plain, or SSE with "stream": true)
     POST /v1/embeddings, /v1/classify (/classify)   the encoder's tasks
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter   publish from a path / delete
-    GET  /health
+    GET  /health, /metrics
 
-Every call but /health is authenticated (Authorization: Bearer KEY), holds an admission
-place while it runs (a stream: until its last event) and is counted; its errors, and
+Every call but /health and /metrics is authenticated (Authorization: Bearer KEY), holds an admission
+place while it runs (a stream: until its last event), is counted and traced (its response
+names its trace: x-trace-id, traceresponse; server/tracing); its errors, and
 routing errors, come in OpenAI's shape (openai_errors.py). `model` names the generation
 backbone, the encoder, or an adapter `name[@N]` (`name`: its newest version).
 """
 # No `from __future__ import annotations`: FastAPI reads the route signatures at run time.
 import asyncio
 import tempfile
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from adapterserve.adapters_store.records import AdapterVersion
 from adapterserve.errors import AdapterNotFound, RequestError, RequestTooLarge
@@ -39,13 +40,17 @@ from adapterserve.server.chat_template import ChatRenderer
 from adapterserve.server.http_body import read_json
 from adapterserve.server.lora_sources import AdapterSources
 from adapterserve.server.messages import check_has_head
+from adapterserve.server.metrics.calls import Call
+from adapterserve.server.metrics.exposition import CONTENT_TYPE
+from adapterserve.server.metrics.scrape import MetricsUnavailable
 from adapterserve.server.prompts import limits_of, load_tokenizer
 from adapterserve.server.status import status_of
+from adapterserve.server.tracing import CallTrace
 from adapterserve.server.validation import adapter_validator
 
 http_app = FastAPI(title="adapterserve", description="OpenAI-compatible routes over many adapters")
 openai_errors.install(http_app)
-Handler = Callable[[Request, Any, Place, float], Awaitable[Response]]
+Handler = Callable[[Request, Any, Place, Call], Awaitable[Response]]
 
 
 async def _prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
@@ -54,18 +59,31 @@ async def _prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict
         yield chunk
 
 
-async def _holding(place: Place, events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """A stream's events, its admission place given back when it ends."""
+async def _holding(place: Place, events: AsyncIterator[str], trace: CallTrace, counted: Call) -> AsyncIterator[str]:
+    """A stream's events, its admission place given back (and its trace ended, its call
+    counted) when it ends."""
     try:
         async for event in events:
             yield event
     finally:
         place.release()
+        trace.close()
+        counted.end("OK", by_stream=True)  # or the status the stream failed with
+
+
+def _trace(request: Request) -> CallTrace:
+    """The call's trace, as _http_call made it."""
+    return request.state.trace
+
+
+def _route(request: Request) -> str:
+    """The route's path template (never a path holding a model name)."""
+    return getattr(request.scope.get("route"), "path", "") or "unmatched"
 
 
 class OpenAIRoutes:
-    """Mixed into the Ingress: uses its keys, admission, metrics, backends, store, limits,
-    tokenizer, _generate, _measured, _resolve and _pooled."""
+    """Mixed into the Ingress: uses its keys, admission, metrics, tracing, backends, store,
+    limits, tokenizer, _generate, _measured, _resolve and _pooled."""
 
     def _init_http(self, config: dict[str, Any]) -> None:
         self.chat = ChatRenderer(self.tokenizer, config["chat_template"], config["model_id"])
@@ -74,21 +92,23 @@ class OpenAIRoutes:
                                       config["store_options"])
 
     async def _http_call(self, method: str, request: Request, handler: Handler, model_param: str = "model"):
-        """Authenticate, take a place, run `handler(request, tenant, place, started)`; errors in
+        """Authenticate, take a place, run `handler(request, tenant, place, counted)`; errors in
         OpenAI's shape. A stream takes the place over (released when its events end)."""
-        started, code = time.monotonic(), "OK"
+        counted, code = self.metrics.start(method), "OK"
+        trace = request.state.trace = self.tracing.http_call(request.method, _route(request), request.headers.items())
         try:
-            tenant = http_tenant(self.keys, request.headers)
+            tenant = counted.tenant = http_tenant(self.keys, request.headers)
             place = self.admission.take()
             try:
-                return await handler(request, tenant, place, started)
+                return trace.tag(await handler(request, tenant, place, counted))
             finally:
                 place.release()
         except Exception as exc:
             code = status_of(exc).name
-            return openai_errors.error_response(exc, model_param)
+            return trace.tag(openai_errors.error_response(exc, model_param))
         finally:
-            self.metrics.finished(method, code, time.monotonic() - started)
+            counted.end(code)  # a stream's call is counted when the stream ends
+            trace.finish(code)  # a stream's trace ends with the stream
 
     async def _body(self, request: Request) -> Any:
         return await read_json(request, self.max_request_bytes)
@@ -104,9 +124,21 @@ class OpenAIRoutes:
                 "deployments": report}
         return JSONResponse(body, status_code=200 if serving else 503)
 
+    @http_app.get("/metrics")
+    async def metrics_route(self) -> Response:
+        """Prometheus' scrape of the whole server, no API key (metrics.http_route "public": what any
+        client may know; "full": every series; "off": no such route). docs/observability.md"""
+        if self.metrics.scrapes.view == "off":
+            raise HTTPException(404)
+        try:
+            text = await self.metrics.scrapes.text()
+        except MetricsUnavailable as exc:
+            return JSONResponse(openai_errors.body(str(exc), 503), status_code=503, headers={"Retry-After": "1"})
+        return Response(text, media_type=CONTENT_TYPE)
+
     @http_app.get("/v1/models")
     async def models(self, request: Request):
-        async def run(request: Request, tenant: Any, place: Place, started: float) -> Response:
+        async def run(request: Request, tenant: Any, place: Place, counted: Call) -> Response:
             versions = await asyncio.to_thread(self.store.list, tenant=tenant)
             return JSONResponse(openai_models.models_body(self.backbone_id, self.backends.encoder_id, versions))
 
@@ -114,7 +146,7 @@ class OpenAIRoutes:
 
     @http_app.get("/v1/models/{model:path}")
     async def retrieve_model(self, request: Request, model: str):
-        async def run(request: Request, tenant: Any, place: Place, started: float) -> Response:
+        async def run(request: Request, tenant: Any, place: Place, counted: Call) -> Response:
             if model in (self.backbone_id, self.backends.encoder_id):
                 return JSONResponse(openai_models.backbone_entry(model))
             version = await self._model_version(model, tenant)
@@ -147,14 +179,16 @@ class OpenAIRoutes:
     async def completions(self, request: Request):
         return await self._http_call("completions", request, self._complete)
 
-    async def _complete(self, request: Request, tenant: Any, place: Place, started: float) -> Response:
+    async def _complete(self, request: Request, tenant: Any, place: Place, counted: Call) -> Response:
         call = openai_http.parse_completion(await self._body(request), self.backbone_id)
-        version = await self._generation_version(call.model, tenant)
-        chunks = self._measured(self._generate(call.prompt, call.sampling, version, tenant), started)
+        with _trace(request).span("resolve"):
+            version = await self._generation_version(call.model, tenant)
+        chunks = self._measured(self._generate(call.prompt, call.sampling, version, tenant, _trace(request)), counted)
         first = await anext(chunks)  # errors before the first token get a proper HTTP status
         if call.stream:
             events = openai_http.sse_events(call, _prepend(first, chunks))
-            return StreamingResponse(_holding(place.hand_over(), events), media_type="text/event-stream")
+            return StreamingResponse(_holding(place.hand_over(), events, _trace(request).hand_over(), counted.hand_over()),
+                                     media_type="text/event-stream")
         rest = [c async for c in chunks]
         return JSONResponse(openai_http.completion_body(call, [first, *rest]))
 
@@ -162,21 +196,24 @@ class OpenAIRoutes:
     async def chat_completions(self, request: Request):
         return await self._http_call("chat_completions", request, self._chat)
 
-    async def _chat(self, request: Request, tenant: Any, place: Place, started: float) -> Response:
+    async def _chat(self, request: Request, tenant: Any, place: Place, counted: Call) -> Response:
         call = openai_chat.parse_chat(await self._body(request), self.backbone_id)
-        version = await self._generation_version(call.model, tenant)
+        with _trace(request).span("resolve"):
+            version = await self._generation_version(call.model, tenant)
         limits = limits_of(await self.backends.static(self.backends.model_id), self.max_prompt_chars)
         if call.chars > limits.max_prompt_chars:
             raise RequestTooLarge(f"'messages' hold {call.chars} characters; this server takes at most "
                                   f"{limits.max_prompt_chars} (max_prompt_chars) before rendering")
-        ids = await asyncio.to_thread(self.chat.render, call.messages, call.options)
+        with _trace(request).span("chat_template"):
+            ids = await asyncio.to_thread(self.chat.render, call.messages, call.options)
         virtual = int((version.info or {}).get("virtual_tokens", 0)) if version else 0
         sampling = call.sampling_for(len(ids) + virtual, limits.max_model_len)
-        chunks = self._measured(self._generate(ids, sampling, version, tenant), started)
+        chunks = self._measured(self._generate(ids, sampling, version, tenant, _trace(request)), counted)
         first = await anext(chunks)
         if call.stream:
             events = openai_chat.sse_events(call, _prepend(first, chunks))
-            return StreamingResponse(_holding(place.hand_over(), events), media_type="text/event-stream")
+            return StreamingResponse(_holding(place.hand_over(), events, _trace(request).hand_over(), counted.hand_over()),
+                                     media_type="text/event-stream")
         rest = [c async for c in chunks]
         return JSONResponse(openai_chat.chat_body(call, [first, *rest], ids))
 
@@ -202,10 +239,11 @@ class OpenAIRoutes:
     async def embeddings(self, request: Request):
         return await self._http_call("embeddings", request, self._embed_http)
 
-    async def _embed_http(self, request: Request, tenant: Any, place: Place, started: float) -> Response:
+    async def _embed_http(self, request: Request, tenant: Any, place: Place, counted: Call) -> Response:
         call = openai_embeddings.parse_embeddings(await self._body(request), self.backends.encoder_id, self.max_texts)
-        version = await self._encoder_version(call.model, tenant)
-        reply = await self._pooled("embed", call.texts, version)
+        with _trace(request).span("resolve"):
+            version = await self._encoder_version(call.model, tenant)
+        reply = await self._pooled("embed", call.texts, version, _trace(request))
         tokens = await self._encoder_tokens(call.texts)
         return JSONResponse(openai_embeddings.embeddings_body(call, reply["embeddings"], tokens))
 
@@ -214,14 +252,15 @@ class OpenAIRoutes:
     async def classify(self, request: Request):
         return await self._http_call("classify", request, self._classify_http)
 
-    async def _classify_http(self, request: Request, tenant: Any, place: Place, started: float) -> Response:
+    async def _classify_http(self, request: Request, tenant: Any, place: Place, counted: Call) -> Response:
         call = openai_embeddings.parse_classify(await self._body(request), self.max_texts)
-        version = await self._encoder_version(call.model, tenant)
+        with _trace(request).span("resolve"):
+            version = await self._encoder_version(call.model, tenant)
         if version is None:
             raise RequestError(f"'model' {call.model!r} is the encoder, which has no classification head: name an "
                                "adapter with one")
         check_has_head(version)
-        reply = await self._pooled("classify", call.texts, version)
+        reply = await self._pooled("classify", call.texts, version, _trace(request))
         tokens = await self._encoder_tokens(call.texts)
         return JSONResponse(openai_embeddings.classify_body(call, reply["results"], tokens))
 
@@ -231,7 +270,7 @@ class OpenAIRoutes:
     async def load_lora_adapter(self, request: Request):
         return await self._http_call("load_lora_adapter", request, self._load_lora, model_param="lora_name")
 
-    async def _load_lora(self, request: Request, tenant: Any, place: Place, started: float) -> Response:
+    async def _load_lora(self, request: Request, tenant: Any, place: Place, counted: Call) -> Response:
         call = vllm_lora.parse_load(await self._body(request))
         validator = adapter_validator(await self.backends.statics(), call.name)
         version = await asyncio.to_thread(self._publish_from, call, tenant, validator)
@@ -251,7 +290,7 @@ class OpenAIRoutes:
     async def unload_lora_adapter(self, request: Request):
         return await self._http_call("unload_lora_adapter", request, self._unload_lora, model_param="lora_name")
 
-    async def _unload_lora(self, request: Request, tenant: Any, place: Place, started: float) -> Response:
+    async def _unload_lora(self, request: Request, tenant: Any, place: Place, counted: Call) -> Response:
         name, number = vllm_lora.parse_unload(await self._body(request))
         deleted = await asyncio.to_thread(self.store.delete, name, number, tenant=tenant)
         return JSONResponse(vllm_lora.unloaded_body(deleted))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from functools import partial
@@ -46,9 +47,10 @@ from adapterserve.errors import (
 )
 from adapterserve.server.engine_process import EngineSupervisor, start_engine
 from adapterserve.server.loaded import LoadedAdapter
-from adapterserve.server.metrics import ReplicaMetrics
+from adapterserve.server.metrics.replica_metrics import ReplicaMetrics
 from adapterserve.server.relay import RelayPacer
 from adapterserve.server.replies import error_reply
+from adapterserve.server.tracing import ReplicaTrace, open_tracing
 from adapterserve.server.validation import describe_adapter
 
 ADAPTER_KINDS = ("lora", "ia3", "prompt_tuning", "p_tuning", "prefix_tuning", "bottleneck", "classifier_head")
@@ -72,7 +74,7 @@ def check_pinnable(version: AdapterVersion, backbone_id: str) -> None:
 
 @serve.deployment
 class EngineReplica:
-    async def __init__(self, config: dict[str, Any], role: str = "model") -> None:
+    async def __init__(self, config: dict[str, Any], role: str = "model", metrics_hub: Any | None = None) -> None:
         path_key, id_key, engine_key, pinned_key = ROLES[role]
         own_process = config["engine_process"]
         self.engine = EngineSupervisor(partial(start_engine, config[path_key], config[engine_key], own_process),
@@ -81,7 +83,9 @@ class EngineReplica:
         self.backbone_id: str = config[id_key]
         self.store = open_store(config["store"], **config["store_options"])
         self.cache = HostAdapterCache(config["host_cache_bytes"], self._read, fetch=self.store.fetch)
-        self.metrics = ReplicaMetrics()
+        self.metrics = ReplicaMetrics(metrics_hub, role, config[id_key], config["metrics"]["push_interval_s"],
+                                      self.engine.stats)  # reported to the hub (metrics_hub: its handle)
+        self.tracing = open_tracing(config, role)
         self._pending: dict[str, AdapterVersion] = {}  # content hash -> version, for the loader
         self._resident: dict[str, LoadedAdapter] = {}  # content hash -> registration
         self._ids = itertools.count()
@@ -97,6 +101,7 @@ class EngineReplica:
         if role == "encoder":
             self._preload(config["preload_adapters"])
         await self._pin(config[pinned_key])
+        self.metrics.start()
 
     def _preload(self, adapters: dict[str, str]) -> None:
         """Publish each {name: directory} as a public adapter (a no-op when already stored)."""
@@ -109,9 +114,11 @@ class EngineReplica:
         for ref in refs:
             version = await asyncio.to_thread(self.store.resolve, ref, tenant=None)
             check_pinnable(version, self.backbone_id)
+            started = time.monotonic()
             adapter = await asyncio.to_thread(self.cache.get_or_load, version)
             engine_id = f"{version.ref}#pinned"
             await self.engine.add_adapter(engine_id, adapter, pinned=True)
+            self.metrics.registered(engine_id, version, time.monotonic() - started)
             self._pinned[version.content_hash] = LoadedAdapter(engine_id, self._unload)
 
     def validate(self, path) -> dict[str, Any]:
@@ -139,16 +146,18 @@ class EngineReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
 
     # adapters
 
     async def _load(self, content_hash: str) -> LoadedAdapter:
-        version = self._pending[content_hash]
+        version, started = self._pending[content_hash], time.monotonic()
         self.metrics.lookup("host", version in self.cache)
         lora = await asyncio.to_thread(self.cache.get_or_load, version)
         engine_id = f"{version.ref}#{next(self._ids)}"
         await self.engine.add_adapter(engine_id, lora)
-        self.metrics.adapter_loads.inc()
+        self.metrics.registered(engine_id, version, time.monotonic() - started)
         loaded = LoadedAdapter(engine_id, self._unload)
         self._resident[content_hash] = loaded
         self._pending.pop(content_hash, None)
@@ -160,7 +169,7 @@ class EngineReplica:
             if value is loaded:
                 self._resident.pop(key, None)
         self.engine.discard_adapter(loaded.engine_id)
-        self.metrics.adapter_unloads.inc()
+        self.metrics.unregistered(loaded.engine_id)
 
     async def _acquire(self, version: AdapterVersion) -> LoadedAdapter:
         """The engine registration of `version`, counted as in use by the caller."""
@@ -182,26 +191,36 @@ class EngineReplica:
         """Stream chunks {token_ids, text, finish_reason, request_id, ...}; a request error
         arrives as one chunk {"error": class name, "message": ...}."""
         version: AdapterVersion | None = request["adapter"]
+        trace = self.tracing.replica_call("generate", request.get("trace"))
         loaded = None
         try:
-            loaded = await self._acquire(version) if version else None
+            loaded = await self._traced_acquire(version, trace)
             stream = self.engine.stream(
                 request["prompt"], request["sampling"], adapter_id=loaded.engine_id if loaded else None,
-                request_id=request["request_id"],
+                request_id=request["request_id"], times=trace.times,
             )
             async with aclosing(stream):  # closing it aborts the engine request (frees its KV blocks)
                 with self._pacer.stream():
                     async for chunk in self._chunks(stream, version):
                         yield chunk
         except _REQUEST_ERRORS as exc:
+            trace.failed(exc)
             yield error_reply(exc)
         except (asyncio.CancelledError, GeneratorExit):  # the caller went away
             self._cancelled += 1
+            trace.failed("cancelled")
             raise
         finally:
             if loaded is not None:
                 loaded.release()
-            self._report_queues()
+            trace.finish()
+
+    async def _traced_acquire(self, version: AdapterVersion | None, trace: ReplicaTrace) -> LoadedAdapter | None:
+        """_acquire, in the trace's `adapter` span (None: the base model)."""
+        if version is None:
+            return None
+        with trace.span("adapter", {"adapterserve.adapter": version.ref}):
+            return await self._acquire(version)
 
     async def _chunks(self, stream, version: AdapterVersion | None) -> AsyncIterator[dict[str, Any]]:
         """The engine's outputs as chunks, paced (server/relay.py) while other streams run."""
@@ -212,7 +231,6 @@ class EngineReplica:
             if first:
                 chunk.update(adapter=version.ref if version else "", prompt_tokens=len(out.prompt_token_ids))
                 first = False
-            self._report_queues()
             yield chunk
             if out.finish_reason is None and (pause := self._pacer.pause_s()):
                 await asyncio.sleep(pause)  # tokens arriving meanwhile leave as one chunk
@@ -227,22 +245,21 @@ class EngineReplica:
 
     async def _pooled(self, request: dict[str, Any], task, key: str) -> dict[str, Any]:
         version: AdapterVersion | None = request["adapter"]
+        trace = self.tracing.replica_call(task.__name__, request.get("trace"))
         loaded = None
         self._pooling += 1
         try:
-            loaded = await self._acquire(version) if version else None
+            loaded = await self._traced_acquire(version, trace)
             outputs = await task(request["texts"], loaded.engine_id if loaded else None)
             return {key: [_plain(o) for o in outputs], "adapter": version.ref if version else ""}
         except _REQUEST_ERRORS as exc:
+            trace.failed(exc)
             return error_reply(exc)
         finally:
             self._pooling -= 1
             if loaded is not None:
                 loaded.release()
-
-    def _report_queues(self) -> None:
-        load = self.engine.last_load  # no RPC: what the engine process sent with its latest chunks
-        self.metrics.queues(load.waiting, load.running)
+            trace.finish()
 
     # facts
 

@@ -21,6 +21,8 @@ from typing import Any
 
 from adapterserve.server.chat_template import resolve_chat_template
 from adapterserve.server.lora_sources import check_sources
+from adapterserve.server.metrics.settings import check_metrics
+from adapterserve.server.tracing.config import check_settings as check_tracing_settings
 
 HOME = Path("~/.adapterserve")
 TINY_CHAT_TEMPLATE = Path(__file__).resolve().parents[1] / "models" / "tiny_chat_template.jinja"
@@ -78,6 +80,24 @@ DEFAULTS: dict[str, Any] = {
     # seconds running requests get to finish when the server stops (SIGTERM/SIGINT, or Serve
     # stopping a replica: its graceful_shutdown_timeout_s); docs/reliability.md
     "drain_grace_s": 30.0,
+    # Prometheus metrics of the whole server (docs/observability.md): every replica reports to a
+    # metrics hub; GET /metrics on the HTTP port and the metrics port read its totals
+    "metrics": {
+        "http_route": "public",  # GET /metrics on --http-port: "public" (what any client may know:
+                                 # public adapters by name, no tenants), "full" (every series), "off"
+        "port": None,  # a listener of its own (--metrics-port) with every series: for operators only
+        "host": "127.0.0.1",  # where the metrics port listens (--host; 0.0.0.0 in a pod)
+        "adapter_labels": 16,  # adapters named in the `adapter` label: the top N by traffic; the rest "_other"
+        "label_refresh_s": 60.0,  # how often the top N is revised
+        "push_interval_s": 1.0,  # how often each replica reports to the hub
+    },
+    # OpenTelemetry traces of each call's hops (docs/observability.md, "Traces"): sent over OTLP when an
+    # endpoint is set here or in $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, off otherwise (the `otel` extra)
+    "tracing": {
+        "otlp_endpoint": None,  # the collector's URL: http://collector:4317 (grpc), http://collector:4318 (http)
+        "otlp_protocol": None,  # "grpc" or "http/protobuf"; None: $OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else grpc
+        "service_name": None,  # None: $OTEL_SERVICE_NAME, else "adapterserve"
+    },
     "replica": {  # Ray Serve options of the engine deployment
         "num_replicas": 1,
         # None: the engine's max_num_seqs + max_queued_requests + a few health and adapter calls,
@@ -141,6 +161,8 @@ def resolve_paths(config: dict[str, Any]) -> dict[str, Any]:
     _resolve_encoder(config)
     config["chat_template"] = resolve_chat_template(config["chat_template"])
     config["lora_sources"] = check_sources(config["lora_sources"])
+    check_metrics(config["metrics"])
+    check_tracing_settings(config["tracing"])
     if config["api_keys_file"]:
         config["api_keys_file"] = str(Path(config["api_keys_file"]).expanduser().absolute())
     return config

@@ -7,7 +7,8 @@ config -> launch.start), on free loopback ports, with API keys for two tenants
 to provoke. Three PEFT LoRA adapters are uploaded by alice with the CLI. The tiny Llama's
 tokenizer has no chat template: the server gets the one the embedded default uses
 (adapterserve/models/tiny_chat_template.jinja, through --chat-template). Adapters may be loaded by path from `lora_sources`: a local folder and
-one prefix of a bucket on a moto S3 server (`moto_s3`).
+one prefix of a bucket on a moto S3 server (`moto_s3`). Traces go to an OTLP receiver in this
+process (`otlp_collector`, gRPC on loopback) for the whole session.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from adapterserve.server.serve_env import free_port
 from adapterserve.server.settings import TINY_CHAT_TEMPLATE
 from tests.helpers.lora import load_base, load_peft, make_peft_lora
 from tests.helpers.moto_s3 import MotoS3, start_moto
+from tests.helpers.otlp_collector import Collector, collecting
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
@@ -41,6 +43,7 @@ NUM_KV_BLOCKS = 64  # x 16 tokens: max_model_len 1024
 STEP_BUDGET = 128  # tokens per engine step: longer prompts run in chunks
 CHAT_TEMPLATE = TINY_CHAT_TEMPLATE
 S3_ALLOWED = "allowed"  # the prefix of moto_s3's bucket the server may load adapters from
+METRICS_ADAPTER_LABELS = 2  # adapters named in the metrics' adapter label (the session uses more)
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class Server:
     store_dir: Path
     grpc_port: int
     http_port: int
-    metrics: str  # Ray's Prometheus endpoint on this node
+    metrics: str  # the metrics port's scrape URL (every series); GET {http}/metrics: the public ones
 
 
 
@@ -80,7 +83,14 @@ def moto_s3() -> MotoS3:
 
 
 @pytest.fixture(scope="session")
-def server(ray_session, tiny_model, moto_s3, tmp_path_factory) -> Server:
+def otlp_collector() -> Collector:
+    """The OTLP trace receiver the live server sends its spans to."""
+    with collecting("grpc") as collector:
+        yield collector
+
+
+@pytest.fixture(scope="session")
+def server(ray_session, tiny_model, moto_s3, otlp_collector, tmp_path_factory) -> Server:
     """`adapterserve serve --model ... --store ... --api-keys ... --config ...` on free ports."""
     from ray import serve
 
@@ -99,19 +109,22 @@ def server(ray_session, tiny_model, moto_s3, tmp_path_factory) -> Server:
         "encoder_pinned_adapters": ["sentiment"],  # an example adapter, published by the encoder at start
         "lora_sources": [str(root / "sources"), f"s3://{moto_s3.bucket}/{S3_ALLOWED}"],
         "lora_s3_options": moto_s3.options,
+        "tracing": {"otlp_endpoint": otlp_collector.endpoint},
+        # few adapter names, a table that never changes within a session, frequent reports
+        "metrics": {"adapter_labels": METRICS_ADAPTER_LABELS, "label_refresh_s": 86400, "push_interval_s": 0.25},
     }
     (root / "sources").mkdir()
     (root / "config.json").write_text(json.dumps(overrides))
-    grpc_port, http_port = free_port(), free_port()
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
     args = cli._parser().parse_args([
         "serve", "--model", str(tiny_model), "--store", str(root / "store"), "--api-keys", str(root / "keys"),
         "--config", str(root / "config.json"), "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-        "--chat-template", str(CHAT_TEMPLATE),
+        "--chat-template", str(CHAT_TEMPLATE), "--metrics-port", str(metrics_port),
     ])
     config = cli.serve_config(args)
     try:
         endpoints = launch.start(config, grpc_port=grpc_port, http_port=http_port)
-        yield Server(endpoints.grpc, endpoints.http, config, root / "store", grpc_port, http_port, ray_session)
+        yield Server(endpoints.grpc, endpoints.http, config, root / "store", grpc_port, http_port, endpoints.metrics)
     finally:
         serve.shutdown()
 

@@ -13,6 +13,9 @@ from adapterserve.adapters_store.keys import ApiKeys
 from adapterserve.proto import adapterserve_pb2 as pb
 from adapterserve.server.admission import Admission
 from adapterserve.server.ingress import Ingress
+from adapterserve.server.metrics.calls import CallMetrics
+from adapterserve.server.settings import DEFAULTS
+from adapterserve.server.tracing import Tracing
 
 
 class _Response:
@@ -55,10 +58,6 @@ class _Handle:
         return self
 
 
-def _metric():
-    return SimpleNamespace(inc=lambda *a, **k: None, observe=lambda *a, **k: None)
-
-
 async def _ingress_and_handle(response=None):
     """Ingress's generation methods on stand-ins for what Serve gives it."""
     handle = _Handle(response or _Response())
@@ -69,11 +68,11 @@ async def _ingress_and_handle(response=None):
     async def static(backbone):
         return {"vocab_size": 512, "max_model_len": 1024}
 
-    metrics = SimpleNamespace(ttft=_metric(), prompt_tokens=_metric(), generated_tokens=_metric(),
-                              finished=lambda *a: None)
+    metrics = CallMetrics(None, DEFAULTS["metrics"])  # recorded, sent nowhere
     backends = SimpleNamespace(for_call=for_call, static=static, model_id="tiny")
     ingress = SimpleNamespace(backends=backends, keys=ApiKeys.open(), metrics=metrics, tokenizer=None,
                               max_prompt_chars=None, admission=Admission(max_in_flight=4, max_health_watches=1),
+                              tracing=Tracing(),  # off: ids only
                               _gc_task=asyncio.get_running_loop().create_future())  # no store collection here
     for name in ("Generate", "_generate", "_token_ids", "_measured", "_ensure_gc"):
         setattr(ingress, name, MethodType(getattr(Ingress.func_or_class, name), ingress))
@@ -81,7 +80,9 @@ async def _ingress_and_handle(response=None):
 
 
 def _call(ingress):
-    context = SimpleNamespace(invocation_metadata=lambda: ())
+    trailing: list = []
+    context = SimpleNamespace(invocation_metadata=lambda: (), trailing_metadata=lambda: list(trailing),
+                              set_trailing_metadata=lambda pairs: trailing.__setitem__(slice(None), pairs))
     return ingress.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2])), context)
 
 

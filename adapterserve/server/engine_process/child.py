@@ -19,6 +19,7 @@ from contextlib import aclosing
 from multiprocessing.connection import Connection
 from typing import Any
 
+from adapterserve.engine.request import RequestTimes
 from adapterserve.server.engine_process import wire
 from adapterserve.server.engine_process.local import LocalEngine
 
@@ -91,14 +92,19 @@ class EngineServer:
         self.tasks[call_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(call_id, None))
 
-    async def _stream(self, call_id: int, prompt, sampling, adapter_id, request_id) -> None:
+    async def _stream(self, call_id: int, prompt, sampling, adapter_id, request_id, timed: bool) -> None:
+        times = RequestTimes() if timed else None
         try:
-            async with aclosing(self.engine.stream(prompt, sampling, adapter_id, request_id)) as chunks:
+            async with aclosing(self.engine.stream(prompt, sampling, adapter_id, request_id, times)) as chunks:
                 first = True
                 async for out in chunks:
+                    if times is not None and out.finished:  # in the same message as the last chunk, before it
+                        self._post(call_id, True, times)
                     self._post(call_id, True, out if first else (out.token_ids, out.text, out.finish_reason))
                     first = False
         except Exception as exc:
+            if times is not None:  # how far it got
+                self._post(call_id, True, times)
             self._post(call_id, False, wire.portable(exc))
 
     async def _call(self, call_id: int, method: str, args: tuple) -> None:

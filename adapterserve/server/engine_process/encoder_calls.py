@@ -40,6 +40,11 @@ class EncoderCalls:
         finally:
             del self._started[key]
 
+    @property
+    def running(self) -> int:
+        """Calls running now."""
+        return len(self._started)
+
     def busy_s(self) -> float:
         """How long the oldest running call has run (0.0 when none runs)."""
         started = list(self._started.values())

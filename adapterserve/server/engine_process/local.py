@@ -8,6 +8,7 @@ times them for health).
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from pathlib import Path
@@ -15,11 +16,12 @@ from typing import Any
 
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.engine.engine import Engine, Prompt
-from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput
+from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput, RequestTimes
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.errors import AdapterNotFound
 from adapterserve.server.engine_process.encoder_calls import EncoderCalls
 from adapterserve.server.engine_process.facts import EngineFacts, EngineLoad
+from adapterserve.server.engine_process.report import EngineReport, decoder_report, encoder_report
 
 AdapterIds = Sequence[str | None] | str | None
 
@@ -28,6 +30,7 @@ class LocalEngine:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.facts = EngineFacts.of(engine)
+        self.engine_id = uuid.uuid4().hex  # names this engine's counts in its reports
         self._encoder_calls = EncoderCalls()
 
     @classmethod
@@ -35,9 +38,9 @@ class LocalEngine:
         return cls(Engine.from_pretrained(model_dir, **dict(engine_kwargs or {})))
 
     async def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                     request_id: str | None = None, times: RequestTimes | None = None) -> AsyncIterator[RequestOutput]:
         """Engine.stream: closing it early (or cancelling its task) aborts the request."""
-        async with aclosing(self.engine.stream(prompt, sampling, adapter_id, request_id)) as chunks:
+        async with aclosing(self.engine.stream(prompt, sampling, adapter_id, request_id, times)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -66,6 +69,12 @@ class LocalEngine:
 
     async def load(self) -> EngineLoad:
         return self.last_load
+
+    async def stats(self) -> EngineReport:
+        """Load and counts for metrics."""
+        if self.facts.encoder:
+            return encoder_report(self.engine_id, self.engine, self._encoder_calls.running)
+        return decoder_report(self.engine_id, self.engine)
 
     @property
     def last_load(self) -> EngineLoad:

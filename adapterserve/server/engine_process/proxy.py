@@ -28,23 +28,30 @@ from typing import Any
 
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.engine.async_front import Prompt, merge_chunks
-from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput
+from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput, RequestTimes
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.errors import EngineDied
 from adapterserve.server.engine_process import child, wire
 from adapterserve.server.engine_process.facts import EngineFacts, EngineLoad
 from adapterserve.server.engine_process.local import AdapterIds
+from adapterserve.server.engine_process.report import EngineReport
 
 
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    times: RequestTimes | None = None  # the caller's, filled from the child's (before its last chunk)
     head: RequestOutput | None = None  # the first chunk: request id, adapter, prompt ids
 
-    def output(self, ok: bool, value: Any) -> RequestOutput | BaseException:
+    def output(self, ok: bool, value: Any) -> RequestOutput | BaseException | None:
+        """What the stream's reader gets of an entry (None: nothing; stage times are kept)."""
         if not ok:
             return value
+        if isinstance(value, RequestTimes):
+            if self.times is not None:
+                vars(self.times).update(vars(value))
+            return None
         if isinstance(value, RequestOutput):
             self.head = value
             return value
@@ -96,14 +103,15 @@ class EngineProcess:
     # the API
 
     async def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Engine.stream in the child: closing it early (or cancelling its task) aborts the request."""
+                     request_id: str | None = None, times: RequestTimes | None = None) -> AsyncIterator[RequestOutput]:
+        """Engine.stream in the child: closing it early (or cancelling its task) aborts the request.
+        `times`, if given, gets the stage times the child recorded, by the last chunk."""
         call_id = next(self._ids)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), times)
         self._register(self._streams, call_id, stream)
         finished = False
         try:
-            self._send(("stream", call_id, prompt, sampling, adapter_id, request_id))
+            self._send(("stream", call_id, prompt, sampling, adapter_id, request_id, times is not None))
             while not finished:
                 chunk = merge_chunks([await stream.queue.get()], stream.queue)
                 finished = chunk.finished
@@ -136,6 +144,10 @@ class EngineProcess:
     async def load(self) -> EngineLoad:
         """The engine's load now (an RPC; `last_load` is the free, slightly older one)."""
         return await self._call("load")
+
+    async def stats(self) -> EngineReport:
+        """Load and counts for metrics (an RPC)."""
+        return await self._call("stats")
 
     @property
     def alive(self) -> bool:
@@ -236,7 +248,8 @@ class EngineProcess:
         with self._lock:
             for call_id, ok, value in entries:
                 if (stream := self._streams.get(call_id)) is not None:
-                    by_loop[stream.loop].append((stream.queue, stream.output(ok, value)))
+                    if (item := stream.output(ok, value)) is not None:
+                        by_loop[stream.loop].append((stream.queue, item))
                 elif (future := self._calls.get(call_id)) is not None:
                     _settle(future, ok, value)
         for loop, items in by_loop.items():

@@ -27,12 +27,13 @@ from functools import partial
 
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.engine.async_front import Prompt
-from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput
+from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput, RequestTimes
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.errors import EngineDied
 from adapterserve.server.engine_process.facts import EngineFacts, EngineLoad
 from adapterserve.server.engine_process.local import AdapterIds, LocalEngine
 from adapterserve.server.engine_process.proxy import EngineProcess
+from adapterserve.server.engine_process.report import EngineReport
 
 logger = logging.getLogger("adapterserve.server")
 
@@ -186,10 +187,11 @@ class EngineSupervisor:
     # the engine's API
 
     async def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """The engine's stream: closing it early (or cancelling its task) aborts the request."""
+                     request_id: str | None = None, times: RequestTimes | None = None) -> AsyncIterator[RequestOutput]:
+        """The engine's stream: closing it early (or cancelling its task) aborts the request;
+        `times`, if given, gets the request's stage times in the engine."""
         engine = await self._ready()
-        async with aclosing(engine.stream(prompt, sampling, adapter_id, request_id)) as chunks:
+        async with aclosing(engine.stream(prompt, sampling, adapter_id, request_id, times)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -224,6 +226,16 @@ class EngineSupervisor:
 
     async def load(self) -> EngineLoad:
         return await (await self._ready()).load()
+
+    async def stats(self) -> EngineReport | None:
+        """The engine's report for metrics; None while it does not serve (restarting, failed, or
+        no answer within the probe's deadline): metrics never wait for an engine."""
+        if self.fatal is not None or self.restarting or not self.engine.alive:
+            return None
+        try:
+            return await asyncio.wait_for(self.engine.stats(), PROBE_TIMEOUT_S)
+        except (TimeoutError, EngineDied):
+            return None
 
     @property
     def last_load(self) -> EngineLoad:

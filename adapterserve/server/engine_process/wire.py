@@ -1,14 +1,15 @@
 """The pipe between a replica and its engine process.
 
 Parent -> child, tuples:
-    ("stream", call_id, prompt, sampling, adapter_id, request_id)
+    ("stream", call_id, prompt, sampling, adapter_id, request_id, timed)   timed: send its RequestTimes
     ("call", call_id, method, args)       method in CALLS; a reply comes back
     ("abort", call_id)                    cancel that stream or call (frees its KV blocks)
     ("close",)
 Child -> parent: ("ready", EngineFacts) or ("failed", exception) once, then
     (entries, EngineLoad) per loop turn, entries [(call_id, ok, value)]: a stream's
-    first chunk as a RequestOutput, later ones as (token_ids, text, finish_reason);
-    a call's result; or, when not ok, the exception to raise.
+    first chunk as a RequestOutput, later ones as (token_ids, text, finish_reason), and
+    a timed stream's RequestTimes just before its last chunk; a call's result; or, when
+    not ok, the exception to raise.
 
 Messages are pickled by value (adapter tensors included), not through
 multiprocessing's reducers: nothing is shared between the processes.
@@ -19,7 +20,7 @@ import pickle
 from multiprocessing.connection import Connection
 from typing import Any
 
-CALLS = frozenset({"classify", "embed", "add_adapter", "unload_adapter", "load"})
+CALLS = frozenset({"classify", "embed", "add_adapter", "unload_adapter", "load", "stats"})
 
 
 def encode(message: Any) -> bytes:
