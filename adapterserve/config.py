@@ -6,6 +6,9 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FP8 = "fp8"  # float8_e4m3fn linear weights (Llama-family decoders); see EngineConfig.dtype
+FP8_GEMMS = ("auto", "scaled_mm", "w8a8_triton", "weight_only", "reference")  # engine.base_gemm's kernels
+LORA_DECODES = ("kernels", "stacked")  # EngineConfig.lora_decode
 
 
 @dataclass(frozen=True)
@@ -30,12 +33,23 @@ class EngineConfig:
     max_bottleneck_rank: widest bottleneck adapter accepted (hidden / reduction_factor)
     cuda_graphs:      replay decode steps as CUDA graphs (on CUDA devices)
     max_staged_adapters: adapters kept with ready-to-copy (pinned) host copies for fast loads
+    max_staged_bytes: ... and at most this many bytes of such copies (the most recently added kept)
     lora_side_stream: run each LoRA shrink on a second CUDA stream, beside the base GEMM (CUDA
                       only; measured in BENCHMARKS.md)
+    warmup:           compile every kernel variant and capture every decode graph the
+                      configuration can reach before the engine is built (CUDA only; False for
+                      development, "force" runs it on any device: tests)
+    lora_decode:      how batches of at most 256 tokens (decode) apply LoRA: "kernels" (base GEMM,
+                      then the segmented shrink and expand) or "stacked" (A rows stored under
+                      the base weight: one GEMM yields base output and shrink, one launch the
+                      expand; not with fp8 weights)
+    enable_prefix_caching: reuse the KV blocks of a prompt's prefix computed before under the
+                      same KV identity (docs/prefix_caching.md)
     """
 
     device: str = "cpu"
     dtype: str = "float32"
+    fp8_gemm: str = "auto"
     max_loras: int = 8
     max_lora_rank: int = 64
     lora_pool_rows: int | None = None
@@ -51,16 +65,29 @@ class EngineConfig:
     max_bottleneck_rank: int = 64
     cuda_graphs: bool = True
     max_staged_adapters: int = 32
+    max_staged_bytes: int = 4 << 30
     lora_side_stream: bool = True
+    warmup: bool | str = True
+    lora_decode: str = "kernels"
+    enable_prefix_caching: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES and self.dtype != FP8:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES) + [FP8]}, got {self.dtype!r}")
+        if self.fp8_gemm not in FP8_GEMMS:
+            raise ValueError(f"fp8_gemm must be one of {list(FP8_GEMMS)}, got {self.fp8_gemm!r}")
+        if self.lora_decode not in LORA_DECODES:
+            raise ValueError(f"lora_decode must be one of {list(LORA_DECODES)}, got {self.lora_decode!r}")
+        if self.lora_decode == "stacked" and self.dtype == FP8:
+            raise ValueError('lora_decode="stacked" stores LoRA A rows in the base weight, so it needs bf16/fp16/fp32 '
+                             'weights; use lora_decode="kernels" with dtype="fp8"')
         for name in ("max_loras", "max_lora_rank", "block_size", "num_kv_blocks", "max_num_seqs",
-                     "max_num_batched_tokens", "max_queued_requests"):
+                     "max_num_batched_tokens", "max_queued_requests", "max_staged_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.warmup not in (True, False, "force"):
+            raise ValueError(f"warmup must be true, false or 'force', got {self.warmup!r}")
         if self.lora_pool_rows is not None and self.lora_pool_rows < self.max_lora_rank:
             raise ValueError(
                 f"lora_pool_rows ({self.lora_pool_rows}) must hold at least one adapter of "
@@ -69,7 +96,14 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The activations' dtype (and that of everything but FP8 weights)."""
+        if self.dtype == FP8:
+            return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype == FP8
 
     @property
     def pool_rows(self) -> int:

@@ -64,3 +64,25 @@ class ServerDraining(RuntimeError):
 
 class RequestTooLarge(RequestError):
     """A request body, message or prompt is over the server's size limit (HTTP 413)."""
+
+
+class StoreUnavailable(RuntimeError):
+    """The adapter store cannot be read or written now (read-only, full, unreachable).
+    The message names no server paths; the server log has the details. Retry later."""
+
+
+class QuotaExceeded(Overloaded):
+    """A tenant is at one of its quotas (RESOURCE_EXHAUSTED / 429). `quota` names it;
+    `retry_after_s` is None where waiting does not help (stored bytes, versions, adapters)."""
+
+    def __init__(self, message: str, quota: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.quota = quota
+        self.retry_after_s = retry_after_s  # type: ignore[assignment]
+
+    def __reduce__(self):
+        return type(self), (str(self), self.quota, self.retry_after_s)
+
+
+class AdapterInUse(RuntimeError):
+    """An adapter cannot be unloaded now: requests queued for it have not started."""

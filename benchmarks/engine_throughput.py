@@ -7,6 +7,11 @@ Run on a GPU (one table at the end, naming the GPU; markdown at --out, JSON besi
     PYTHONPATH=. python3 benchmarks/engine_throughput.py --models 8b --out $OUT/engine_throughput_8b.md
 Every path on the CPU (tiny model, float32, a few steps):
     PYTHONPATH=. python3 benchmarks/engine_throughput.py --smoke --out /tmp/et.md
+--dtype fp8 runs the backbone with float8 linear weights (engine.base_gemm; --fp8-gemm picks
+the kernel); its floor counts those weights at one byte (embeddings, lm_head and the KV
+cache stay bfloat16); the transformers baselines stay bfloat16.
+--first-request adds the TTFT of the first request after the engine is ready against the
+steady state (the engine's own warm-up is all it gets), and every row the engine's start-up.
 benchmarks/README.md says what each column means.
 """
 from __future__ import annotations
@@ -23,11 +28,12 @@ from pathlib import Path
 
 import torch
 
-from adapterserve.config import DTYPES
+from adapterserve.config import FP8_GEMMS, EngineConfig
 from adapterserve.models.loader import load_decoder
 from benchmarks import report
 from benchmarks.backbone import Backbone
 from benchmarks.checkpoints import SHAPES, scratch_dir, write_random_checkpoint
+from benchmarks.first_request import first_request_line, measure_first_request
 from benchmarks.hf_baseline import add_peft_loras, load_hf, timed_row
 from benchmarks.hotswap import measure_hotswap
 from benchmarks.measure import Floor, copy_bandwidth, floor_for
@@ -53,11 +59,16 @@ class Config:
     copy_bytes: int
     budget_s: float
     out: Path
+    first_request: bool = False
+    fp8_gemm: str = "auto"
 
 
 def parse_args(argv: list[str] | None) -> Config:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="1b", help="comma list of 1b, 8b")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "fp8"], help="the engine's dtype")
+    p.add_argument("--fp8-gemm", default="auto", choices=FP8_GEMMS, help="with --dtype fp8: the base product's "
+                   "kernel (engine.base_gemm)")
     p.add_argument("--batches", default="1,16,64,256", help="batch sizes for 1b")
     p.add_argument("--batches-8b", default="64", help="batch sizes for 8b")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -75,21 +86,30 @@ def parse_args(argv: list[str] | None) -> Config:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("engine_throughput.md"))
     p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny model, few steps: checks every path")
+    p.add_argument("--first-request", action="store_true", help="also: TTFT of the first request after the "
+                   "engine is ready against the steady state, and the engine's start-up (warm-up) time")
     a = p.parse_args(argv)
     unknown = {w for w in split(a.workloads) if _base_workload(w) not in WORKLOADS}
     if unknown:
         p.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}, "
                 f"each optionally with a variant suffix ({', '.join(VARIANTS)})")
     if a.smoke:
-        settings = Settings("cpu", "float32", 6, (8, 24), 16, 48, 40, 6, a.zipf_alpha, a.seed)
+        dtype = "fp8" if a.dtype == "fp8" else "float32"
+        settings = Settings("cpu", dtype, 6, (8, 24), 16, 48, 40, 6, a.zipf_alpha, a.seed)
         return Config(settings, ("tiny",), {"tiny": (1, 4)}, split(a.workloads), ("tiny",), 4, 2, 8 << 20,
-                      a.budget_s, a.out)
+                      a.budget_s, a.out, a.first_request, a.fp8_gemm)
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: run on a GPU, or pass --smoke for the CPU check")
-    settings = Settings("cuda", "bfloat16", a.max_tokens, (a.prompt_min, a.prompt_max), 16, a.max_batched_tokens,
+    settings = Settings("cuda", a.dtype, a.max_tokens, (a.prompt_min, a.prompt_max), 16, a.max_batched_tokens,
                         a.zipf_adapters, a.zipf_slots, a.zipf_alpha, a.seed)
     return Config(settings, split(a.models), {"1b": ints(a.batches), "8b": ints(a.batches_8b)}, split(a.workloads),
-                  split(a.hf_models), a.hf_batch, a.hf_tokens, 1 << 30, a.budget_s, a.out)
+                  split(a.hf_models), a.hf_batch, a.hf_tokens, 1 << 30, a.budget_s, a.out, a.first_request,
+                  a.fp8_gemm)
+
+
+def _activations(s: Settings) -> torch.dtype:
+    """The activations' dtype (fp8 runs bfloat16 activations on a GPU, float32 on the CPU)."""
+    return EngineConfig(device=s.device, dtype=s.dtype).torch_dtype
 
 
 def split(text: str) -> tuple[str, ...]:
@@ -128,7 +148,8 @@ def guarded(what: str, fn, *args):
             torch.cuda.empty_cache()
 
 
-def run_model(name: str, cfg: Config, bandwidth: float, rows: list[dict], hotswaps: dict[str, dict]) -> None:
+def run_model(name: str, cfg: Config, bandwidth: float, rows: list[dict], hotswaps: dict[str, dict],
+              firsts: dict[str, dict]) -> None:
     s, shape = cfg.settings, SHAPES[name]
     tmp = scratch_dir(shape.checkpoint_bytes())
     try:
@@ -136,11 +157,16 @@ def run_model(name: str, cfg: Config, bandwidth: float, rows: list[dict], hotswa
         ckpt = write_random_checkpoint(shape, tmp / "model", s.device)
         peft_dir = guarded(f"{name} PEFT files", write_peft_lora, shape, tmp / "peft-lora", s.device)
         log(f"{name}: loading it into the engine's decoder")
-        model, _ = load_decoder(ckpt, DTYPES[s.dtype], s.device, max_positions=8192)
+        fp8_gemm = cfg.fp8_gemm if s.dtype == "fp8" else None
+        model, _ = load_decoder(ckpt, _activations(s), s.device, max_positions=8192, fp8_gemm=fp8_gemm)
         backbone = Backbone(model)
         factory = AdapterFactory(shape, s.device, seed=s.seed)
         bottleneck = supports_bottleneck(backbone, s)
         log(f"{name}: bottleneck adapters in the engine: {'yes' if bottleneck else 'no (skipped in families)'}")
+        if cfg.first_request:  # before anything else compiles: the engine's own warm-up is all it gets
+            log(f"{name}: first request after ready")
+            firsts[name] = guarded(f"{name} first request", measure_first_request, backbone, factory, s)
+            log(first_request_line(name, firsts[name]))
         order = batch_order(cfg.batches[name], cfg.hf_batch)
         for batch in order:
             _run_batch(name, batch, backbone, factory, peft_dir, bottleneck, cfg, bandwidth, rows)
@@ -173,6 +199,19 @@ def _run_batch(name: str, batch: int, backbone: Backbone, factory: AdapterFactor
         log(f"{name} B={batch} {workload}: " + report.text_table([rows[-1]]).splitlines()[-1])
 
 
+def _start_lines(rows: list[dict]) -> list[str]:
+    """Engine start-up (construction, of which its warm-up) per model: the range over workloads."""
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        starts = [r["start_s"] for r in rows if r["model"] == model and "start_s" in r]
+        warm = [r["warmup_s"] for r in rows if r["model"] == model and r.get("warmup_s") is not None]
+        if starts:
+            of = f", of which warm-up {min(warm):.1f}-{max(warm):.1f} s" if warm else ", no warm-up"
+            lines.append(f"{model} engine start-up {min(starts):.1f}-{max(starts):.1f} s per workload{of} "
+                         "(the first includes compiling; later ones load Triton's cache)")
+    return lines
+
+
 def _base_workload(name: str) -> str:
     for suffix in VARIANTS:
         name = name.removesuffix(suffix)
@@ -203,7 +242,7 @@ def _run_hf(name: str, ckpt: Path, cfg: Config, rows: list[dict], floor: Floor) 
         return {**row, "floor_ms": 1e3 * floor_s, "x_floor": row["decode_ms"] / (1e3 * floor_s)}
 
     def base() -> dict:
-        holder["model"] = load_hf(ckpt, DTYPES[s.dtype], s.device)
+        holder["model"] = load_hf(ckpt, _activations(s), s.device)
         return with_floor(timed_row(holder["model"], prompts, cfg.hf_tokens, s.device), frozenset())
 
     def peft() -> dict:
@@ -235,9 +274,10 @@ def main(argv: list[str] | None = None) -> None:
     log(f"device-to-device copy bandwidth: {bandwidth / 1e9:.0f} GB/s (read + write)")
     rows: list[dict] = []
     hotswaps: dict[str, dict] = {}
+    firsts: dict[str, dict] = {}
     for name in cfg.models:
         try:
-            run_model(name, cfg, bandwidth, rows, hotswaps)
+            run_model(name, cfg, bandwidth, rows, hotswaps, firsts)
         except Exception:  # a checkpoint that cannot be written or loaded: the other model still runs
             traceback.print_exc(file=sys.stdout)
             rows.append({"model": name, "workload": "setup", "batch": 0, "error": "setup failed (see log)"})
@@ -252,9 +292,11 @@ def main(argv: list[str] | None = None) -> None:
          f"{s.zipf_slots} slots"),
     ]
     extra = ([report.hotswap_line(m, h) for m, h in hotswaps.items()] + report.ratio_lines(rows, cfg.hf_batch)
-             + report.target_lines(rows, hotswaps))
+             + report.target_lines(rows, hotswaps) + [first_request_line(m, f) for m, f in firsts.items()]
+             + _start_lines(rows))
     raw = {"device": gpu, "date": str(datetime.date.today()), "bandwidth": bandwidth, "settings": asdict(s),
-           "config": {k: v for k, v in asdict(cfg).items() if k != "settings"}, "rows": rows, "hotswap": hotswaps}
+           "config": {k: v for k, v in asdict(cfg).items() if k != "settings"}, "rows": rows, "hotswap": hotswaps,
+           "first_request": firsts}
     report.write_outputs(cfg.out, header, rows, extra, raw)
     print("\n".join(["", "=" * 40, *header, "", report.text_table(rows), "", *extra,
                      f"written: {cfg.out} and {cfg.out.with_suffix('.json')}; "

@@ -4,6 +4,7 @@ and through the in-process engine, on one machine, interleaved group by group.
     PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --device cuda
     PYTHONPATH=. python benchmarks/server_overhead.py --smoke          # CPU, tiny model
     PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --no-inproc --relay-chunk-ms 0.2  # pacing
+    PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --trace   # per-hop medians (server_hops.py)
 
 The server runs its engine in a child process of the replica (`engine_process: true`,
 row "server"), and, unless --no-inproc, again inside the replica's process as before
@@ -137,6 +138,44 @@ def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: li
         launch.shutdown()
 
 
+def _lora(model: str, path: Path, device: str) -> Path:
+    """A random LoRA (rank 8, every linear) for the benchmark's backbone, as PEFT writes it."""
+    out = Path(tempfile.mkdtemp()) / "lora"
+    if model == "tiny":
+        from tests.helpers.lora import make_peft_lora
+
+        return make_peft_lora(path, out, r=8, lora_alpha=16, target_modules="all-linear")
+    from benchmarks.checkpoints import SHAPES
+    from benchmarks.random_adapters import write_peft_lora
+
+    return write_peft_lora(SHAPES[model], out, device, rank=8)
+
+
+def _trace(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int],
+           relay_chunk_ms: float, adapter: Path | None, by_version: bool) -> dict[int, dict[str, list[float]]]:
+    """Per concurrency: each hop's times (ms) of every call, from the server's spans (server_hops.py);
+    with `adapter`, every call names it (uploaded as "bench"; `by_version`: named `bench@N`)."""
+    from adapterserve.clients.client import Client
+    from adapterserve.server import launch
+    from benchmarks.server_hops import collect_hops, traced_calls
+    from tests.helpers.otlp_collector import collecting
+
+    with collecting("grpc") as collector:
+        config = {"model": str(path), "engine": engine_cfg, "encoder": False, "store": tempfile.mkdtemp(),
+                  "engine_process": True, "relay_chunk_ms": relay_chunk_ms,
+                  "tracing": {"otlp_endpoint": collector.endpoint}}
+        endpoints = launch.start(config, grpc_port=free_port(), http_port=free_port())
+        try:
+            ref = None
+            if adapter is not None:
+                with Client(endpoints.grpc, timeout=600) as client:
+                    ref = client.upload(adapter, "bench").ref if by_version else "bench"
+            sent = {c: asyncio.run(traced_calls(endpoints.grpc, prompts, max_tokens, c, ref)) for c in batches}
+            return {c: collect_hops(collector, calls) for c, calls in sent.items()}
+        finally:
+            launch.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="1b")
@@ -146,6 +185,12 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--no-inproc", action="store_true", help="skip the server with the engine in the replica")
     parser.add_argument("--relay-chunk-ms", type=float, default=0.5, help="the server's chunk pacing (relay.py)")
+    parser.add_argument("--trace", action="store_true",
+                        help="per-hop medians from the server's spans instead of the paired run")
+    parser.add_argument("--concurrency", type=int, nargs="+", help="concurrency levels (default 1 and 16)")
+    parser.add_argument("--adapter", choices=("none", "name", "version"), default="none",
+                        help="--trace: calls name a LoRA by bare name (resolved through the TTL cache) "
+                             "or as name@N, or none")
     args = parser.parse_args()
     if args.smoke:
         args.model, args.device, args.requests, args.max_tokens = "tiny", "cpu", 8, 8
@@ -157,13 +202,23 @@ def main() -> None:
     path = _checkpoint(args.model, args.device)
     vocab = 500 if args.model == "tiny" else 32000
     prompts = [torch.randint(3, vocab, (256 if args.model != "tiny" else 16,)).tolist() for _ in range(args.requests)]
-    batches = [1, min(16, args.requests)]
+    batches = args.concurrency or [1, min(16, args.requests)]
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    if args.trace:
+        lora = None if args.adapter == "none" else _lora(args.model, path, args.device)
+        hops = _trace(path, engine_cfg, prompts, args.max_tokens, batches, args.relay_chunk_ms, lora,
+                      args.adapter == "version")
+        print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; {len(prompts)} requests per concurrency; "
+              f"adapter: {args.adapter}; engine in its own process; relay_chunk_ms {args.relay_chunk_ms}; traces on")
+        from benchmarks.server_hops import report_hops
+
+        report_hops(hops)
+        return
     results = {}
     for label, own_process in (("server", True), ("server-inproc", False)):
         if own_process or not args.no_inproc:
             results[label] = _measure(path, engine_cfg, prompts, args.max_tokens, batches, own_process,
                                       args.relay_chunk_ms)
-    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; {len(prompts)} requests per concurrency, "
           f"each through both paths, interleaved; relay_chunk_ms {args.relay_chunk_ms}; medians in ms")
     _report(results)

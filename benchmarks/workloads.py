@@ -8,6 +8,7 @@ set to the longest request, so block tables stay narrow.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,8 +26,9 @@ from benchmarks.random_adapters import BOTTLENECK_RANK, AdapterFactory, decode_r
 WORKLOADS = ("base", "one", "uniform8", "distinct", "zipf", "ranks", "families")
 # a workload name may end in a variant suffix: the same requests, an engine option changed
 # (+r64: the pool sized for rank 64, the engine's default, whatever the adapters' ranks;
-# +1s: LoRA shrinks on the compute stream, as before lora_side_stream became the default)
-VARIANTS = {"+1s": {"lora_side_stream": False}, "+r64": {"max_lora_rank": 64}}
+# +1s: LoRA shrinks on the compute stream, as before lora_side_stream became the default;
+# +st: decode LoRA through the stacked [W; A] GEMM, lora_decode="stacked")
+VARIANTS = {"+1s": {"lora_side_stream": False}, "+r64": {"max_lora_rank": 64}, "+st": {"lora_decode": "stacked"}}
 PEFT_ID = "peft-file"
 
 
@@ -183,7 +185,9 @@ def run_workload(backbone: Backbone, p: Plan, prompts: list[list[int]], s: Setti
     engine = None
     try:
         virtual = [_virtual(p.adapters.get(a)) for a in p.adapter_ids]
+        started = time.perf_counter()
         engine = backbone.engine(engine_config(p, prompts, virtual, s))
+        start_s = time.perf_counter() - started  # construction, the engine's own warm-up included
         register(engine, p)
         trace = StepTrace(engine)
         warm_up(engine, trace, p, prompts, model.cfg.vocab_size, s)
@@ -196,7 +200,8 @@ def run_workload(backbone: Backbone, p: Plan, prompts: list[list[int]], s: Setti
         run = run_requests(engine, trace, prompts, p.adapter_ids, [s.max_tokens] * batch)
         floor = floor_for(model, _adapter_bytes(engine, p, model), bandwidth)
         row = decode_summary(run, batch, floor)
-        row.update({"loads": engine.slots.loads - loads, "peak_gib": peak_gib(s.device), "note": p.note})
+        row.update({"loads": engine.slots.loads - loads, "peak_gib": peak_gib(s.device), "note": p.note,
+                    "start_s": start_s, "warmup_s": engine.warmup.seconds if engine.warmup is not None else None})
         return row
     finally:
         engine = None

@@ -24,6 +24,11 @@ def kustomization_dirs() -> list[Path]:
     return [K8S / "base", *sorted(p.parent for p in (K8S / "overlays").glob("*/kustomization.yaml"))]
 
 
+def example_dirs() -> list[Path]:
+    """The examples (k8s/examples/*): validated like the overlays, their serveConfigV2 written by hand."""
+    return sorted(p.parent for p in (K8S / "examples").glob("*/kustomization.yaml"))
+
+
 def kubectl() -> str:
     found = shutil.which("kubectl")
     if found is None:

@@ -2,9 +2,10 @@
 `--validate=strict` (unknown fields are errors).
 
 Built-in kinds: the Kubernetes OpenAPI schemas that the `kubernetes-validate`
-package ships (its `-strict` variant). KubeRay kinds: the CRDs copied into
-deploy/schemas/kuberay, made strict here: every object schema that lists its
-properties and does not say `x-kubernetes-preserve-unknown-fields` refuses others.
+package ships (its `-strict` variant). Custom kinds (KubeRay's, prometheus-operator's
+PodMonitor, the Gateway API Inference Extension's): the CRDs copied into deploy/schemas
+(each folder's SOURCE.md says from where), made strict here: every object schema that
+lists its properties and does not say `x-kubernetes-preserve-unknown-fields` refuses others.
 """
 from __future__ import annotations
 
@@ -22,9 +23,20 @@ from referencing import Registry, Resource
 from deploy.kustomize import DEPLOY
 
 K8S_VERSION = "1.37.0"  # newest schemas in kubernetes-validate 1.37
-CRD_DIR = DEPLOY / "schemas" / "kuberay"
-CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
-CRD_VERSION = "v1"
+SCHEMA_DIR = DEPLOY / "schemas"
+CRD_VERSION = "v1"  # KubeRay's
+# kind -> (the apiVersion we write, its CRD under deploy/schemas)
+CRDS = {
+    "RayService": (f"ray.io/{CRD_VERSION}", "kuberay/ray.io_rayservices.yaml"),
+    "RayCluster": (f"ray.io/{CRD_VERSION}", "kuberay/ray.io_rayclusters.yaml"),
+    "PodMonitor": ("monitoring.coreos.com/v1", "prometheus-operator/monitoring.coreos.com_podmonitors.yaml"),
+    "InferencePool": ("inference.networking.k8s.io/v1",
+                      "inference-extension/inference.networking.k8s.io_inferencepools.yaml"),
+    "HTTPRoute": ("gateway.networking.k8s.io/v1", "gateway-api/gateway.networking.k8s.io_httproutes.yaml"),
+    "InferenceModelRewrite": ("inference.networking.x-k8s.io/v1alpha2",
+                              "inference-extension/inference.networking.x-k8s.io_inferencemodelrewrites.yaml"),
+}
+RAY_KINDS = ("RayService", "RayCluster")
 _DEFS_ID = "https://kubernetes.io/api/_definitions.json"
 _SUBSCHEMAS = ("items", "additionalProperties", "not")
 _SCHEMA_LISTS = ("anyOf", "allOf", "oneOf")
@@ -53,9 +65,10 @@ def _close(node: dict[str, Any]) -> None:
 
 @lru_cache(maxsize=None)
 def crd_validator(kind: str) -> jsonschema.Draft202012Validator:
-    """The strict validator of a KubeRay kind (apiVersion ray.io/v1)."""
-    crd = yaml.safe_load((CRD_DIR / CRD_FILES[kind]).read_text())
-    version = next(v for v in crd["spec"]["versions"] if v["name"] == CRD_VERSION)
+    """The strict validator of a custom kind of CRDS, at the apiVersion CRDS names."""
+    api_version, path = CRDS[kind]
+    crd = yaml.safe_load((SCHEMA_DIR / path).read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == api_version.rpartition("/")[2])
     return jsonschema.Draft202012Validator(strict(version["schema"]["openAPIV3Schema"]))
 
 

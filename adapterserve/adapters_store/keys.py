@@ -13,8 +13,10 @@ Example:
     local-dev-key-123 dev
 
 A tenant may have several keys. TENANT is 1-64 letters, digits, '.', '_' or '-'.
-Without keys (`ApiKeys.open()`) every caller is tenant None: open mode, for the
-embedded default on loopback.
+Every key of this file has the scopes use and publish and its tenant no quotas; a
+tenants file (tenants_file.py) sets scopes per key and quotas per tenant. Without keys
+(`ApiKeys.open()`) every caller is tenant None: open mode, for the embedded default on
+loopback.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import re
 from pathlib import Path
 from typing import Mapping
 
+from adapterserve.adapters_store.tenants import LEGACY_SCOPES, OPEN_CALLER, Caller, Quotas
 from adapterserve.errors import Unauthenticated
 
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -37,10 +40,10 @@ def hash_key(key: str) -> str:
 
 
 class ApiKeys:
-    """Maps API keys to tenants; holds only sha256 digests of the keys."""
+    """Maps API keys to callers (tenant, scopes, quotas); holds only sha256 digests of the keys."""
 
-    def __init__(self, digests: list[tuple[bytes, str]], *, open_mode: bool = False) -> None:
-        self._digests = digests  # (sha256 digest of a key, tenant)
+    def __init__(self, digests: list[tuple[bytes, Caller]], *, open_mode: bool = False) -> None:
+        self._digests = digests  # (sha256 digest of a key, the caller it makes)
         self.is_open = open_mode
 
     @classmethod
@@ -69,41 +72,63 @@ class ApiKeys:
 
     @classmethod
     def _build(cls, entries: list[tuple[str, str, str]], source: str) -> ApiKeys:
-        digests: list[tuple[bytes, str]] = []
+        keys = KeyList(source)
         for key, tenant, where in entries:
-            digest = _digest(key, f"{source}, {where}")
-            if not _TENANT.fullmatch(tenant):
-                raise ValueError(
-                    f"{source}, {where}: tenant {tenant!r} is invalid: use 1-64 letters, digits, '.', '_' or '-'"
-                )
-            if any(hmac.compare_digest(digest, d) for d, _ in digests):
-                raise ValueError(f"{source}, {where}: this key is listed twice")
-            digests.append((digest, tenant))
-        if not digests:
+            keys.add(key, Caller(check_tenant(tenant, f"{source}, {where}"), LEGACY_SCOPES), where)
+        if not keys.digests:
             raise ValueError(f"{source} holds no API keys; add 'KEY TENANT' lines, or run without keys (open mode)")
-        return cls(digests)
+        return cls(keys.digests)
 
-    def tenant_for(self, key: str | None) -> str | None:
-        """The tenant owning `key` (None in open mode); Unauthenticated if no tenant does."""
+    def caller_for(self, key: str | None) -> Caller:
+        """Who `key` makes the caller (everyone is tenant None in open mode); Unauthenticated if no
+        tenant owns it."""
         if self.is_open:
-            return None
+            return OPEN_CALLER
         if not key:
             raise Unauthenticated("an API key is required; pass one with --api-key or ADAPTERSERVE_API_KEY")
         digest = hashlib.sha256(key.encode()).digest()
         found = None
-        for d, tenant in self._digests:  # compare against every entry, in constant time each
+        for d, caller in self._digests:  # compare against every entry, in constant time each
             if hmac.compare_digest(digest, d):
-                found = tenant
+                found = caller
         if found is None:
             raise Unauthenticated("the API key is not recognised; check it for typos or ask for a new one")
         return found
 
+    def tenant_for(self, key: str | None) -> str | None:
+        """The tenant owning `key` (None in open mode); Unauthenticated if no tenant does."""
+        return self.caller_for(key).tenant
+
     @property
     def tenants(self) -> set[str]:
-        return {t for _, t in self._digests}
+        return {c.tenant for _, c in self._digests if c.tenant is not None}
+
+    def quotas(self) -> dict[str, Quotas]:
+        """Every tenant's quotas."""
+        return {c.tenant: c.quotas for _, c in self._digests if c.tenant is not None}
 
     def __repr__(self) -> str:  # never shows keys or digests
         return "ApiKeys(open)" if self.is_open else f"ApiKeys({len(self._digests)} keys, {len(self.tenants)} tenants)"
+
+
+class KeyList:
+    """Digests of keys being read from `source`, refusing one listed twice."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.digests: list[tuple[bytes, Caller]] = []
+
+    def add(self, key: str, caller: Caller, where: str) -> None:
+        digest = _digest(key, f"{self.source}, {where}")
+        if any(hmac.compare_digest(digest, d) for d, _ in self.digests):
+            raise ValueError(f"{self.source}, {where}: this key is listed twice")
+        self.digests.append((digest, caller))
+
+
+def check_tenant(tenant: object, where: str) -> str:
+    if not isinstance(tenant, str) or not _TENANT.fullmatch(tenant):
+        raise ValueError(f"{where}: tenant {tenant!r} is invalid: use 1-64 letters, digits, '.', '_' or '-'")
+    return tenant
 
 
 def _digest(entry: str, where: str) -> bytes:

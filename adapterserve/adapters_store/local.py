@@ -9,21 +9,20 @@ read-only.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
 from adapterserve.adapters_store.records import AdapterVersion
-from adapterserve.adapters_store.staging import StoreLimits, verify_dir
+from adapterserve.adapters_store.staging import StoreLimits, remove_older_than, verify_dir
 from adapterserve.adapters_store.store import AdapterStore, StoredObject
 from adapterserve.errors import AdapterNotFound
 
 
 class LocalStore(AdapterStore):
-    def __init__(self, root_dir: str | os.PathLike, *, limits: StoreLimits | None = None) -> None:
-        super().__init__(limits)
+    def __init__(self, root_dir: str | os.PathLike, *, limits: StoreLimits | None = None,
+                 resolve_ttl_s: float = 0.0) -> None:
+        super().__init__(limits, resolve_ttl_s)
         self.root = Path(root_dir).expanduser().absolute()
         self._tmp = self.root / ".tmp"
         self._tmp.mkdir(parents=True, exist_ok=True)
@@ -82,13 +81,7 @@ class LocalStore(AdapterStore):
         return self._tmp
 
     def _gc_staging(self, grace_s: float) -> None:
-        for entry in self._tmp.iterdir():
-            if time.time() - entry.lstat().st_mtime < grace_s:
-                continue
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
+        remove_older_than(self._tmp, grace_s)
 
     def _write_tmp(self, data: bytes) -> str:
         fd, tmp = tempfile.mkstemp(dir=self._tmp, prefix="obj-")

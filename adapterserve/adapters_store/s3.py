@@ -4,22 +4,32 @@ Credentials come from boto3's usual chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS
 profiles, instance roles); the endpoint from `endpoint_url` or AWS_ENDPOINT_URL_S3.
 The manifest is created with `If-None-Match: *`, so the server must support
 conditional writes (AWS S3 since 2024, MinIO, recent Ceph). `fetch` downloads
-a version into `cache_dir/<content hash>/`, checks it, and reuses it afterwards.
+a version into `cache_dir/<content hash>/`, checks it, and reuses it afterwards;
+the download cache holds at most `cache_bytes`, evicting the least recently
+fetched versions (but none fetched in the last `cache_grace_s`: a reader may still
+be opening its files). Publishes stage their copy in `cache_dir/.staging/`.
+This is the store to share between servers and nodes: every server sees the
+same bucket (bare names within its resolve TTL, `name@N` at once).
 """
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from adapterserve.adapters_store.records import AdapterVersion
-from adapterserve.adapters_store.staging import StoreLimits, verify_dir
+from adapterserve.adapters_store.staging import (
+    StoreLimits,
+    remove_older_than,
+    verify_dir,
+)
 from adapterserve.adapters_store.store import AdapterStore, StoredObject
 from adapterserve.errors import AccessDenied, AdapterNotFound
 
@@ -28,16 +38,25 @@ _TAKEN = {"PreconditionFailed", "ConditionalRequestConflict", "412", "409"}
 
 
 class S3Store(AdapterStore):
+    _io_faults = (OSError, BotoCoreError, ClientError)
+
     def __init__(
         self,
         url: str,
         *,
         endpoint_url: str | None = None,
         cache_dir: str | os.PathLike | None = None,
+        cache_bytes: int = 8 << 30,
+        cache_grace_s: float = 60.0,
         limits: StoreLimits | None = None,
+        resolve_ttl_s: float = 0.0,
         client: Any = None,
     ) -> None:
-        super().__init__(limits)
+        super().__init__(limits, resolve_ttl_s)
+        if cache_bytes < 1 or cache_grace_s < 0:
+            raise ValueError(f"S3 cache_bytes must be positive and cache_grace_s >= 0, got {cache_bytes}, "
+                             f"{cache_grace_s}")
+        self.cache_bytes, self.cache_grace_s = cache_bytes, cache_grace_s
         self.url = url
         self.bucket, self._prefix = _parse_url(url)
         self._client = client or boto3.client(
@@ -45,6 +64,8 @@ class S3Store(AdapterStore):
         )
         self.cache_dir = Path(cache_dir) if cache_dir else _default_cache_dir()
         self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self._staging = self.cache_dir / ".staging"
+        self._staging.mkdir(exist_ok=True)
         self._check_bucket()
 
     def __repr__(self) -> str:
@@ -92,7 +113,13 @@ class S3Store(AdapterStore):
     def _materialize(self, v: AdapterVersion, prefix: str) -> Path:
         target = self.cache_dir / v.content_hash
         if target.is_dir():  # complete and checked: it was renamed into place only after that
+            os.utime(target)  # its last use, for eviction
             return target
+        self._download_all(v, prefix, target)
+        evict_download_cache(self.cache_dir, self.cache_bytes, self.cache_grace_s, keep=target)
+        return target
+
+    def _download_all(self, v: AdapterVersion, prefix: str, target: Path) -> None:
         partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=self.cache_dir))
         try:
             for path in v.files:
@@ -104,7 +131,13 @@ class S3Store(AdapterStore):
                 raise
         finally:
             shutil.rmtree(partial, ignore_errors=True)
-        return target
+
+    def _staging_root(self) -> Path:
+        return self._staging
+
+    def _gc_staging(self, grace_s: float) -> None:
+        remove_older_than(self._staging, grace_s)
+        remove_older_than(self.cache_dir, grace_s, only_prefix=".partial-")
 
     def _download(self, v: AdapterVersion, key: str, dest: Path) -> None:
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -129,6 +162,33 @@ class S3Store(AdapterStore):
 
     def _key(self, key: str) -> str:
         return self._prefix + key
+
+
+def evict_download_cache(cache_dir: Path, capacity_bytes: int, grace_s: float, keep: Path) -> list[Path]:
+    """Remove cached versions, least recently used first, until at most `capacity_bytes` remain;
+    never `keep` or one used in the last `grace_s`. Returns the removed directories."""
+    entries = []
+    for entry in cache_dir.iterdir():
+        if entry.name.startswith(".") or not entry.is_dir() or entry.is_symlink():
+            continue
+        try:
+            entries.append((entry.stat().st_mtime, _dir_bytes(entry), entry))
+        except FileNotFoundError:  # evicted by another thread meanwhile
+            continue
+    total, removed, now = sum(size for _, size, _ in entries), [], time.time()
+    for used, size, entry in sorted(entries):
+        if total <= capacity_bytes:
+            break
+        if entry == keep or now - used < grace_s:
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        total -= size
+        removed.append(entry)
+    return removed
+
+
+def _dir_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
 
 def _parse_url(url: str) -> tuple[str, str]:

@@ -1,10 +1,12 @@
 """Reading an adapter directory safely: which files are accepted, copying, hashing.
 
-Accepted: regular files at the top level or one directory down (for example
-`adapter_config.json`, `adapter_model.safetensors`, `tokenizer/tokenizer.json`).
-Entries whose name starts with '.' (`.cache/`, `.gitattributes`) are skipped.
-Refused: symbolic links, deeper directories, pickle files (`.bin`, `.pt`, ...),
-special files, names outside [A-Za-z0-9._+-], and uploads over the size limits.
+Accepted: the files an adapter family consists of (`ADAPTER_FILES`: PEFT's
+`adapter_config.json` + `adapter_model.safetensors`, AdapterHub's `adapter.safetensors`
+and head files) and a README / LICENSE / model card, at the top level, regular files
+only. A config or a document is capped at `max_text_file_bytes`; the whole upload at
+`max_total_bytes`. Entries whose name starts with '.' (`.cache/`, `.gitattributes`)
+are skipped. Anything else (a pickle, a checkpoint, a tokenizer folder, a symbolic
+link) is refused with its name, before any byte is copied.
 
 The content hash is sha256 over, for each file in sorted path order,
 `path + "\\0" + sha256(bytes).hexdigest() + "\\n"`.
@@ -14,13 +16,19 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from adapterserve.errors import AdapterError, AdapterIntegrityError, AdapterTooLarge
 
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib"})
+WEIGHT_FILES = frozenset({"adapter_model.safetensors", "adapter.safetensors", "model_head.safetensors"})
+CONFIG_FILES = frozenset({"adapter_config.json", "head_config.json"})
+ADAPTER_FILES = WEIGHT_FILES | CONFIG_FILES
+_DOC = re.compile(r"(readme|license|licence|notice|model_card|modelcard)(\.(md|txt|rst))?", re.IGNORECASE)
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 _CHUNK = 1 << 20
 
@@ -31,9 +39,10 @@ class StoreLimits:
 
     max_total_bytes: int = 2 << 30
     max_files: int = 32
+    max_text_file_bytes: int = 1 << 20  # each config, README, LICENSE
 
     def __post_init__(self) -> None:
-        if self.max_total_bytes < 1 or self.max_files < 1:
+        if self.max_total_bytes < 1 or self.max_files < 1 or self.max_text_file_bytes < 1:
             raise ValueError(f"store limits must be positive, got {self}")
 
 
@@ -50,6 +59,34 @@ class StagedFile:
     sha256: str
 
 
+def check_upload_file(path: str, size: int, limits: StoreLimits) -> None:
+    """Refuse a file an adapter upload may not hold (AdapterError naming it), or one over its cap."""
+    if path not in ADAPTER_FILES and not _DOC.fullmatch(path):
+        if Path(path).suffix.lower() in PICKLE_SUFFIXES:
+            raise AdapterError(
+                f"adapter file {path!r} is a pickle file, which is never loaded (loading it can run code); "
+                "save the adapter as safetensors (PEFT: save_pretrained(dir, safe_serialization=True)) "
+                "and leave the pickle out"
+            )
+        raise AdapterError(
+            f"adapter file {path!r} is not part of an adapter: an upload holds only "
+            f"{', '.join(sorted(ADAPTER_FILES))} and a README, LICENSE or model card at the top level; "
+            "leave the other files out"
+        )
+    if path not in WEIGHT_FILES and size > limits.max_text_file_bytes:
+        raise AdapterTooLarge(
+            f"adapter file {path!r} is {size} bytes, over the limit of {limits.max_text_file_bytes} bytes "
+            "for a config or document"
+        )
+
+
+def check_paths_distinct(paths: list[str]) -> None:
+    """Refuse a file whose path is also a folder of another (`x` beside `x/y`)."""
+    folders = {p.rsplit("/", 1)[0] for p in paths if "/" in p}
+    if clash := sorted(folders & set(paths)):
+        raise AdapterError(f"upload lists {clash[0]!r} both as a file and as a folder of other files")
+
+
 def scan_source(src: Path, limits: StoreLimits) -> list[SourceFile]:
     """List the files an upload of `src` would store, refusing anything unsafe or too big."""
     if not src.is_dir():
@@ -58,40 +95,30 @@ def scan_source(src: Path, limits: StoreLimits) -> list[SourceFile]:
     for entry in _entries(src):
         if entry.is_dir(follow_symlinks=False):
             _check_part(entry.name, entry.name + "/")
-            found += [_accept(src, sub, f"{entry.name}/") for sub in _entries(Path(entry.path), nested=True)]
-        else:
-            found.append(_accept(src, entry, ""))
+            raise AdapterError(
+                f"adapter folder {entry.name + '/'!r} is not part of an adapter: an upload holds only files at "
+                "the top level; leave the folder out"
+            )
+        found.append(_accept(src, entry))
+        check_upload_file(found[-1].path, found[-1].size, limits)
         _check_limits(src, found, limits)
     if not found:
         raise AdapterError(f"adapter directory {str(src)!r} holds no files")
     return sorted(found, key=lambda f: f.path)
 
 
-def _entries(directory: Path, nested: bool = False) -> list[os.DirEntry]:
+def _entries(directory: Path) -> list[os.DirEntry]:
     with os.scandir(directory) as it:
-        entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
-    for e in entries:
-        if nested and e.is_dir(follow_symlinks=False):
-            raise AdapterError(
-                f"{e.path!r} is a directory two levels down; adapters may hold files at most one directory deep"
-            )
-    return entries
+        return sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
 
 
-def _accept(root: Path, entry: os.DirEntry, prefix: str) -> SourceFile:
-    rel = prefix + entry.name
+def _accept(root: Path, entry: os.DirEntry) -> SourceFile:
     if entry.is_symlink():
-        raise AdapterError(f"adapter file {rel!r} is a symbolic link; copy the real file into {str(root)!r}")
+        raise AdapterError(f"adapter file {entry.name!r} is a symbolic link; copy the real file into {str(root)!r}")
     if not entry.is_file(follow_symlinks=False):
-        raise AdapterError(f"adapter entry {rel!r} is not a regular file")
-    _check_part(entry.name, rel)
-    if Path(entry.name).suffix.lower() in PICKLE_SUFFIXES:
-        raise AdapterError(
-            f"adapter file {rel!r} is a pickle file, which is never loaded (loading it can run code); "
-            "save the adapter as safetensors (PEFT: save_pretrained(dir, safe_serialization=True)) "
-            "and leave the pickle out"
-        )
-    return SourceFile(rel, entry.stat(follow_symlinks=False).st_size)
+        raise AdapterError(f"adapter entry {entry.name!r} is not a regular file")
+    _check_part(entry.name, entry.name)
+    return SourceFile(entry.name, entry.stat(follow_symlinks=False).st_size)
 
 
 def _check_part(part: str, rel: str) -> None:
@@ -167,3 +194,33 @@ def verify_dir(directory: Path, ref: str, expected: dict[str, str], expected_has
             )
     if content_hash([StagedFile(p, 0, d) for p, d in expected.items()]) != expected_hash:
         raise AdapterIntegrityError(f"stored files of {ref} do not match content hash {expected_hash}")
+
+
+def remove_older_than(directory: Path, grace_s: float, only_prefix: str = "") -> None:
+    """Remove entries of `directory` (whose name starts with `only_prefix`) untouched for `grace_s`."""
+    for entry in directory.iterdir():
+        if entry.name.startswith(only_prefix):
+            remove_if_stale(entry, grace_s)
+
+
+def remove_if_stale(entry: Path, grace_s: float) -> bool:
+    """Remove `entry` (a file or a folder) if nothing in it changed for `grace_s`; True if removed."""
+    try:
+        if time.time() - _newest_mtime(entry) < grace_s:
+            return False
+    except FileNotFoundError:  # removed meanwhile
+        return False
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry, ignore_errors=True)
+    else:
+        entry.unlink(missing_ok=True)
+    return not entry.exists()
+
+
+def _newest_mtime(entry: Path) -> float:
+    """The latest change to `entry` or anything under it (a staging copy still being written is fresh)."""
+    newest = entry.lstat().st_mtime
+    if entry.is_dir() and not entry.is_symlink():
+        for f in entry.rglob("*"):
+            newest = max(newest, f.lstat().st_mtime)
+    return newest

@@ -32,19 +32,33 @@ tombstones are kept, which is what keeps version numbers and name ownership.
 Tenancy: a name belongs to the tenant that first published it, for good
 (like a package index: nobody else can take over a name that clients still
 reference). Another tenant publishing that name gets AccessDenied. A tenant
-sees and uses its own versions and public ones; only the owner deletes. Tenant
-None is open mode (no API keys configured): it sees, publishes and deletes
+sees and uses its own versions and public ones; only the owner deletes. Another
+tenant's private versions look like none at all: resolve, describe and delete
+answer AdapterNotFound with the message a name nobody has gets. Tenant None is
+open mode (no API keys configured) and admin keys: it sees, publishes and deletes
 everything, and names it creates have no owner, so once keys are configured
-tenants see those only if they are public.
+tenants see those only if they are public. `publish(quotas=...)` refuses a version
+over the tenant's quotas (usage.py) before anything is stored.
+
+Resolving a bare `name` lists `meta/<name>/`; with `resolve_ttl_s` > 0 the result
+is kept that long (this store object's own publishes and deletes drop it at once;
+other servers' show within the TTL). `name@N` reads its manifest and tombstone
+directly, so a request never lists the store. A manifest that cannot be read is
+logged and skipped: the other adapters stay usable. A store fault (read-only or
+full disk, unreachable bucket) raises StoreUnavailable naming no paths; the
+server log has the details.
 
 Calls block on I/O; async servers call them through `asyncio.to_thread`. A
 store object is safe to share between threads.
 """
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import tempfile
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import replace
@@ -62,10 +76,30 @@ from adapterserve.adapters_store.lookup import (
     owner_for_publish,
     same_as_newest,
 )
-from adapterserve.adapters_store.records import AdapterVersion, check_name, from_manifest, parse_ref, to_manifest
-from adapterserve.adapters_store.staging import StagedFile, StoreLimits, content_hash, scan_source, stage_copy
-from adapterserve.errors import AdapterNotFound
+from adapterserve.adapters_store.records import (
+    AdapterVersion,
+    check_name,
+    from_manifest,
+    parse_ref,
+    to_manifest,
+)
+from adapterserve.adapters_store.staging import (
+    StagedFile,
+    StoreLimits,
+    content_hash,
+    scan_source,
+    stage_copy,
+)
+from adapterserve.adapters_store.tenants import Quotas
+from adapterserve.adapters_store.usage import StoreUsage, check_publish, usage_of
+from adapterserve.errors import (
+    AccessDenied,
+    AdapterIntegrityError,
+    AdapterNotFound,
+    StoreUnavailable,
+)
 
+logger = logging.getLogger("adapterserve.store")
 Validator = Callable[[Path], Mapping[str, Any]]
 _COMMIT_ATTEMPTS = 8
 _HINT_NAMES = 20
@@ -76,12 +110,42 @@ class StoredObject(NamedTuple):
     mtime: float  # seconds since the epoch
 
 
+def _faults_unavailable(method: Callable) -> Callable:
+    """Turn a backend's I/O fault inside `method` into StoreUnavailable (details in the log)."""
+
+    @functools.wraps(method)
+    def wrapped(self: AdapterStore, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except AccessDenied:
+            raise
+        except self._io_faults as e:
+            logger.exception("adapter store %r failed in %s: %s", self, method.__name__, e)
+            raise StoreUnavailable(
+                f"the adapter store cannot {_VERBS.get(method.__name__, 'answer')} now (it is read-only, full or "
+                "unreachable); retry later, and tell the operator if it persists"
+            ) from None
+
+    return wrapped
+
+
+_VERBS = {"publish": "store this adapter", "delete": "record this delete", "fetch": "read this adapter"}
+
+
 class AdapterStore(ABC):
     """The store's operations, written once over a few backend primitives."""
 
-    def __init__(self, limits: StoreLimits | None = None) -> None:
+    _io_faults: tuple[type[BaseException], ...] = (OSError,)  # backend errors that mean "store unavailable"
+
+    def __init__(self, limits: StoreLimits | None = None, resolve_ttl_s: float = 0.0) -> None:
+        if resolve_ttl_s < 0:
+            raise ValueError(f"resolve_ttl_s must be >= 0, got {resolve_ttl_s}")
         self.limits = limits or StoreLimits()
+        self.resolve_ttl_s = resolve_ttl_s
         self._manifests: dict[str, AdapterVersion] = {}  # manifests never change: cache them
+        self._unreadable: set[str] = set()  # manifests already reported as unreadable
+        self._resolved: dict[str, tuple[float, list[Record]]] = {}  # name -> (expiry, records)
+        self._resolved_lock = threading.Lock()
 
     # --- backend primitives -------------------------------------------------
 
@@ -122,6 +186,7 @@ class AdapterStore(ABC):
 
     # --- public API ---------------------------------------------------------
 
+    @_faults_unavailable
     def publish(
         self,
         name: str,
@@ -130,9 +195,11 @@ class AdapterStore(ABC):
         tenant: str | None,
         public: bool = False,
         validator: Validator | None = None,
+        quotas: Quotas | None = None,
     ) -> AdapterVersion:
         """Store the adapter in `src_dir` as the next version of `name` (or return the
-        newest version if it has the same content and visibility)."""
+        newest version if it has the same content and visibility). `quotas`: the tenant's,
+        checked before anything is stored (QuotaExceeded)."""
         check_name(name)
         owner_for_publish(name, self._records(name), tenant)
         src = Path(src_dir)
@@ -142,15 +209,24 @@ class AdapterStore(ABC):
             digest = content_hash(staged)
             if same := same_as_newest(self._records(name), digest, public):
                 return same
+            if quotas is not None and tenant is not None:
+                check_publish(name, tenant, quotas, self.usage(tenant), sum(f.size for f in staged))
             info = _run_validator(validator, Path(tmp))
             for f in staged:
                 self._store_file(_data_prefix(name, digest) + f.path, Path(tmp) / f.path)
-            return self._commit(_draft(name, tenant, public, digest, staged, info))
+            try:
+                return self._commit(_draft(name, tenant, public, digest, staged, info))
+            finally:
+                self._forget(name)
 
+    @_faults_unavailable
     def resolve(self, ref: str, *, tenant: str | None) -> AdapterVersion:
-        """`name@N` exactly, or `name` as its newest version this tenant may use."""
+        """`name@N` exactly (read directly), or `name` as its newest version this tenant may use."""
         name, number = parse_ref(ref)
-        records = self._records(name)
+        record = self._record(name, number) if number is not None else None
+        if record and record.deleted_at is None and can_use(record.version, tenant):
+            return record.version
+        records = _usable(self._records(name) if number is not None else self._recent_records(name), tenant)
         if not records:
             raise AdapterNotFound(f"no adapter named {name!r}; {self._names_hint(tenant)}")
         if number is None:
@@ -161,15 +237,17 @@ class AdapterStore(ABC):
         """The record of one version (same lookup as `resolve`)."""
         return self.resolve(ref, tenant=tenant)
 
+    @_faults_unavailable
     def list(self, *, tenant: str | None, name: str | None = None) -> list[AdapterVersion]:
         """Every live version this tenant may use (of one name if given), by name then version."""
         groups = {name: self._records(check_name(name))} if name else self._all_records()
         found = [r.version for rs in groups.values() for r in rs if r.deleted_at is None]
         return sorted((v for v in found if can_use(v, tenant)), key=lambda v: (v.name, v.version))
 
+    @_faults_unavailable
     def delete(self, name: str, version: int | None = None, *, tenant: str | None) -> list[AdapterVersion]:
         """Tombstone one version (or every live one): gone for resolve/list at once; files stay until `gc`."""
-        records = self._records(check_name(name))
+        records = _usable(self._records(check_name(name)), tenant)
         if not records:
             raise AdapterNotFound(f"no adapter named {name!r}; {self._names_hint(tenant)}")
         check_may_delete(name, records, tenant)
@@ -177,16 +255,32 @@ class AdapterStore(ABC):
         if not targets:
             raise AdapterNotFound(f"adapter {name!r} has no live versions left to delete")
         stamp = json.dumps({"deleted_at": datetime.now(timezone.utc).isoformat(), "by": tenant}).encode()
-        for v in targets:
-            self._put(_meta_key(name, v.version, "deleted"), stamp)
+        try:
+            for v in targets:
+                self._put(_meta_key(name, v.version, "deleted"), stamp)
+        finally:
+            self._forget(name)
         return targets
 
+    @_faults_unavailable
+    def usage(self, tenant: str | None) -> StoreUsage:
+        """What `tenant` holds: bytes, adapter names and versions of its live versions."""
+        return usage_of(self._all_records(), tenant)
+
+    @_faults_unavailable
+    def usages(self, tenants: list[str]) -> dict[str, StoreUsage]:
+        """`usage` of each of `tenants`, from one listing."""
+        groups = self._all_records()
+        return {t: usage_of(groups, t) for t in tenants}
+
+    @_faults_unavailable
     def fetch(self, version: AdapterVersion) -> Path:
         """A local directory holding `version`'s files, checked against its content hash.
 
         Works for a deleted version until `gc` removes its files."""
         return self._materialize(version, _data_prefix(version.name, version.content_hash))
 
+    @_faults_unavailable
     def gc(self, *, grace_s: float = 3600.0) -> int:
         """Remove files of versions deleted over `grace_s` ago and leftovers of interrupted
         publishes as old; returns how many file sets were removed."""
@@ -205,6 +299,11 @@ class AdapterStore(ABC):
         self._gc_staging(grace_s)
         return removed
 
+    @_faults_unavailable
+    def clean_staging(self, *, grace_s: float) -> None:
+        """Remove what publishes interrupted by a crash left in local staging, older than `grace_s`."""
+        self._gc_staging(grace_s)
+
     # --- internals ----------------------------------------------------------
 
     def _commit(self, draft: AdapterVersion) -> AdapterVersion:
@@ -214,7 +313,7 @@ class AdapterStore(ABC):
             if same := same_as_newest(records, draft.content_hash, draft.public):
                 return same
             owner = owner_for_publish(draft.name, records, draft.tenant)
-            number = max((r.version.version for r in records), default=0) + 1
+            number = self._newest_number(draft.name) + 1
             v = replace(draft, version=number, tenant=owner)
             key = _meta_key(v.name, number, "json")
             if self._put_new(key, to_manifest(v)):
@@ -227,6 +326,37 @@ class AdapterStore(ABC):
 
     def _records(self, name: str) -> list[Record]:
         return self._scan(f"meta/{name}/").get(name, [])
+
+    def _recent_records(self, name: str) -> list[Record]:
+        """`_records(name)`, listed at most once per `resolve_ttl_s`."""
+        if self.resolve_ttl_s <= 0:
+            return self._records(name)
+        now = time.monotonic()
+        with self._resolved_lock:
+            if (hit := self._resolved.get(name)) and hit[0] > now:
+                return hit[1]
+        records = self._records(name)
+        if records:  # a name not found yet is listed again next time: its first publish shows at once
+            with self._resolved_lock:
+                self._resolved[name] = (now + self.resolve_ttl_s, records)
+        return records
+
+    def _forget(self, name: str) -> None:
+        with self._resolved_lock:
+            self._resolved.pop(name, None)
+
+    def _record(self, name: str, number: int) -> Record | None:
+        """Version `number` of `name` from its manifest and tombstone (no listing); None if absent."""
+        version = self._manifest(_meta_key(name, number, "json"))
+        if version is None:
+            return None
+        tombstone = self._get(_meta_key(name, number, "deleted"))
+        return Record(version, None if tombstone is None else _deleted_at(tombstone))
+
+    def _newest_number(self, name: str) -> int:
+        """The highest version number taken (unreadable manifests count: numbers are never reused)."""
+        parsed = (_parse_meta_key(o.key) for o in self._list(f"meta/{name}/"))
+        return max((p[1] for p in parsed if p and p[0] == name), default=0)
 
     def _all_records(self) -> dict[str, list[Record]]:
         return self._scan("meta/")
@@ -246,11 +376,18 @@ class AdapterStore(ABC):
         return groups
 
     def _manifest(self, key: str) -> AdapterVersion | None:
+        """The manifest at `key`; None if absent or unreadable (logged once, then skipped)."""
         if key not in self._manifests:
             data = self._get(key)
             if data is None:
                 return None
-            self._manifests[key] = from_manifest(data, key)
+            try:
+                self._manifests[key] = from_manifest(data, key)
+            except AdapterIntegrityError as e:
+                if key not in self._unreadable:
+                    self._unreadable.add(key)
+                    logger.error("skipping adapter manifest in %r: %s", self, e)
+                return None
         return self._manifests[key]
 
     def _names_hint(self, tenant: str | None) -> str:
@@ -259,6 +396,12 @@ class AdapterStore(ABC):
             return "no adapters are stored that you can use; publish one first (adapterserve upload DIR --name NAME)"
         more = f" and {len(names) - _HINT_NAMES} more" if len(names) > _HINT_NAMES else ""
         return "adapters you can use: " + ", ".join(names[:_HINT_NAMES]) + more
+
+
+def _usable(records: list[Record], tenant: str | None) -> list[Record]:
+    """The records `tenant` may see: another tenant's private versions look like no version at
+    all (NOT_FOUND with the same message as a name nobody has, never PERMISSION_DENIED)."""
+    return [r for r in records if can_use(r.version, tenant)]
 
 
 def _run_validator(validator: Validator | None, staged_dir: Path) -> dict[str, Any]:
@@ -283,6 +426,14 @@ def _draft(
         info=info,
         file_sha256={f.path: f.sha256 for f in staged},
     )
+
+
+def _deleted_at(tombstone: bytes) -> float:
+    """A tombstone's time (seconds since the epoch); now if it cannot be read (it still deletes)."""
+    try:
+        return datetime.fromisoformat(json.loads(tombstone)["deleted_at"]).timestamp()
+    except (ValueError, KeyError, TypeError):
+        return time.time()
 
 
 def _meta_key(name: str, number: int, kind: str) -> str:

@@ -19,6 +19,7 @@ away (`adapterserve generate ... | head -1`), as for a command killed by SIGPIPE
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -98,10 +99,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address of the HTTP and gRPC ports (Serve's "
                    "own gRPC ports bind all interfaces: docs/serving.md)")
     p.add_argument("--replicas", type=int, help="engine replicas (default 1)")
-    p.add_argument("--api-keys", help="file of 'KEY TENANT' lines; without it the server is open")
+    p.add_argument("--api-keys", help="a tenants file (YAML: keys with scopes, quotas) or a file of 'KEY TENANT' "
+                   "lines (docs/tenancy.md); without it the server is open")
     p.add_argument("--device", help="engine device, e.g. cuda (default cpu)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "fp8"], help="engine dtype; fp8: "
+                   "float8 linear weights of a Llama-family decoder, per-channel scales, bfloat16 elsewhere")
     p.add_argument("--max-lora-rank", type=int)
+    p.add_argument("--no-warmup", action="store_true", help="skip compiling every kernel variant at engine start "
+                   "(development: the first requests then wait for the compiler)")
     p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template for /v1/chat/completions "
                    "(default: the tokenizer's own)")
     p.add_argument("--config", help="YAML/JSON file of config overrides (adapterserve.server.settings.DEFAULTS)")
@@ -116,11 +121,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--http-url", help="the server's HTTP address, for s3:// (default $ADAPTERSERVE_HTTP_URL "
                    "or port 8000 of --server's host)")
     p.add_argument("--public", action="store_true", help="let every tenant use it")
-    p.add_argument("--no-validate", action="store_true", help="skip the local check of sizes (and, with "
-                   "adapterserve[engine] installed, of the adapter itself); the server checks anyway")
+    p.add_argument("--no-validate", action="store_true", help="skip the local check of sizes and file names "
+                   "(and, with adapterserve[engine] installed, of the adapter itself, as the server checks it; "
+                   "without torch only sizes and names are checked here); the server checks anyway")
     p.set_defaults(run=_upload)
 
-    p = sub.add_parser("list", parents=[client], help="list the adapters you can use")
+    p = sub.add_parser("list", parents=[client], help="list the adapters you can use, and your tenant's usage")
     p.add_argument("name", nargs="?")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_list)
@@ -129,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("ref")
     p.set_defaults(run=_delete)
 
-    p = sub.add_parser("info", parents=[client], help="show the served backbone and limits")
+    p = sub.add_parser("info", parents=[client], help="show the served backbone, limits and your tenant's usage")
     p.set_defaults(run=_info)
 
     p = sub.add_parser("generate", parents=[client], help="generate text, streamed to stdout")
@@ -222,6 +228,8 @@ def serve_config(args: argparse.Namespace) -> dict:
     for flag, key in (("device", "device"), ("dtype", "dtype"), ("max_lora_rank", "max_lora_rank")):
         if getattr(args, flag) is not None:
             engine[key] = getattr(args, flag)
+    if getattr(args, "no_warmup", False):
+        engine["warmup"] = False
     if engine:
         config["engine"] = engine
     for flag, key in (("model", "model"), ("store", "store"), ("api_keys", "api_keys_file"),
@@ -262,7 +270,7 @@ def _upload(args: argparse.Namespace) -> int:
     with _client(args) as client:
         files = collect_files(args.directory)
         if not args.no_validate:
-            check_locally(client, args.directory, args.name, sum(f.size for f in files), len(files))
+            check_locally(client, args.directory, args.name, [(f.path, f.size) for f in files])
         with _progress_bar(files) as bar:
             info = client.upload(args.directory, args.name, public=args.public, progress=bar.update)
     print(info.ref)
@@ -295,17 +303,37 @@ def _progress_bar(files):
 
 def _list(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        adapters = client.list_adapters(args.name)
+        listing = client.listing(args.name)
+        adapters = listing.adapters
         if args.name and not adapters:  # none of that name: NOT_FOUND with the server's hint
             adapters = [client.get_adapter(args.name)]
     if args.json:
         print(json.dumps([a.__dict__ for a in adapters], indent=1))
         return 0
-    print(f"{'ADAPTER':<32} {'KIND':<14} {'RANK':>4} {'BYTES':>10}  {'PUBLIC':<6} CREATED")
+    admin = bool(listing.tenants)
+    owner = f" {'OWNER':<16}" if admin else ""
+    print(f"{'ADAPTER':<32} {'KIND':<14} {'RANK':>4} {'BYTES':>10}  {'PUBLIC':<6}{owner} CREATED")
     for a in adapters:
         public = "yes" if a.public else "no"
-        print(f"{a.ref:<32} {a.kind:<14} {a.rank:>4} {a.size_bytes:>10}  {public:<6} {a.created_at}")
+        owner = f" {a.tenant or '-':<16}" if admin else ""
+        print(f"{a.ref:<32} {a.kind:<14} {a.rank:>4} {a.size_bytes:>10}  {public:<6}{owner} {a.created_at}")
+    if not args.name and listing.usage.tenant:  # the whole list: then the key's tenant and its usage
+        _print_usage([listing.usage, *(t for t in listing.tenants if t.tenant != listing.usage.tenant)])
     return 0
+
+
+def _print_usage(tenants: list) -> None:
+    """One line per tenant: scopes, then each use against its quota."""
+    print(f"{'TENANT':<20} {'SCOPES':<20} {'BYTES':>21} {'ADAPTERS':>11} {'TOKENS/MIN':>19} {'IN FLIGHT':>11}")
+    for t in tenants:
+        q = t.quotas
+        print(f"{t.tenant:<20} {','.join(t.scopes) or '-':<20} {_of(t.bytes_stored, q['bytes_stored']):>21} "
+              f"{_of(t.adapters, q['adapters']):>11} {_of(t.tokens_last_minute, q['tokens_per_minute']):>19} "
+              f"{_of(t.requests_in_flight, q['concurrent_requests']):>11}")
+
+
+def _of(used: int, limit: int | None) -> str:
+    return f"{used}/{limit}" if limit is not None else f"{used}"
 
 
 def _delete(args: argparse.Namespace) -> int:
@@ -317,7 +345,7 @@ def _delete(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        print(json.dumps(client.server_info().__dict__, indent=1))
+        print(json.dumps(dataclasses.asdict(client.server_info()), indent=1))
     return 0
 
 

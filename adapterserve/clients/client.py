@@ -35,6 +35,7 @@ from adapterserve.clients.types import (
     Classification,
     ClientError,
     Completion,
+    Listing,
     ServerInfo,
 )
 from adapterserve.clients.upload_stream import Progress, collect_files, upload_messages
@@ -159,8 +160,11 @@ class Client:
         return AdapterInfo.from_proto(self._call(self._stub.UploadAdapter, messages))
 
     def list_adapters(self, name: str | None = None) -> list[AdapterInfo]:
-        reply = self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(name=name or ""))
-        return [AdapterInfo.from_proto(a) for a in reply.adapters]
+        return self.listing(name).adapters
+
+    def listing(self, name: str | None = None) -> Listing:
+        """The adapters the key may use (of `name` if given), with its tenant's scopes and usage."""
+        return Listing.from_proto(self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(name=name or "")))
 
     def get_adapter(self, ref: str) -> AdapterInfo:
         return AdapterInfo.from_proto(self._call(self._stub.GetAdapter, pb.GetAdapterRequest(ref=ref)))
@@ -232,8 +236,11 @@ class AsyncClient:
         return AdapterInfo.from_proto(await self._call(self._stub.UploadAdapter, messages))
 
     async def list_adapters(self, name: str | None = None) -> list[AdapterInfo]:
+        return (await self.listing(name)).adapters
+
+    async def listing(self, name: str | None = None) -> Listing:
         reply = await self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(name=name or ""))
-        return [AdapterInfo.from_proto(a) for a in reply.adapters]
+        return Listing.from_proto(reply)
 
     async def get_adapter(self, ref: str) -> AdapterInfo:
         return AdapterInfo.from_proto(await self._call(self._stub.GetAdapter, pb.GetAdapterRequest(ref=ref)))

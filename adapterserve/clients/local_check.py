@@ -1,19 +1,25 @@
-"""The upload's check before any byte is sent: is the adapter fit for the server's backbone?
+"""The upload's check before any byte is sent: is the adapter fit for the server's backbones?
 
-Always: the file count and total size against the server's limits. Where the engine's
-packages are installed (`pip install 'adapterserve[engine]'`: torch, safetensors), also
-the adapter itself, read as the server will read it against the generation backbone:
-its config, tensor names and shapes, rank and values. A client-only install leaves
-that to the server, which refuses an unfit adapter with INVALID_ARGUMENT when the
-upload arrives; nothing is published either way.
+Always (no torch needed): the file count and total size against the server's limits, and
+each file against the upload rules (only an adapter's own files plus a README / LICENSE /
+model card, each capped). Where the engine's packages are installed
+(`pip install 'adapterserve[engine]'`: torch, safetensors), also the adapter itself, with
+the server's own check (adapters_store/fit.py) against every backbone the server describes:
+every format, shapes, ranks and the engine's pool limits. A client-only install leaves
+that to the server, which refuses an unfit adapter with INVALID_ARGUMENT when the upload
+arrives; nothing is published either way.
 """
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-from collections.abc import Collection
+from collections.abc import Sequence
+from pathlib import Path
 
+from adapterserve.adapters_store.staging import (
+    StoreLimits,
+    check_paths_distinct,
+    check_upload_file,
+)
 from adapterserve.clients.client import Client
 from adapterserve.errors import AdapterTooLarge
 
@@ -25,32 +31,23 @@ def can_read_adapters() -> bool:
     return all(importlib.util.find_spec(m) is not None for m in ENGINE_MODULES)
 
 
-def check_locally(client: Client, directory: str, name: str, total_bytes: int, num_files: int) -> None:
-    """AdapterTooLarge past the server's limits; AdapterError if the adapter is unfit for the
-    generation backbone (checked only where `can_read_adapters()`)."""
+def check_locally(client: Client, directory: str, name: str, files: Sequence[tuple[str, int]]) -> None:
+    """AdapterTooLarge past the server's limits; AdapterError for a file an upload may not hold,
+    or an adapter unfit for every served backbone (checked only where `can_read_adapters()`).
+    `files`: (path, size) of each file the upload would send."""
     info = client.server_info()
-    if total_bytes > info.max_upload_bytes or num_files > info.max_upload_files:
+    limits = StoreLimits(max_total_bytes=max(1, info.max_upload_bytes), max_files=max(1, info.max_upload_files))
+    check_paths_distinct([path for path, _ in files])
+    for path, size in files:  # first: a stray file is named, whatever its size
+        check_upload_file(path, size, limits)
+    total, count = sum(size for _, size in files), len(files)
+    if total > info.max_upload_bytes or count > info.max_upload_files:
         raise AdapterTooLarge(
-            f"{directory!r} holds {num_files} files, {total_bytes} bytes; the server takes at most "
+            f"{directory!r} holds {count} files, {total} bytes; the server takes at most "
             f"{info.max_upload_files} files, {info.max_upload_bytes} bytes"
         )
-    if not can_read_adapters():
-        return  # the server reads it
-    if info.encoder_id and not _targets_any(directory, info.linear_shapes):
-        return  # made for the encoder, which ServerInfo does not describe: the server checks it
-    from adapterserve.adapters_store.formats.peft_lora import read_peft_lora
-    from adapterserve.adapters_store.formats.types import BackboneSpec
+    if not can_read_adapters() or not info.backbones:
+        return  # the server reads it (a server too old to describe its backbones, too)
+    from adapterserve.adapters_store.fit import adapter_validator
 
-    spec = BackboneSpec(info.model_type, info.num_layers, info.hidden_size, info.linear_shapes)
-    read_peft_lora(directory, spec, info.max_lora_rank, name=name)
-
-
-def _targets_any(directory: str, modules: Collection[str]) -> bool:
-    """Whether the PEFT config in `directory` targets any of `modules` (the generation backbone's)."""
-    try:
-        with open(os.path.join(directory, "adapter_config.json")) as f:
-            targets = json.load(f).get("target_modules") or []
-    except (OSError, ValueError, AttributeError):
-        return False
-    targets = [targets] if isinstance(targets, str) else targets
-    return any(isinstance(t, str) and t.split(".")[-1] in modules for t in targets)
+    adapter_validator(info.backbones, name)(Path(directory))

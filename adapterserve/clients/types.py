@@ -1,6 +1,7 @@
 """What the client returns: plain dataclasses made from the gRPC messages."""
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -34,10 +35,12 @@ class Chunk:
     adapter: str  # resolved "name@version" (first chunk only; "" for the base model)
     prompt_tokens: int  # first chunk only
     request_id: str
+    cached_tokens: int = 0  # prompt tokens found in the server's prefix cache (first chunk only)
 
     @classmethod
     def from_proto(cls, m: pb.GenerateResponse) -> Chunk:
-        return cls(list(m.token_ids), m.text, m.finish_reason or None, m.adapter, m.prompt_tokens, m.request_id)
+        return cls(list(m.token_ids), m.text, m.finish_reason or None, m.adapter, m.prompt_tokens, m.request_id,
+                   m.cached_tokens)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class Completion:
     adapter: str
     prompt_tokens: int
     request_id: str
+    cached_tokens: int = 0  # prompt tokens found in the server's prefix cache
 
     @classmethod
     def from_chunks(cls, chunks: Sequence[Chunk]) -> Completion:
@@ -62,11 +66,13 @@ class Completion:
             adapter=chunks[0].adapter,
             prompt_tokens=chunks[0].prompt_tokens,
             request_id=chunks[0].request_id,
+            cached_tokens=chunks[0].cached_tokens,
         )
 
     def to_json(self) -> dict:
         return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
-                "adapter": self.adapter or None, "prompt_tokens": self.prompt_tokens}
+                "adapter": self.adapter or None, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens}
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,43 @@ class AdapterInfo:
                    m.size_bytes, list(m.files), m.kind, m.rank, list(m.target_modules))
 
 
+QUOTAS = ("bytes_stored", "versions_per_adapter", "adapters", "concurrent_requests", "tokens_per_minute")
+
+
+@dataclass(frozen=True)
+class TenantUsage:
+    """A tenant's scopes (the calling key's), usage and quotas (None: no limit). Tokens and requests
+    in flight are those counted by the ingress replica that answered."""
+
+    tenant: str | None  # None on an open server
+    scopes: list[str]
+    bytes_stored: int
+    adapters: int
+    tokens_last_minute: int
+    requests_in_flight: int
+    quotas: dict[str, int | None]
+
+    @classmethod
+    def from_proto(cls, m: pb.TenantUsage) -> TenantUsage:
+        quotas = {q: getattr(m.quotas, q) if m.quotas.HasField(q) else None for q in QUOTAS}
+        return cls(m.tenant or None, list(m.scopes), m.bytes_stored, m.adapters, m.tokens_last_minute,
+                   m.requests_in_flight, quotas)
+
+
+@dataclass(frozen=True)
+class Listing:
+    """ListAdapters' reply: the adapters, the caller's usage, every tenant's for an admin key."""
+
+    adapters: list[AdapterInfo]
+    usage: TenantUsage
+    tenants: list[TenantUsage]
+
+    @classmethod
+    def from_proto(cls, m: pb.ListAdaptersResponse) -> Listing:
+        return cls([AdapterInfo.from_proto(a) for a in m.adapters], TenantUsage.from_proto(m.usage),
+                   [TenantUsage.from_proto(t) for t in m.tenants])
+
+
 @dataclass(frozen=True)
 class ServerInfo:
     backbone_id: str
@@ -109,6 +152,8 @@ class ServerInfo:
     loaded_adapters: list[str] = field(default_factory=list)
     cancelled_requests: int = 0
     encoder_id: str = ""  # the encoder serving classify/embed; "" if none
+    usage: TenantUsage | None = None  # the calling key's tenant
+    backbones: list[dict] = field(default_factory=list)  # every backbone's facts, for the upload check
 
     @classmethod
     def from_proto(cls, m: pb.ServerInfoResponse) -> ServerInfo:
@@ -118,6 +163,8 @@ class ServerInfo:
             {s.module: (s.in_features, s.out_features) for s in m.linear_shapes},
             m.max_upload_bytes, m.max_upload_files, m.num_kv_blocks, m.free_kv_blocks, m.running_requests,
             list(m.loaded_adapters), m.cancelled_requests, m.encoder_id,
+            TenantUsage.from_proto(m.usage) if m.HasField("usage") else None,
+            json.loads(m.backbones_json) if m.backbones_json else [],
         )
 
 

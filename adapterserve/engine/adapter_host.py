@@ -3,21 +3,30 @@ place into slots. Subclasses say which pools they have and what the backbone is.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
 
+from adapterserve.adapters_store.cache import tensor_nbytes
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.adapters_store.formats.read import AdapterLimits, read_adapter
 from adapterserve.adapters_store.formats.types import BackboneSpec, LoraAdapter
+from adapterserve.adapters_store.servable import ServingRules, check_servable
 from adapterserve.config import EngineConfig
 from adapterserve.engine.slots import AdapterSlots
-from adapterserve.errors import AdapterError, AdapterNotFound, CapacityError
+from adapterserve.errors import (
+    AdapterError,
+    AdapterInUse,
+    AdapterNotFound,
+    CapacityError,
+)
 
 # Families whose tokens the kernels group per step (others act once per request).
 TOKEN_FAMILIES = ("lora", "ia3", "bottleneck")
+_UNLOAD_POLL_S = 0.01
 
 
 def family_slots(slots: list[int], families_of: Callable[[int], frozenset[str]]) -> np.ndarray:
@@ -38,6 +47,7 @@ def family_slots(slots: list[int], families_of: Callable[[int], frozenset[str]])
 class AdapterHost:
     config: EngineConfig
     slots: AdapterSlots
+    serves_virtual_tokens = True  # prompt and prefix tuning (decoders)
 
     def __init__(self) -> None:
         self.adapters: dict[str, Adapter] = {}  # host copies of loaded adapters
@@ -53,12 +63,17 @@ class AdapterHost:
         cfg = self.config
         return AdapterLimits(cfg.max_lora_rank, cfg.max_virtual_tokens, cfg.max_bottleneck_rank)
 
+    @property
+    def serving_rules(self) -> ServingRules:
+        """What this engine's pools can hold: checked here on load, and by the store on upload."""
+        fields: dict = {"virtual_tokens": self.serves_virtual_tokens}
+        for pool in self.slots.pools:
+            fields.update(pool.rules())
+        return ServingRules(**fields)
+
     def check_servable(self, adapter: Adapter, adapter_id: str) -> None:
         """Refuse what this engine's pools cannot hold (AdapterError)."""
-        for pool in self.slots.pools:
-            check = getattr(pool, "check_servable", None)
-            if check is not None:
-                check(adapter, adapter_id)
+        check_servable(adapter, adapter_id, self.serving_rules)
 
     def load_adapter(self, adapter_id: str, path: str | Path, pinned: bool = False) -> None:
         """Read and check an adapter directory (PEFT: LoRA, (IA)^3, prompt tuning,
@@ -68,7 +83,8 @@ class AdapterHost:
             raise AdapterError("adapter id must be a non-empty string")
         with self._lock:
             self._refuse_loaded(adapter_id)
-        adapter = read_adapter(path, self.backbone_spec, self.adapter_limits, name=adapter_id)
+        adapter = read_adapter(path, self.backbone_spec, self.adapter_limits, name=adapter_id,
+                               dtype=self.config.torch_dtype)
         self.add_adapter(adapter_id, adapter, pinned)
 
     def add_adapter(self, adapter_id: str, adapter: Adapter | LoraAdapter, pinned: bool = False) -> None:
@@ -105,19 +121,53 @@ class AdapterHost:
                 prepare(adapter)
         with self._lock:
             self._staged[adapter_id] = adapter
-            while len(self._staged) > self.config.max_staged_adapters:
-                _, oldest = self._staged.popitem(last=False)
-                oldest.staged.clear()
+            self._trim_staged()
 
-    def unload_adapter(self, adapter_id: str) -> None:
-        """Forget (and unpin) an adapter. New requests for it are refused; its slot is
-        freed once the requests already using it finish."""
+    def _trim_staged(self) -> None:
+        """Drop the oldest loading copies past max_staged_adapters or max_staged_bytes (the newest
+        is kept even alone over the bytes: it is being placed)."""
+        cfg = self.config
+        sizes = {adapter_id: tensor_nbytes(a.staged) for adapter_id, a in self._staged.items()}
+        total = sum(sizes.values())
+        while len(self._staged) > 1 and (len(self._staged) > cfg.max_staged_adapters
+                                         or total > cfg.max_staged_bytes):
+            oldest_id, oldest = self._staged.popitem(last=False)
+            oldest.staged.clear()
+            total -= sizes[oldest_id]
+
+    @property
+    def staged_bytes(self) -> int:
+        """Host bytes of the adapters' ready-to-copy loading copies."""
         with self._lock:
-            if adapter_id not in self.adapters:
-                raise AdapterNotFound(f"no adapter {adapter_id!r} is loaded")
-            adapter = self.adapters.pop(adapter_id)
-            self._unstage(adapter_id, adapter)
-            self.slots.evict(adapter_id)
+            return sum(tensor_nbytes(a.staged) for a in self._staged.values())
+
+    def unload_adapter(self, adapter_id: str, *, wait_s: float = 0.0, fail_queued: bool = False) -> None:
+        """Forget (and unpin) an adapter. New requests for it are refused; requests running
+        with it finish, and its slot is freed when they do. Requests still queued for it
+        (not started): waits up to `wait_s` for them to start (another thread steps the
+        engine), then raises AdapterInUse and unloads nothing if some still wait;
+        ``fail_queued=True`` ends them instead (each with AdapterNotFound)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._lock:
+                if adapter_id not in self.adapters:
+                    raise AdapterNotFound(f"no adapter {adapter_id!r} is loaded")
+                queued = 0 if fail_queued else self._queued_for(adapter_id)
+                if not queued:
+                    adapter = self.adapters.pop(adapter_id)
+                    self._unstage(adapter_id, adapter)
+                    self.slots.evict(adapter_id)
+                    return
+            if time.monotonic() >= deadline:
+                raise AdapterInUse(
+                    f"adapter {adapter_id!r} has {queued} queued requests that have not started; unload it "
+                    "once they finish, wait for them to start (wait_s=...), or end them (fail_queued=True)"
+                )
+            time.sleep(_UNLOAD_POLL_S)
+
+    def _queued_for(self, adapter_id: str) -> int:
+        """Requests queued for `adapter_id` that hold no slot yet (none in an engine without a queue)."""
+        return 0
 
     def _unstage(self, adapter_id: str, adapter: Adapter) -> None:
         """Drop the adapter's loading copies (only its own, not those of another adapter

@@ -33,18 +33,18 @@ class AsyncFront:
 
     async def stream(
         self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
-        request_id: str | None = None, times: RequestTimes | None = None,
+        request_id: str | None = None, times: RequestTimes | None = None, cache_salt: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Yield new tokens and text as steps produce them; the last chunk has finish_reason.
         Steps that finished while the consumer was busy arrive merged in one chunk, so a
         slow consumer (a server relaying each chunk) pays per chunk, not per token.
         Closing the iterator early (or cancelling its task) aborts the request. A request
         that fails raises its error here. `times`, if given, gets the request's stage times
-        (before each chunk that reaches a stage is yielded)."""
+        (before each chunk that reaches a stage is yielded). `cache_salt`: as for add_request."""
         queue: asyncio.Queue = asyncio.Queue()
         if times is not None:
             times.added_ns = time.time_ns()
-        request = self.add_request(prompt, sampling, adapter_id, request_id, times=times)
+        request = self.add_request(prompt, sampling, adapter_id, request_id, times=times, cache_salt=cache_salt)
         self._streams[request.request_id] = queue
         self._ensure_loop()
         try:
@@ -162,7 +162,7 @@ def merge_chunks(chunks: list, queue: asyncio.Queue) -> RequestOutput:
         return chunks[0]
     last = chunks[-1]
     return RequestOutput(last.request_id, [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
-                         last.finish_reason, last.adapter_id, last.prompt_token_ids)
+                         last.finish_reason, last.adapter_id, last.prompt_token_ids, cached_tokens=last.cached_tokens)
 
 
 def per_prompt(value, n: int, name: str) -> list:

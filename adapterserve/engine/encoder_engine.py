@@ -26,7 +26,7 @@ from adapterserve.engine.pools.ia3 import Ia3Pool
 from adapterserve.engine.pools.lora import LoraPool
 from adapterserve.engine.request import ClassifyOutput, EmbedOutput
 from adapterserve.engine.slots import AdapterSlots
-from adapterserve.errors import AdapterError, AdapterNotFound, CapacityError, RequestError
+from adapterserve.errors import AdapterNotFound, CapacityError, RequestError
 from adapterserve.models.encoder import EncoderModel
 from adapterserve.models.encoder_adapters import encoder_adapter_meta
 from adapterserve.models.encoder_config import PoolingConfig
@@ -34,6 +34,8 @@ from adapterserve.models.encoder_loader import load_encoder
 
 
 class EncoderEngine(AdapterHost):
+    serves_virtual_tokens = False  # prompt and prefix tuning are for decoders
+
     def __init__(self, model: EncoderModel, tokenizer, config: EngineConfig) -> None:
         super().__init__()
         self.model, self.tokenizer, self.config = model, tokenizer, config
@@ -57,6 +59,9 @@ class EncoderEngine(AdapterHost):
         from transformers import AutoTokenizer
 
         config = EngineConfig(device=device, dtype=dtype, max_lora_rank=max_lora_rank, **overrides)
+        if config.fp8:
+            raise ValueError(f"dtype fp8 is for Llama-family decoders; {model_dir} is an encoder: "
+                             "use bfloat16, float16 or float32")
         model, _ = load_encoder(model_dir, config.torch_dtype, device)
         return cls(model, AutoTokenizer.from_pretrained(str(model_dir)), config)
 
@@ -64,12 +69,6 @@ class EncoderEngine(AdapterHost):
     def backbone_spec(self) -> BackboneSpec:
         spec = self.model.backbone_spec()
         return dataclasses.replace(spec, layers_prefix=f"{spec.model_type}.encoder.layer")
-
-    def check_servable(self, adapter, adapter_id: str) -> None:
-        if adapter.prompt is not None or adapter.prefix is not None:
-            raise AdapterError(f"adapter '{adapter_id}': {adapter.kind} is served on decoder backbones only; "
-                               "this backbone is an encoder")
-        super().check_servable(adapter, adapter_id)
 
     # requests
 

@@ -28,6 +28,7 @@ from adapterserve.config import EngineConfig
 from adapterserve.engine.adapter_host import AdapterHost
 from adapterserve.engine.async_front import AsyncFront, Prompt, per_prompt
 from adapterserve.engine.detokenizer import Detokenizer
+from adapterserve.engine.graphs import decode_graph_limits
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.pools.bottleneck import BottleneckPools
 from adapterserve.engine.pools.head import HeadPool
@@ -35,6 +36,7 @@ from adapterserve.engine.pools.ia3 import Ia3Pool
 from adapterserve.engine.pools.lora import LoraPool
 from adapterserve.engine.pools.prefix import PrefixPool
 from adapterserve.engine.pools.prompt import PromptPool
+from adapterserve.engine.prefix_cache import BASE, KvIdentities, PrefixCache, chain_root
 from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput, RequestTimes
 from adapterserve.engine.runner import ModelRunner, StepResult
 from adapterserve.engine.sampling_params import SamplingParams
@@ -42,6 +44,7 @@ from adapterserve.engine.scheduler import Scheduler
 from adapterserve.engine.slots import AdapterSlots
 from adapterserve.engine.stats import EngineStats
 from adapterserve.engine.stopping import check_stop_token, stream_delta, update_text
+from adapterserve.engine.warmup import WarmupReport, should_warm_up, warm_up
 from adapterserve.errors import AdapterNotFound, EngineBroken, Overloaded, RequestError
 from adapterserve.models.decoder import DecoderModel
 from adapterserve.models.decoder_config import DecoderConfig
@@ -80,15 +83,19 @@ class Engine(AdapterHost, AsyncFront):
             for _, linear in model.adapter_linears():
                 linear.side_stream = side
         if config.cuda_graphs and on_gpu:
-            pages = -(-self.max_model_len // config.block_size) + -(-config.max_virtual_tokens // config.block_size)
-            self.runner.enable_cuda_graphs(config.max_num_seqs, pages)
-            self.runner.graph_signature = self.bottleneck_pools.activations
-        self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release)
+            self.runner.enable_cuda_graphs(*decode_graph_limits(config, self.max_model_len))
+        # per family (lora, ia3, bottleneck): host state a captured decode graph depends on
+        self.runner.graph_signature = lambda: (self.lora_pool.graph_part(), (), self.bottleneck_pools.activations())
+        self.prefix_cache = PrefixCache(self.blocks, config.enable_prefix_caching)
+        self.kv_identities = KvIdentities(self.model_config.num_layers)
+        self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release, self.prefix_cache)
         self.requests: dict[str, Request] = {}
         self._in_flight: StepResult | None = None  # launched, results not yet handled
         self.broken: str | None = None  # why a failed step broke the engine; None while it serves
         self._last_progress = time.monotonic()  # when the step loop last moved a request
         self.stats = EngineStats()  # steps, batch sizes, queue times (metrics)
+        # every kernel variant and decode graph compiled now, before anyone sends a request
+        self.warmup: WarmupReport | None = warm_up(self) if should_warm_up(config) else None
 
     @classmethod
     def from_pretrained(
@@ -106,7 +113,7 @@ class Engine(AdapterHost, AsyncFront):
 
             return EncoderEngine.from_pretrained(model_dir, device, dtype, max_lora_rank, **overrides)
         config = EngineConfig(device=device, dtype=dtype, max_lora_rank=max_lora_rank, **overrides)
-        model, _ = load_decoder(model_dir, config.torch_dtype, device)
+        model, _ = load_decoder(model_dir, config.torch_dtype, device, fp8_gemm=config.fp8_gemm if config.fp8 else None)
         return cls(model, _load_tokenizer(model_dir), config)
 
     def _pools(self) -> list:
@@ -118,7 +125,8 @@ class Engine(AdapterHost, AsyncFront):
         self.prefix_pool = PrefixPool(self.blocks, model.attention_layers())
         self.head_pool = HeadPool(cfg.max_loras, cfg.max_labels, cfg.max_head_layers, self.model_config.hidden_size,
                                   ("last",), dtype, device)
-        self.lora_pool = LoraPool(linears, cfg.max_loras, cfg.pool_rows, cfg.max_lora_rank, dtype, device)
+        self.lora_pool = LoraPool(linears, cfg.max_loras, cfg.pool_rows, cfg.max_lora_rank, dtype, device,
+                                  stacked=cfg.lora_decode == "stacked")
         self.bottleneck_pools = BottleneckPools(list(model.layers), self.model_config.hidden_size, cfg.max_loras,
                                                 cfg.max_bottleneck_rank, cfg.max_num_batched_tokens, dtype, device)
         return [
@@ -131,6 +139,14 @@ class Engine(AdapterHost, AsyncFront):
         ]
 
     # adapters
+
+    def add_adapter(self, adapter_id: str, adapter, pinned: bool = False) -> None:
+        """AdapterHost.add_adapter, and the adapter's KV identity (prefix cache) computed now,
+        not on its first request."""
+        super().add_adapter(adapter_id, adapter, pinned)
+        registered = self.adapters.get(adapter_id)
+        if registered is not None:
+            self.kv_identities.of(adapter_id, registered, self.adapters)
 
     @property
     def backbone_spec(self) -> BackboneSpec:
@@ -152,9 +168,11 @@ class Engine(AdapterHost, AsyncFront):
         request_id: str | None = None,
         task: str = "generate",
         times: RequestTimes | None = None,
+        cache_salt: str = "",
     ) -> Request:
         """Queue a request (RequestError if it is invalid, Overloaded if the queue is full);
-        `times`, if given, gets the time it is first scheduled."""
+        `times`, if given, gets the time it is first scheduled. `cache_salt`: requests share
+        prefix-cache blocks only with requests of the same salt (e.g. a tenant)."""
         sampling = sampling or SamplingParams()
         self._check_serving()
         request = Request(prompt_ids=self._prompt_ids(prompt), sampling=sampling, adapter_id=adapter_id, task=task,
@@ -166,10 +184,12 @@ class Engine(AdapterHost, AsyncFront):
             request.generator = torch.Generator(device=self.runner.device).manual_seed(sampling.seed)
         with self._lock:
             self._check_serving()
+            identity = BASE
             if adapter_id is not None:
-                self._bind_adapter(request, adapter_id)
+                identity = self._bind_adapter(request, adapter_id)
             elif task == "classify":
                 raise RequestError("classify needs an adapter with a classification head")
+            request.cache_root = chain_root(identity, cache_salt)
             self._check_length(request)
             if request.request_id in self.requests:
                 raise RequestError(f"request id {request.request_id!r} is already in use")
@@ -190,13 +210,19 @@ class Engine(AdapterHost, AsyncFront):
             raise Overloaded(f"the engine has {waiting} requests waiting (max_queued_requests {limit}); "
                              "retry in a moment")
 
-    def _bind_adapter(self, request: Request, adapter_id: str) -> None:
+    def _queued_for(self, adapter_id: str) -> int:
+        return sum(1 for r in list(self.requests.values())
+                   if r.adapter_id == adapter_id and r.slot < 0 and not r.finished)
+
+    def _bind_adapter(self, request: Request, adapter_id: str) -> bytes:
+        """Bind a request to its adapter; the adapter's KV identity (prefix cache)."""
         adapter = self.adapters.get(adapter_id)
         if adapter is None:
             raise AdapterNotFound(f"no adapter {adapter_id!r} is loaded; loaded: {self.list_adapters()}")
         if request.task == "classify" and adapter.head is None:
             raise RequestError(f"adapter {adapter_id!r} has no classification head; classify needs one")
         request.num_virtual, request.prefix_len = adapter.num_virtual, adapter.prefix_len
+        return self.kv_identities.of(adapter_id, adapter, self.adapters)
 
     def _check_length(self, request: Request) -> None:
         """prompt (+ an adapter's virtual tokens) + max_tokens must fit max_model_len."""
@@ -288,6 +314,8 @@ class Engine(AdapterHost, AsyncFront):
             else:
                 request.pending += 1
                 request.final_launched = self._reaches_length(request, request.num_outputs, request.num_tokens)
+        for request in batch.requests:
+            self.prefix_cache.remember(request)
         return result
 
     def _reaches_length(self, request: Request, outputs: int, tokens: int) -> bool:
@@ -371,7 +399,7 @@ class Engine(AdapterHost, AsyncFront):
     def _chunk(self, request: Request) -> RequestOutput:
         ids, text = stream_delta(request)
         return RequestOutput(request.request_id, ids, text, request.finish_reason, request.adapter_id,
-                             request.prompt_ids)
+                             request.prompt_ids, cached_tokens=request.cached_tokens or 0)
 
     # synchronous and streaming front ends
 
@@ -436,7 +464,7 @@ class Engine(AdapterHost, AsyncFront):
 
 def _final(request: Request) -> RequestOutput:
     return RequestOutput(request.request_id, list(request.output_ids), request.text, request.finish_reason,
-                         request.adapter_id, request.prompt_ids, request.error)
+                         request.adapter_id, request.prompt_ids, request.error, request.cached_tokens or 0)
 
 
 def _token_ids(prompt: Sequence[int]) -> list[int]:

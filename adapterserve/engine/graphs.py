@@ -21,10 +21,23 @@ from adapterserve.kernels import build_adapter_meta
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
+def decode_graph_limits(config, max_model_len: int) -> tuple[int, int]:
+    """(largest decode batch, widest block table) an engine's decode graphs cover: a
+    decode step holds one token per running request within the step's token budget;
+    a table holds the longest sequence's pages and a prefix adapter's."""
+    page = config.block_size
+    pages = -(-max_model_len // page) + -(-config.max_virtual_tokens // page)
+    return min(config.max_num_seqs, config.max_num_batched_tokens), pages
+
+
 class DecodeGraphs:
     def __init__(self, runner, max_batch: int, max_pages: int, trash_slot: int) -> None:
+        capacity = runner.sampled.shape[0]  # the tokens one step can hold (max_num_batched_tokens)
+        if not 1 <= max_batch <= capacity:
+            raise ValueError(f"decode graphs of up to {max_batch} rows need 1 <= max_batch <= the step's "
+                             f"{capacity} tokens (max_num_batched_tokens)")
         self.runner = runner
-        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]  # warm-up captures exactly these
         self.max_pages = max_pages
         self.trash_slot = trash_slot
         n, dev = max_batch, runner.device
@@ -37,6 +50,8 @@ class DecodeGraphs:
         self.starts = torch.zeros(n, dtype=torch.int32, device=dev)
         self.order = torch.arange(n, dtype=torch.int32, device=dev)
         self.family_slots = torch.full((3, n), -1, dtype=torch.int32, device=dev)
+        # every graph writes its logits here: one buffer, not one per captured graph
+        self.logits = torch.empty(n, runner.model.cfg.vocab_size, dtype=torch.float32, device=dev)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
@@ -45,17 +60,32 @@ class DecodeGraphs:
 
     def run(self, host, family_slots: np.ndarray, families: tuple[bool, bool, bool], signature: tuple = ()
             ) -> torch.Tensor:
-        """Replay the decode step for this batch; float32 logits [B, V]. ``signature``
-        is host state the captured ops depend on (e.g. bottleneck activations in use)."""
+        """Replay the decode step for this batch; float32 logits [B, V]. ``signature``:
+        per family, host state the captured ops depend on (``_key``)."""
         size = len(host.layouts)
-        bucket = next(b for b in self.buckets if b >= size)
+        bucket = self.bucket_of(size)
         self._fill(host, family_slots, size, bucket)
-        key = (bucket, families, signature)
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(bucket, families)
-        graph, logits = self._graphs[key]
+        self.capture(bucket, families, signature)
+        graph, logits = self._graphs[_key(bucket, families, signature)]
         graph.replay()
         return logits[:size]
+
+    def bucket_of(self, batch_size: int) -> int:
+        """The bucket a decode step of batch_size rows replays."""
+        return next(b for b in self.buckets if b >= batch_size)
+
+    def capture(self, bucket: int, families: tuple[bool, bool, bool], signature: tuple = ()) -> bool:
+        """Capture the graph of this key unless it exists (engine warm-up calls it
+        ahead); True if it was captured now."""
+        key = _key(bucket, families, signature)
+        if key in self._graphs:
+            return False
+        self._graphs[key] = self._capture(bucket, families)
+        return True
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
 
     def _fill(self, host, family_slots: np.ndarray, size: int, bucket: int) -> None:
         page = self.runner.blocks.block_size
@@ -111,6 +141,14 @@ class DecodeGraphs:
         try:
             ids = with_sampled_ids(self.ids[:bucket], self.sources[:bucket], runner.sampled)
             hidden = runner.model(ids, self.positions[:bucket])
-            return runner.model.compute_logits(hidden)
+            return runner.model.compute_logits(hidden, out=self.logits[:bucket])
         finally:
             set_context(None)
+
+
+def _key(bucket: int, families: tuple[bool, bool, bool], signature: tuple) -> tuple:
+    """A graph's key. The signature holds one part per family (lora, ia3, bottleneck): the
+    host state its captured ops read (the stacked GEMM's row bucket, the bottleneck
+    activations resident); a part counts only in graphs with that family's rows."""
+    parts = tuple(part if on else () for part, on in zip(signature, families))
+    return bucket, families, parts if any(parts) else ()

@@ -3,11 +3,18 @@ row's own adapter update through the kernels in adapterserve.kernels."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from adapterserve.engine.base_gemm import base_linear
 from adapterserve.engine.context import get_context
-from adapterserve.kernels import LoraSlices, ia3_scale, lora_expand, lora_shrink
+from adapterserve.kernels import (
+    LoraSlices,
+    ia3_scale,
+    lora_expand,
+    lora_shrink,
+    stacked_expand,
+)
 from adapterserve.kernels.fused import add_rms_norm, rms_norm
+from adapterserve.kernels.stacked import STACKED_MAX_TOKENS, StackedWeight, stacked_gemm
 
 
 class AdapterLinear(torch.nn.Module):
@@ -16,6 +23,8 @@ class AdapterLinear(torch.nn.Module):
     Each fused projection is a slice of the output named by its module kind, so
     LoRA adapters written for the unfused model land on the right columns.
     ``lora`` holds the pooled weights of every slot; the slot manager fills it.
+    With ``fp8``, ``weight`` is float8_e4m3fn with a float32 ``weight_scale`` per output
+    channel (bias, adapters and activations stay in ``dtype``).
     """
 
     def __init__(
@@ -26,6 +35,7 @@ class AdapterLinear(torch.nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device | str,
+        fp8: bool = False,
     ) -> None:
         super().__init__()
         out_features = sum(slice_widths)
@@ -33,8 +43,15 @@ class AdapterLinear(torch.nn.Module):
         self.slice_widths = slice_widths
         self.slice_kinds = slice_kinds
         self.weight = torch.nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+            torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn if fp8 else dtype, device=device),
+            requires_grad=False,
         )
+        self.weight_scale = (
+            torch.nn.Parameter(torch.ones(out_features, dtype=torch.float32, device=device), requires_grad=False)
+            if fp8
+            else None
+        )
+        self.fp8_gemm = "auto"  # which FP8 kernel runs the base product (engine.base_gemm)
         self.bias = (
             torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
             if bias
@@ -44,6 +61,7 @@ class AdapterLinear(torch.nn.Module):
         self.ia3_in: torch.Tensor | None = None  # [S, K] (IA)^3 input scales
         self.ia3_out: torch.Tensor | None = None  # [S, N] (IA)^3 output scales
         self.side_stream: torch.cuda.Stream | None = None  # runs the LoRA shrink beside the base GEMM
+        self.stacked: StackedWeight | None = None  # [W; A] buffer when the pool stacks A under the weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] -> y: [T, N]
@@ -55,27 +73,40 @@ class AdapterLinear(torch.nn.Module):
         if self.lora is not None and ctx.lora is not None:
             y = self._with_lora(x, ctx)
         else:
-            y = F.linear(x, self.weight, self.bias)
+            y = self.base_product(x)
         if ia3 is not None:
             ia3_scale(y, self.ia3_out, ia3)
         return y
 
+    def base_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The frozen base output x W^T + b, whatever the weights' storage."""
+        return base_linear(x, self.weight, self.weight_scale, self.bias, self.fp8_gemm)
 
     def _with_lora(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """Base output plus each row's LoRA update. With a side stream, the shrink (small,
         latency-bound) runs concurrently with the base GEMM; the expand adds into its output."""
+        if self.stacked is not None and x.shape[0] <= STACKED_MAX_TOKENS:
+            return self._stacked_lora(x, ctx)
         workspace = ctx.lora_workspace[: self.lora.num_slices, : x.shape[0]]
         if self.side_stream is None:
-            y = F.linear(x, self.weight, self.bias)
+            y = self.base_product(x)
             lora_shrink(x, self.lora, ctx.lora, workspace)
         else:
             main = torch.cuda.current_stream()
             self.side_stream.wait_stream(main)
             with torch.cuda.stream(self.side_stream):
                 lora_shrink(x, self.lora, ctx.lora, workspace)
-            y = F.linear(x, self.weight, self.bias)
+            y = self.base_product(x)
             main.wait_stream(self.side_stream)
         lora_expand(workspace, self.lora, ctx.lora, y)
+        return y
+
+    def _stacked_lora(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """One GEMM over [W; A rows in use] gives the base output and every slot's shrink;
+        one launch writes base + bias + each token's own expand."""
+        out = stacked_gemm(x, self.stacked, self.stacked.rows_in_use.rows)
+        y = torch.empty(x.shape[0], self.stacked.n_out, dtype=x.dtype, device=x.device)
+        stacked_expand(out, self.lora, ctx.lora, y, self.bias)
         return y
 
 

@@ -81,15 +81,21 @@ class PenaltyState:
             return None
         self._admit_bias([requests[i] for i in biased if requests[i] not in self.bias.rows])
         self._admit_penalties([requests[i] for i in penalised if requests[i] not in self.penalties.rows])
-        table_rows = ([self.bias.rows[requests[i]] for i in biased]
-                      + [self.penalties.rows[requests[i]] for i in penalised])
-        index = to_device([biased + penalised, table_rows], self.device, torch.long)  # one copy: [2, Rb + R]
-        b = len(biased)
+        # one copy: [2, W], penalised rows first. Their count and W are padded to even, so the
+        # rows the penalty kernel reads start 16-byte aligned whatever the counts (Triton
+        # compiles a variant per pointer alignment: this keeps one, the one warm-up compiles).
+        r, b = len(penalised), len(biased)
+        p = r + r % 2
+        width = p + b + (p + b) % 2
+        rows = _padded(penalised, p) + _padded(biased, width - p)
+        table_rows = (_padded([self.penalties.rows[requests[i]] for i in penalised], p)
+                      + _padded([self.bias.rows[requests[i]] for i in biased], width - p))
+        index = to_device([rows, table_rows], self.device, torch.long)
         step = StepPenalties()
         if biased:
-            step.bias_rows, step.bias_table_rows, step.bias = index[0, :b], index[1, :b], self.bias
+            step.bias_rows, step.bias_table_rows, step.bias = index[0, p : p + b], index[1, p : p + b], self.bias
         if penalised:
-            step.rows, step.table_rows, step.penalties = index[0, b:], index[1, b:], self.penalties
+            step.rows, step.table_rows, step.penalties = index[0, :r], index[1, :r], self.penalties
             params = [requests[i].sampling for i in penalised]
             step.in_use = (any(s.repetition_penalty != 1.0 for s in params), any(s.frequency_penalty for s in params),
                            any(s.presence_penalty for s in params))
@@ -135,3 +141,7 @@ class PenaltyState:
             tokens = np.concatenate([np.asarray(ids, dtype=np.int64) for _, ids in prompts])
             index = (to_device(prompt_rows, self.device, torch.long), to_device(tokens, self.device, torch.long))
             self.penalties["in_prompt"].index_put_(index, torch.ones((), dtype=torch.bool, device=self.device))
+
+
+def _padded(values: list[int], length: int) -> list[int]:
+    return values + [0] * (length - len(values))

@@ -46,6 +46,10 @@ class Request:
     num_virtual: int = 0  # prompt-tuning virtual tokens in front of the prompt
     prefix_len: int = 0  # prefix-tuning keys/values attended before everything
     blocks: list[int] = field(default_factory=list)
+    cache_root: bytes = b""  # where its blocks' prefix-cache keys start (KV identity and salt)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks so far
+    num_remembered: int = 0  # leading blocks the prefix cache knows (found there, or made findable)
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache (set on first admission)
     num_computed: int = 0  # tokens whose k/v are in the cache (or written by a launched step)
     pending: int = 0  # sampled by a launched step, value not yet on the host (0 or 1)
     pending_row: int = -1  # where that token sits in the runner's sampled-token buffer
@@ -100,6 +104,7 @@ class RequestOutput:
     adapter_id: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     error: Exception | None = None  # set with finish_reason "error": why this request alone failed
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def finished(self) -> bool:

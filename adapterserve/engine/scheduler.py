@@ -5,7 +5,8 @@ Each step has a budget of `max_num_batched_tokens`. Running requests come first:
 decodes (one token each), then prompts part-way through their prefill; waiting
 requests are admitted with what is left. A prompt longer than what is left runs in
 chunks over several steps (chunked prefill): its KV blocks grow chunk by chunk, and
-it samples only once its last chunk is computed. So any request that fits
+it samples only once its last chunk is computed. A request admitted starts after the
+blocks of its prefix already in the prefix cache (engine/prefix_cache.py). So any request that fits
 `max_model_len` completes whatever the budget, and one long prompt never holds the
 queue behind it for more than the steps its chunks take.
 
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 from adapterserve.config import EngineConfig
 from adapterserve.engine.kv_cache import BlockManager
+from adapterserve.engine.prefix_cache import PrefixCache
 from adapterserve.engine.request import Request, RequestStatus
 from adapterserve.errors import AdapterError, AdapterNotFound, CapacityError
 
@@ -54,9 +56,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, blocks: BlockManager, acquire: AcquireSlot, release: ReleaseSlot) -> None:
+    def __init__(self, config: EngineConfig, blocks: BlockManager, acquire: AcquireSlot, release: ReleaseSlot,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.config = config
         self.blocks = blocks
+        self.prefix_cache = prefix_cache or PrefixCache(blocks, enabled=False)
         self.acquire = acquire
         self.release = release
         self.waiting: deque[Request] = deque()
@@ -128,12 +132,15 @@ class Scheduler:
             if request.pending:  # preempted while its last token was in flight: admit once it lands
                 passed_over.append(request)
                 continue
+            self.prefix_cache.match(request)
             n = min(request.num_tokens - request.num_computed, budget)
             if not self._admissible(request, n):
+                tokens = request.num_computed + n
+                self.prefix_cache.unmatch(request)
                 if self.running:
                     self.waiting.appendleft(request)
                 else:  # even alone it does not fit: it never will
-                    self._fail_too_long(request, request.num_computed + n)
+                    self._fail_too_long(request, tokens)
                 break
             if request.adapter_id is not None:
                 try:
@@ -142,10 +149,12 @@ class Scheduler:
                     self.failed.append((request, exc))
                     continue
                 if slot is None:  # no room, or its weights are still being copied in
+                    self.prefix_cache.unmatch(request)
                     passed_over.append(request)
                     continue
                 request.slot = slot
             self.blocks.grow(request.blocks, request.num_computed + n)
+            self.prefix_cache.admitted(request)
             request.status = RequestStatus.RUNNING
             if request.times is not None and not request.times.scheduled_ns:
                 request.times.scheduled_ns = time.time_ns()
@@ -182,7 +191,9 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _free(self, request: Request) -> None:
+        self.prefix_cache.remember(request)
         self.blocks.release(request.blocks)
+        request.num_remembered = 0
         if request.slot >= 0:
             self.release(request.slot)
             request.slot = -1

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -42,6 +42,10 @@ class Pool(Protocol):
     def place(self, slot: int, adapter: Adapter) -> bool: ...
 
     def clear(self, slot: int) -> None: ...
+
+    def rules(self) -> dict[str, Any]:
+        """This pool's fields of the engine's ServingRules (adapters_store/servable.py)."""
+        ...
 
 
 class AdapterSlots:

@@ -67,6 +67,8 @@ class StatsSnapshot:
     batch_requests: HistogramValue  # requests in each such step
     batch_tokens: HistogramValue  # tokens computed in each such step
     queue_seconds: HistogramValue  # time from a request's arrival to its first step
+    prefix_queries: int = 0  # prompt tokens of requests first scheduled with the prefix cache on
+    prefix_hits: int = 0  # of which found in the prefix cache
 
 
 class EngineStats:
@@ -75,10 +77,13 @@ class EngineStats:
         self.batch_requests = Histogram(BATCH_REQUESTS)
         self.batch_tokens = Histogram(BATCH_TOKENS)
         self.queue_seconds = Histogram(QUEUE_SECONDS)
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     def step(self, requests: Sequence, num_tokens: int, seconds: float) -> None:
         """A step ran `requests` (Request objects) computing `num_tokens` tokens in `seconds`;
-        each request scheduled for the first time leaves the queue now."""
+        each request scheduled for the first time leaves the queue now (and counts its prompt
+        tokens found in the prefix cache, if that is on)."""
         now = time.monotonic()
         self.step_seconds.observe(seconds)
         self.batch_requests.observe(len(requests))
@@ -87,7 +92,11 @@ class EngineStats:
             if request.scheduled_at is None:
                 request.scheduled_at = now
                 self.queue_seconds.observe(now - request.arrived_at)
+                if request.cached_tokens is not None:
+                    self.prefix_queries += len(request.prompt_ids)
+                    self.prefix_hits += request.cached_tokens
 
     def snapshot(self) -> StatsSnapshot:
         return StatsSnapshot(self.step_seconds.value(), self.batch_requests.value(),
-                             self.batch_tokens.value(), self.queue_seconds.value())
+                             self.batch_tokens.value(), self.queue_seconds.value(),
+                             self.prefix_queries, self.prefix_hits)

@@ -15,6 +15,7 @@ from adapterserve.kernels.ops import (
     lora_shrink,
     paged_decode_attention,
     paged_prefill_attention,
+    stacked_expand,
 )
 from adapterserve.kernels.prefill_tiles import PrefillTiles, build_prefill_tiles
 
@@ -31,4 +32,5 @@ __all__ = [
     "lora_shrink",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "stacked_expand",
 ]

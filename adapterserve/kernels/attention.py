@@ -159,6 +159,18 @@ def decode_splits(batch: int, kv_heads: int, max_keys: int) -> int:
     return 1 << (max(splits, 1).bit_length() - 1)  # a power of two: few kernel variants to compile
 
 
+def decode_blocks(batch: int, kv_heads: int, max_keys: int, on_gpu: bool = True,
+                  splits: int | None = None) -> tuple[int, int]:
+    """(parts per context, keys per tile) of a decode launch, from host ints only
+    (``splits``: a caller's fixed choice). Engine warm-up enumerates variants with it."""
+    if splits is None:
+        splits = decode_splits(batch, kv_heads, max_keys) if on_gpu else 1
+    if not on_gpu:
+        return splits, 16
+    wide = splits <= 1 and batch * kv_heads <= WIDE_BLOCK_PROGRAMS
+    return splits, WIDE_BLOCK_N if wide else DEFAULT_BLOCK_N
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -191,11 +203,9 @@ def paged_decode_attention(
     batch, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
     group = num_heads // num_kv
-    if splits is None:
-        splits = decode_splits(batch, num_kv, block_tables.shape[1] * page_size) if q.is_cuda else 1
-    if block_n is None:
-        wide = splits <= 1 and batch * num_kv <= WIDE_BLOCK_PROGRAMS
-        block_n = (WIDE_BLOCK_N if wide else DEFAULT_BLOCK_N) if q.is_cuda else 16
+    if splits is None or block_n is None:
+        chosen = decode_blocks(batch, num_kv, block_tables.shape[1] * page_size, q.is_cuda, splits)
+        splits, block_n = chosen if block_n is None else (chosen[0], block_n)
     common = dict(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page_size,

@@ -32,6 +32,17 @@ def lora_expand(v: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, y: to
         reference.lora_expand(v, lora, meta, y)
 
 
+def stacked_expand(out: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, y: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> None:
+    """See reference.stacked_expand (on a GPU the tiled kernel)."""
+    if _on_gpu(out):
+        from adapterserve.kernels.stacked_tiled import stacked_expand_tiled
+
+        stacked_expand_tiled(out, lora, meta, y, bias)
+    else:
+        reference.stacked_expand(out, lora, meta, y, bias)
+
+
 def bottleneck_adapter(h, down, down_bias, up, up_bias, rank, activation, meta, workspace, out) -> None:
     """See reference.bottleneck_adapter."""
     if _on_gpu(h):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
+from adapterserve.kernels.stacked import check_stacked
 
 ACTIVATIONS = {
     "relu": F.relu,
@@ -70,6 +71,30 @@ def lora_expand(v: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, y: to
             b = lora.b[row0 : row0 + r, cols].float()
             update = v[s, tokens, :r].float() @ b
             y[tokens, cols] = (y[tokens, cols].float() + update).to(y.dtype)
+
+
+def stacked_expand(out: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, y: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> None:
+    """The layer output from a stacked GEMM's output (see kernels/stacked.py).
+
+    out: [T, N + rows * n_slices]; y: [T, N] written whole; bias: [N] or None.
+    Semantics: y[t, off_s : off_s1] = out[t, off_s : off_s1] + bias + sum over j < r of
+    out[t, N + (row0 + j) * n_slices + s] * B[row0 + j, off_s : off_s1].
+    """
+    rows = check_stacked(out, lora, meta, y, bias)
+    n, n_slices, offsets = lora.out_offsets[-1], lora.num_slices, lora.out_offsets
+    result = out[:, :n].float() + (bias.float() if bias is not None else 0.0)
+    for slot, tokens in _segments(meta):
+        for s in range(n_slices):
+            row0, r = int(lora.row_start[s, slot]), int(lora.rank[s, slot])
+            r = min(r, lora.max_rank, rows - row0)
+            if r <= 0:
+                continue
+            cols = n + (row0 + torch.arange(r, device=out.device)) * n_slices + s
+            v = out[tokens][:, cols].float()
+            b = lora.b[row0 : row0 + r, offsets[s] : offsets[s + 1]].float()
+            result[tokens, offsets[s] : offsets[s + 1]] += v @ b
+    y.copy_(result.to(y.dtype))
 
 
 def bottleneck_adapter(

@@ -21,14 +21,16 @@ from adapterserve.models.rope import RotaryEmbedding
 
 
 class DecoderLayer(torch.nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer_idx: int, rope: RotaryEmbedding, dtype, device) -> None:
+    def __init__(self, cfg: DecoderConfig, layer_idx: int, rope: RotaryEmbedding, dtype, device,
+                 fp8: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.rope = rope
         h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
-        self.qkv_proj = AdapterLinear(h, (q, kv, kv), ("q_proj", "k_proj", "v_proj"), cfg.qkv_bias, dtype, device)
-        self.o_proj = AdapterLinear(q, (h,), ("o_proj",), cfg.o_bias, dtype, device)
+        self.qkv_proj = AdapterLinear(h, (q, kv, kv), ("q_proj", "k_proj", "v_proj"), cfg.qkv_bias, dtype, device,
+                                      fp8)
+        self.o_proj = AdapterLinear(q, (h,), ("o_proj",), cfg.o_bias, dtype, device, fp8)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
@@ -36,8 +38,9 @@ class DecoderLayer(torch.nn.Module):
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, window)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         inter = cfg.intermediate_size
-        self.gate_up_proj = AdapterLinear(h, (inter, inter), ("gate_proj", "up_proj"), cfg.mlp_bias, dtype, device)
-        self.down_proj = AdapterLinear(inter, (h,), ("down_proj",), cfg.mlp_bias, dtype, device)
+        self.gate_up_proj = AdapterLinear(h, (inter, inter), ("gate_proj", "up_proj"), cfg.mlp_bias, dtype, device,
+                                          fp8)
+        self.down_proj = AdapterLinear(inter, (h,), ("down_proj",), cfg.mlp_bias, dtype, device, fp8)
         # bottleneck adapters after attention and after the MLP (pools bound by the engine)
         self.bottleneck_mh: BottleneckPool | None = None
         self.bottleneck_output: BottleneckPool | None = None
@@ -86,7 +89,9 @@ class DecoderLayer(torch.nn.Module):
 
 
 class DecoderModel(torch.nn.Module):
-    def __init__(self, cfg: DecoderConfig, max_positions: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, cfg: DecoderConfig, max_positions: int, dtype: torch.dtype, device, fp8: bool = False
+                 ) -> None:
+        """fp8: the layers' linear weights in float8_e4m3fn with per-channel scales; the rest in dtype."""
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
@@ -94,7 +99,7 @@ class DecoderModel(torch.nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         rope = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, device=device)
         self.layers = torch.nn.ModuleList(
-            DecoderLayer(cfg, i, rope, dtype, device) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i, rope, dtype, device, fp8) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         self.prompt_embeddings: torch.Tensor | None = None  # [S, P, D], bound by the prompt pool
@@ -119,9 +124,10 @@ class DecoderModel(torch.nn.Module):
             pending, residual = layer(positions, pending, residual)
         return self.norm(residual) if pending is None else self.norm.add(pending, residual)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [B, D] -> float32 logits [B, V]
-        return F.linear(hidden, self.lm_head_weight).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # hidden: [B, D] -> float32 logits [B, V] (written into `out` when given)
+        logits = F.linear(hidden, self.lm_head_weight)
+        return logits.float() if out is None else out.copy_(logits)
 
     def adapter_linears(self) -> Iterator[tuple[int, AdapterLinear]]:
         for idx, layer in enumerate(self.layers):

@@ -1,13 +1,15 @@
-"""Load Hugging Face safetensors checkpoints (single file or sharded) into our models."""
+"""Load Hugging Face safetensors checkpoints (single file or sharded, float or FP8) into our models."""
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
 
+from adapterserve.models import fp8
 from adapterserve.models.decoder import DecoderModel
 from adapterserve.models.decoder_config import DecoderConfig, read_decoder_config
 
@@ -35,19 +37,40 @@ def iter_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _target(model: DecoderModel, name: str) -> tuple[torch.Tensor, int] | None:
+class CheckpointTensors:
+    """Random access to a checkpoint's tensors by name, over all its shards."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self._files = [safe_open(str(path), framework="pt") for path in checkpoint_files(model_dir)]
+        self._where = {name: f for f in self._files for name in f.keys()}
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def get(self, name: str) -> torch.Tensor | None:
+        f = self._where.get(name)
+        return None if f is None else f.get_tensor(name)
+
+
+class _Target(NamedTuple):
+    dest: torch.Tensor | None  # None: the checkpoint tensor is not needed (a tied lm_head)
+    offset: int  # first row inside a fused weight
+    scale: torch.Tensor | None  # the FP8 weight's per-channel scale, rows aligned with dest
+
+
+def _target(model: DecoderModel, name: str) -> _Target | None:
     """Our tensor for an HF weight name, and the row offset inside a fused weight."""
     cfg = model.cfg
     if name == "lm_head.weight":
-        return (None if cfg.tie_word_embeddings else model.lm_head_weight, 0)
+        return _Target(None if cfg.tie_word_embeddings else model.lm_head_weight, 0, None)
     for prefix in _PREFIXES:
         if name.startswith(prefix + "layers.") or name in (prefix + "embed_tokens.weight", prefix + "norm.weight"):
             name = name[len(prefix):]
             break
     if name == "embed_tokens.weight":
-        return model.embed_tokens.weight, 0
+        return _Target(model.embed_tokens.weight, 0, None)
     if name == "norm.weight":
-        return model.norm.weight, 0
+        return _Target(model.norm.weight, 0, None)
     parts = name.split(".")
     if parts[0] != "layers":
         return None
@@ -64,7 +87,7 @@ def _target(model: DecoderModel, name: str) -> tuple[torch.Tensor, int] | None:
     }
     if module in fused:
         linear, offset = fused[module]
-        return getattr(linear, param), offset
+        return _Target(getattr(linear, param), offset, linear.weight_scale if param == "weight" else None)
     plain = {
         "input_layernorm": layer.input_layernorm,
         "post_attention_layernorm": layer.post_attention_layernorm,
@@ -72,37 +95,68 @@ def _target(model: DecoderModel, name: str) -> tuple[torch.Tensor, int] | None:
         "self_attn.k_norm": getattr(layer, "k_norm", None),
     }
     target = plain.get(module)
-    return (target.weight, 0) if target is not None else None
+    return _Target(target.weight, 0, None) if target is not None else None
 
 
 def load_weights(model: DecoderModel, model_dir: Path) -> None:
-    """Copy every checkpoint tensor into the model; error on missing or unknown ones."""
+    """Copy every checkpoint tensor into the model; error on missing or unknown ones.
+    FP8 checkpoints load into FP8 weights as stored and are dequantized elsewhere; float
+    weights are quantized per channel where the model holds FP8 ones."""
+    block = fp8.read_block_size(model_dir)
+    ckpt = CheckpointTensors(model_dir)
     loaded: dict[int, int] = {}  # id(param) -> rows written
-    for name, tensor in iter_tensors(model_dir):
-        found = _target(model, name)
-        if found is None:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            raise ValueError(f"checkpoint tensor {name!r} has no place in a {model.cfg.model_type} decoder")
-        dest, offset = found
-        if dest is None:
+    scales_used: set[str] = set()
+    for name in ckpt.names():
+        if fp8.is_scale_name(name) or fp8.is_ignored_name(name) or name.endswith("rotary_emb.inv_freq"):
             continue
-        rows = dest[offset : offset + tensor.shape[0]]
-        if rows.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(rows.shape)}")
-        rows.copy_(tensor)
-        loaded[id(dest)] = loaded.get(id(dest), 0) + tensor.shape[0]
+        target = _target(model, name)
+        if target is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in a {model.cfg.model_type} decoder")
+        if target.dest is None:
+            continue
+        values, scale, scale_name = fp8.read_weight(name, ckpt.get(name), ckpt.get, block)
+        scales_used.add(scale_name)
+        for param in _write(name, target, values, scale):
+            loaded[id(param)] = loaded.get(id(param), 0) + values.shape[0]
+    orphans = [n for n in ckpt.names() if fp8.is_scale_name(n) and n not in scales_used]
+    if orphans:
+        raise ValueError(f"checkpoint tensor {orphans[0]!r} is a scale without a float8_e4m3fn weight beside it")
     missing = [n for n, p in model.named_parameters() if loaded.get(id(p), 0) != p.shape[0]]
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights (or has duplicates) for: {', '.join(missing[:8])}")
 
 
+def _write(name: str, target: _Target, values: torch.Tensor, scale: torch.Tensor | None) -> list[torch.Tensor]:
+    """Copy one checkpoint tensor into its rows (quantizing or dequantizing as the
+    destination needs); the parameters written."""
+    rows = target.dest[target.offset : target.offset + values.shape[0]]
+    if rows.shape != values.shape:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(values.shape)}, expected {tuple(rows.shape)}")
+    if rows.dtype != fp8.FP8:
+        rows.copy_(values if scale is None else fp8.dequantize(values, scale))
+        return [target.dest]
+    if scale is None:
+        values, scale = fp8.quantize_per_channel(values.to(rows.device))
+    rows.copy_(values)
+    target.scale[target.offset : target.offset + values.shape[0]].copy_(scale)
+    return [target.dest, target.scale]
+
+
 def load_decoder(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, max_positions: int | None = None
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, max_positions: int | None = None,
+    fp8_gemm: str | None = None,
 ) -> tuple[DecoderModel, DecoderConfig]:
+    """fp8_gemm: None for linear weights in dtype; else FP8 weights run by that kernel
+    (engine.base_gemm), quantized at load unless the checkpoint holds FP8 ones."""
     model_dir = Path(model_dir)
     cfg = read_decoder_config(model_dir)
-    model = DecoderModel(cfg, max_positions or cfg.max_position_embeddings, dtype, device)
+    model = DecoderModel(cfg, max_positions or cfg.max_position_embeddings, dtype, device, fp8=fp8_gemm is not None)
     with torch.no_grad():
         load_weights(model, model_dir)
+    for _, linear in model.adapter_linears():
+        linear.fp8_gemm = fp8_gemm or "auto"
+    if fp8_gemm is not None and torch.device(device).type == "cuda":
+        from adapterserve.kernels.fp8_w8a8 import prepare_w8a8
+
+        prepare_w8a8(device)  # before any CUDA-graph capture
     return model.eval(), cfg

@@ -59,20 +59,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., adapter: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "adapter", "prompt_tokens", "request_id")
+    __slots__ = ("token_ids", "text", "finish_reason", "adapter", "prompt_tokens", "request_id", "cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
     adapter: str
     prompt_tokens: int
     request_id: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., adapter: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., adapter: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ClassifyRequest(_message.Message):
     __slots__ = ("texts", "adapter")
@@ -197,10 +199,46 @@ class ListAdaptersRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class ListAdaptersResponse(_message.Message):
-    __slots__ = ("adapters",)
+    __slots__ = ("adapters", "usage", "tenants")
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
-    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+    usage: TenantUsage
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantUsage]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., usage: _Optional[_Union[TenantUsage, _Mapping]] = ..., tenants: _Optional[_Iterable[_Union[TenantUsage, _Mapping]]] = ...) -> None: ...
+
+class TenantUsage(_message.Message):
+    __slots__ = ("tenant", "scopes", "bytes_stored", "adapters", "tokens_last_minute", "requests_in_flight", "quotas")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SCOPES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_STORED_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_LAST_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    QUOTAS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    scopes: _containers.RepeatedScalarFieldContainer[str]
+    bytes_stored: int
+    adapters: int
+    tokens_last_minute: int
+    requests_in_flight: int
+    quotas: TenantQuotas
+    def __init__(self, tenant: _Optional[str] = ..., scopes: _Optional[_Iterable[str]] = ..., bytes_stored: _Optional[int] = ..., adapters: _Optional[int] = ..., tokens_last_minute: _Optional[int] = ..., requests_in_flight: _Optional[int] = ..., quotas: _Optional[_Union[TenantQuotas, _Mapping]] = ...) -> None: ...
+
+class TenantQuotas(_message.Message):
+    __slots__ = ("bytes_stored", "versions_per_adapter", "adapters", "concurrent_requests", "tokens_per_minute")
+    BYTES_STORED_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_PER_ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    bytes_stored: int
+    versions_per_adapter: int
+    adapters: int
+    concurrent_requests: int
+    tokens_per_minute: int
+    def __init__(self, bytes_stored: _Optional[int] = ..., versions_per_adapter: _Optional[int] = ..., adapters: _Optional[int] = ..., concurrent_requests: _Optional[int] = ..., tokens_per_minute: _Optional[int] = ...) -> None: ...
 
 class GetAdapterRequest(_message.Message):
     __slots__ = ("ref",)
@@ -235,7 +273,7 @@ class LinearShape(_message.Message):
     def __init__(self, module: _Optional[str] = ..., in_features: _Optional[int] = ..., out_features: _Optional[int] = ...) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("backbone_id", "model_type", "num_layers", "hidden_size", "vocab_size", "max_model_len", "adapter_kinds", "max_lora_rank", "linear_shapes", "max_upload_bytes", "max_upload_files", "num_kv_blocks", "free_kv_blocks", "running_requests", "loaded_adapters", "cancelled_requests", "encoder_id")
+    __slots__ = ("backbone_id", "model_type", "num_layers", "hidden_size", "vocab_size", "max_model_len", "adapter_kinds", "max_lora_rank", "linear_shapes", "max_upload_bytes", "max_upload_files", "num_kv_blocks", "free_kv_blocks", "running_requests", "loaded_adapters", "cancelled_requests", "encoder_id", "usage", "backbones_json")
     BACKBONE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +291,8 @@ class ServerInfoResponse(_message.Message):
     LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_ID_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    BACKBONES_JSON_FIELD_NUMBER: _ClassVar[int]
     backbone_id: str
     model_type: str
     num_layers: int
@@ -270,4 +310,6 @@ class ServerInfoResponse(_message.Message):
     loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
     cancelled_requests: int
     encoder_id: str
-    def __init__(self, backbone_id: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., adapter_kinds: _Optional[_Iterable[str]] = ..., max_lora_rank: _Optional[int] = ..., linear_shapes: _Optional[_Iterable[_Union[LinearShape, _Mapping]]] = ..., max_upload_bytes: _Optional[int] = ..., max_upload_files: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., running_requests: _Optional[int] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., cancelled_requests: _Optional[int] = ..., encoder_id: _Optional[str] = ...) -> None: ...
+    usage: TenantUsage
+    backbones_json: str
+    def __init__(self, backbone_id: _Optional[str] = ..., model_type: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., adapter_kinds: _Optional[_Iterable[str]] = ..., max_lora_rank: _Optional[int] = ..., linear_shapes: _Optional[_Iterable[_Union[LinearShape, _Mapping]]] = ..., max_upload_bytes: _Optional[int] = ..., max_upload_files: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., running_requests: _Optional[int] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., cancelled_requests: _Optional[int] = ..., encoder_id: _Optional[str] = ..., usage: _Optional[_Union[TenantUsage, _Mapping]] = ..., backbones_json: _Optional[str] = ...) -> None: ...

@@ -7,21 +7,28 @@ A call over `max_in_flight` is shed at once with Overloaded (RESOURCE_EXHAUSTED 
 429, retry advice) instead of queueing behind the others; once `drain()` is called
 every new call gets ServerDraining (UNAVAILABLE / 503) while those in flight finish.
 Health watches have a budget of their own, so unauthenticated watchers cannot fill
-the ingress.
+the ingress. A place may carry the call's hold on its tenant's concurrent_requests
+(quotas.py), given back with it.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 from adapterserve.errors import Overloaded, ServerDraining
+
+
+class Releasable(Protocol):
+    def release(self) -> None: ...
 
 
 class Place:
     """One admitted call's place; given back once, by release() or when it is dropped."""
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, hold: Releasable | None = None) -> None:
         self._admission: Admission | None = admission
+        self._hold = hold
 
     def hand_over(self) -> Place:
         """The same place as a new Place (for a stream to release when it ends); this one then
@@ -29,12 +36,14 @@ class Place:
         admission, self._admission = self._admission, None
         if admission is None:
             raise RuntimeError("this admission place was already released")
-        return Place(admission)
+        return Place(admission, self._hold)
 
     def release(self) -> None:
         if self._admission is not None:
             self._admission.in_flight -= 1
             self._admission = None
+            if self._hold is not None:
+                self._hold.release()
 
     def __del__(self) -> None:  # a stream whose response never started still gives its place back
         self.release()
@@ -48,20 +57,29 @@ class Admission:
         self.health_watches = 0
         self.draining = False
 
-    def take(self) -> Place:
-        """A place for one call, to release() when it ends; raise if there is none."""
+    def take(self, hold: Releasable | None = None) -> Place:
+        """A place for one call, to release() when it ends (with `hold`); raise if there is none
+        (`hold` released at once)."""
+        try:
+            self._check_room()
+        except Exception:
+            if hold is not None:
+                hold.release()
+            raise
+        self.in_flight += 1
+        return Place(self, hold)
+
+    def _check_room(self) -> None:
         if self.draining:
             raise ServerDraining("the server is shutting down and takes no new requests; retry on another server")
         if self.in_flight >= self.max_in_flight:
             raise Overloaded(f"the server is at capacity ({self.max_in_flight} requests in flight at this ingress "
                              "replica); retry in a moment", retry_after_s=1.0)
-        self.in_flight += 1
-        return Place(self)
 
     @contextmanager
-    def admit(self) -> Iterator[None]:
-        """Hold one place for the call in the `with` body; raise if there is none."""
-        place = self.take()
+    def admit(self, hold: Releasable | None = None) -> Iterator[None]:
+        """Hold one place (and `hold`) for the call in the `with` body; raise if there is none."""
+        place = self.take(hold)
         try:
             yield
         finally:

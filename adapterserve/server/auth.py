@@ -1,17 +1,21 @@
-"""Who is calling: the API key from gRPC metadata or HTTP headers, mapped to a tenant.
+"""Who is calling: the API key from gRPC metadata or HTTP headers, mapped to a caller
+(tenant, scopes, quotas: adapters_store/tenants.py).
 
 Clients send `authorization: Bearer <key>` (OpenAI style) or `x-api-key: <key>`.
-Without a key file the server is open: every caller is tenant None.
+Without a keys file the server is open: every caller is tenant None with every scope.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
 from adapterserve.adapters_store.keys import ApiKeys
+from adapterserve.adapters_store.tenants import Caller
+from adapterserve.adapters_store.tenants_file import read_keys_file
 
 
 def load_keys(path: str | None) -> ApiKeys:
-    return ApiKeys.from_file(path) if path else ApiKeys.open()
+    """A tenants file or a 'KEY TENANT' keys file; None: open mode."""
+    return read_keys_file(path) if path else ApiKeys.open()
 
 
 def key_from_pairs(pairs: Iterable[tuple[str, str]]) -> str | None:
@@ -23,10 +27,18 @@ def key_from_pairs(pairs: Iterable[tuple[str, str]]) -> str | None:
     return found.get("x-api-key") or None
 
 
+def grpc_caller(keys: ApiKeys, context) -> Caller:
+    """The caller of a gRPC call (RayServegRPCContext); Unauthenticated if the key is wrong."""
+    return keys.caller_for(key_from_pairs(context.invocation_metadata()))
+
+
+def http_caller(keys: ApiKeys, headers: Mapping[str, str]) -> Caller:
+    return keys.caller_for(key_from_pairs(headers.items()))
+
+
 def grpc_tenant(keys: ApiKeys, context) -> str | None:
-    """The tenant of a gRPC call (RayServegRPCContext); Unauthenticated if the key is wrong."""
-    return keys.tenant_for(key_from_pairs(context.invocation_metadata()))
+    return grpc_caller(keys, context).tenant
 
 
 def http_tenant(keys: ApiKeys, headers: Mapping[str, str]) -> str | None:
-    return keys.tenant_for(key_from_pairs(headers.items()))
+    return http_caller(keys, headers).tenant

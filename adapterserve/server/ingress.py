@@ -1,8 +1,10 @@
 """The entry deployment: gRPC (through Serve's gRPC proxy) and HTTP (through its HTTP proxy).
 
-Every call: authenticate (API key -> tenant), take a place (admission.py: beyond
-`max_in_flight` calls are shed with RESOURCE_EXHAUSTED / 429 and retry advice), validate,
-resolve the adapter name to an immutable version, tokenize and length-check the prompt
+Every call: authenticate (API key -> tenant, scopes, quotas), check the key's scope
+(PERMISSION_DENIED), take a place in the tenant's quotas (quotas.py: concurrent_requests,
+tokens_per_minute) and one at the replica (admission.py: beyond `max_in_flight` calls are
+shed with RESOURCE_EXHAUSTED / 429 and retry advice), validate, resolve the adapter name
+to an immutable version, tokenize and length-check the prompt
 (prompts.py: the engine gets token ids), then forward to an engine replica with the
 version's content hash as `multiplexed_model_id`, so replicas that hold it are preferred.
 Generate goes to the generation backbone, Classify and Embed to the encoder
@@ -13,12 +15,11 @@ retry metadata rather than raising, which would lose the metadata). The HTTP rou
 gRPC health is health_rpc.py's.
 """
 import asyncio
+import json
 import logging
-import tempfile
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -28,11 +29,12 @@ from adapterserve import errors
 from adapterserve.adapters_store.records import AdapterVersion, parse_ref
 from adapterserve.adapters_store.staging import StoreLimits
 from adapterserve.adapters_store.store import open_store
+from adapterserve.adapters_store.tenants import Caller
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.proto import adapterserve_pb2 as pb
 from adapterserve.server import messages
 from adapterserve.server.admission import Admission
-from adapterserve.server.auth import grpc_tenant, load_keys
+from adapterserve.server.auth import grpc_caller, load_keys
 from adapterserve.server.backends import Backends
 from adapterserve.server.grpc_services import hold_pending_calls, refuse_undecodable
 from adapterserve.server.health import DeploymentHealth
@@ -40,10 +42,18 @@ from adapterserve.server.health_rpc import HealthRpc
 from adapterserve.server.metrics.calls import Call, CallMetrics
 from adapterserve.server.openai_routes import OpenAIRoutes, http_app
 from adapterserve.server.prompts import limits_of, load_tokenizer, prompt_token_ids
+from adapterserve.server.quotas import TenantGate, count_refusal
 from adapterserve.server.replies import raise_if_error
+from adapterserve.server.resolutions import Resolutions
 from adapterserve.server.status import grpc_error, status_of
+from adapterserve.server.store_fit import (
+    alive_nodes,
+    check_store_fits,
+    clean_crash_leftovers,
+)
 from adapterserve.server.tracing import CallTrace, open_tracing
-from adapterserve.server.uploads import receive_upload
+from adapterserve.server.uploads import receive_upload, upload_dir
+from adapterserve.server.usage_report import caller_usage, tenant_usage
 from adapterserve.server.validation import adapter_validator
 
 logger = logging.getLogger("adapterserve.server")
@@ -71,8 +81,13 @@ class Ingress(HealthRpc, OpenAIRoutes):
         self.max_request_bytes = config["max_request_bytes"]
         self.backbone_id = config["model_id"]
         self.limits = StoreLimits(max_total_bytes=config["max_upload_bytes"], max_files=config["max_upload_files"])
+        # resolutions are cached here, on the loop (resolutions.py), not in the store as well
         self.store = open_store(config["store"], limits=self.limits, **config["store_options"])
+        self.resolutions = Resolutions(config["resolve_ttl_s"])
+        check_store_fits(self.store, alive_nodes())
+        clean_crash_leftovers(self.store, config["stale_upload_s"])
         self.keys = load_keys(config["api_keys_file"])
+        self.gate = TenantGate(config["ingress"]["num_replicas"])  # per-tenant quotas at this replica
         self.metrics = CallMetrics(metrics_hub, config["metrics"])  # reports to the hub; GET /metrics
         self.tracing = open_tracing(config, "ingress")
         self._gc_every, self._gc_grace = config["gc_interval_s"], config["gc_grace_s"]
@@ -85,16 +100,19 @@ class Ingress(HealthRpc, OpenAIRoutes):
         counted, code = self.metrics.start("Generate"), "OK"
         call = self.tracing.grpc_call("Generate", grpc_context.invocation_metadata())
         try:
-            tenant = counted.tenant = grpc_tenant(self.keys, grpc_context)
+            caller = grpc_caller(self.keys, grpc_context)
+            counted.tenant = caller.tenant
+            caller.require("Generate")
             refuse_undecodable(request)
-            with self.admission.admit():
+            with self.admission.admit(self.gate.enter(caller, "Generate")):
                 chunks = self._generate(messages.prompt_of(request), messages.sampling_of(request.sampling),
-                                        messages.adapter_ref_of(request.adapter), tenant, call)
+                                        messages.adapter_ref_of(request.adapter), caller, call)
                 async with aclosing(self._measured(chunks, counted)) as relayed:  # closed at once if the caller goes
                     async for chunk in relayed:
                         yield messages.chunk_message(chunk)
         except Exception as exc:
             code = status_of(exc).name
+            count_refusal(self.metrics, counted.tenant, exc)
             grpc_error(grpc_context, exc)  # the stream ends with this status
         except asyncio.CancelledError:
             code = "CANCELLED"
@@ -106,14 +124,14 @@ class Ingress(HealthRpc, OpenAIRoutes):
 
     async def _generate(
         self, prompt: messages.Prompt, sampling: SamplingParams, adapter: str | AdapterVersion | None,
-        tenant: str | None, call: CallTrace
+        caller: Caller, call: CallTrace
     ) -> AsyncIterator[dict[str, Any]]:
         """Resolve the adapter (a ref; a version is used as it is), tokenize, then stream the
         replica's chunks (errors raised as ours)."""
         self._ensure_gc()
         if isinstance(adapter, str):
             with call.span("resolve"):
-                adapter = await self._resolve(adapter, tenant)
+                adapter = await self._resolve(adapter, caller)
         version = adapter
         call.resolved(version)
         self.metrics.uses(version)
@@ -150,8 +168,10 @@ class Ingress(HealthRpc, OpenAIRoutes):
             async for chunk in chunks:
                 if first:
                     counted.first_token(chunk.get("prompt_tokens", 0))
+                    self.gate.count_tokens(counted.tenant, chunk.get("prompt_tokens", 0))
                     first = False
                 counted.tokens(len(chunk["token_ids"]))
+                self.gate.count_tokens(counted.tenant, len(chunk["token_ids"]))
                 yield chunk
         except Exception as exc:
             counted.failed_with = status_of(exc).name
@@ -162,21 +182,26 @@ class Ingress(HealthRpc, OpenAIRoutes):
         finally:
             await chunks.aclose()  # closed early: so is the source
 
-    async def _resolve(self, ref: str, tenant: str | None) -> AdapterVersion:
-        return await asyncio.to_thread(self.store.resolve, ref, tenant=tenant)
+    async def _resolve(self, ref: str, caller: Caller) -> AdapterVersion:
+        """The version `ref` names for the caller: recently resolved (no store read), else from the store."""
+        if (version := self.resolutions.get(ref, caller.store_view)) is not None:
+            return version
+        version = await asyncio.to_thread(self.store.resolve, ref, tenant=caller.store_view)
+        self.resolutions.put(ref, caller.store_view, version)
+        return version
 
     # --- gRPC: encoder tasks ------------------------------------------------
 
     async def Classify(self, request: pb.ClassifyRequest, grpc_context) -> pb.ClassifyResponse:
         call = self.tracing.grpc_call("Classify", grpc_context.invocation_metadata())
 
-        async def run(tenant: str | None, request: pb.ClassifyRequest) -> pb.ClassifyResponse:
+        async def run(caller: Caller, request: pb.ClassifyRequest) -> pb.ClassifyResponse:
             texts = messages.texts_of(request.texts, self.max_texts)
             ref = messages.adapter_ref_of(request.adapter)
             if ref is None:
                 raise errors.RequestError("classify needs an adapter with a classification head: set adapter")
             with call.span("resolve"):
-                version = await self._resolve(ref, tenant)
+                version = await self._resolve(ref, caller)
             messages.check_has_head(version)
             return messages.classify_response(await self._pooled("classify", texts, version, call))
 
@@ -185,13 +210,13 @@ class Ingress(HealthRpc, OpenAIRoutes):
     async def Embed(self, request: pb.EmbedRequest, grpc_context) -> pb.EmbedResponse:
         call = self.tracing.grpc_call("Embed", grpc_context.invocation_metadata())
 
-        async def run(tenant: str | None, request: pb.EmbedRequest) -> pb.EmbedResponse:
+        async def run(caller: Caller, request: pb.EmbedRequest) -> pb.EmbedResponse:
             texts = messages.texts_of(request.texts, self.max_texts)
             ref = messages.adapter_ref_of(request.adapter)
             version = None
             if ref:
                 with call.span("resolve"):
-                    version = await self._resolve(ref, tenant)
+                    version = await self._resolve(ref, caller)
             return messages.embed_response(await self._pooled("embed", texts, version, call))
 
         return await self._unary("Embed", grpc_context, run, request, call)
@@ -218,66 +243,92 @@ class Ingress(HealthRpc, OpenAIRoutes):
     async def UploadAdapter(self, request_stream, grpc_context) -> pb.AdapterInfo:
         return await self._unary("UploadAdapter", grpc_context, self._upload, request_stream)
 
-    async def _upload(self, tenant: str | None, request_stream) -> pb.AdapterInfo:
+    async def _upload(self, caller: Caller, request_stream) -> pb.AdapterInfo:
         statics = await self.backends.statics()
-        with tempfile.TemporaryDirectory(prefix="adapterserve-upload-") as tmp:
-            header = await receive_upload(request_stream, Path(tmp), self.limits)
+        with upload_dir() as tmp:
+            header = await receive_upload(request_stream, tmp, self.limits)
             validator = adapter_validator(statics, header.name)
             version = await asyncio.to_thread(
-                self.store.publish, header.name, tmp, tenant=tenant, public=header.public, validator=validator
+                self.store.publish, header.name, tmp, tenant=caller.tenant, public=header.public,
+                validator=validator, quotas=caller.quotas,
             )
+        self.resolutions.forget(header.name)
         return messages.adapter_info(version)
 
     async def ListAdapters(self, request: pb.ListAdaptersRequest, grpc_context) -> pb.ListAdaptersResponse:
-        async def run(tenant: str | None, request: pb.ListAdaptersRequest) -> pb.ListAdaptersResponse:
-            found = await asyncio.to_thread(self.store.list, tenant=tenant, name=request.name or None)
-            return pb.ListAdaptersResponse(adapters=[messages.adapter_info(v) for v in found])
+        async def run(caller: Caller, request: pb.ListAdaptersRequest) -> pb.ListAdaptersResponse:
+            found = await asyncio.to_thread(self.store.list, tenant=caller.store_view, name=request.name or None)
+            return pb.ListAdaptersResponse(adapters=[messages.adapter_info(v) for v in found],
+                                           usage=await self._usage(caller), tenants=await self._all_usage(caller))
 
         return await self._unary("ListAdapters", grpc_context, run, request)
 
     async def GetAdapter(self, request: pb.GetAdapterRequest, grpc_context) -> pb.AdapterInfo:
-        async def run(tenant: str | None, request: pb.GetAdapterRequest) -> pb.AdapterInfo:
-            return messages.adapter_info(await asyncio.to_thread(self.store.describe, request.ref, tenant=tenant))
+        async def run(caller: Caller, request: pb.GetAdapterRequest) -> pb.AdapterInfo:
+            found = await asyncio.to_thread(self.store.describe, request.ref, tenant=caller.store_view)
+            return messages.adapter_info(found)
 
         return await self._unary("GetAdapter", grpc_context, run, request)
 
     async def DeleteAdapter(self, request: pb.DeleteAdapterRequest, grpc_context) -> pb.DeleteAdapterResponse:
         """Tombstones the version(s): new requests are refused at once, running ones finish."""
-        async def run(tenant: str | None, request: pb.DeleteAdapterRequest) -> pb.DeleteAdapterResponse:
+        async def run(caller: Caller, request: pb.DeleteAdapterRequest) -> pb.DeleteAdapterResponse:
             name, number = parse_ref(request.ref)
-            gone = await asyncio.to_thread(self.store.delete, name, number, tenant=tenant)
+            try:
+                gone = await asyncio.to_thread(self.store.delete, name, number, tenant=caller.store_view)
+            finally:  # a delete that failed part-way may have tombstoned some versions
+                self.resolutions.forget(name)
             return pb.DeleteAdapterResponse(deleted=[v.ref for v in gone])
 
         return await self._unary("DeleteAdapter", grpc_context, run, request)
 
     async def ServerInfo(self, request: pb.ServerInfoRequest, grpc_context) -> pb.ServerInfoResponse:
-        async def run(tenant: str | None, request: pb.ServerInfoRequest) -> pb.ServerInfoResponse:
+        async def run(caller: Caller, request: pb.ServerInfoRequest) -> pb.ServerInfoResponse:
             facts = await self.replica.describe.remote()
             limits = {"max_upload_bytes": self.limits.max_total_bytes, "max_upload_files": self.limits.max_files}
             info = messages.server_info(self.backbone_id, facts["static"], facts["live"], limits)
             info.encoder_id = self.backends.encoder_id or ""
+            info.backbones_json = json.dumps(await self.backends.statics())  # the CLI's upload check
+            info.usage.CopyFrom(await self._usage(caller))
             return info
 
         return await self._unary("ServerInfo", grpc_context, run, request)
 
     async def _unary(self, method: str, grpc_context, run, request, call: CallTrace | None = None):
-        """Authenticate, take a place, run; an error ends the call with its status (and an empty
-        reply, which the client never sees). Counts the call; traces it (as `call` if given)."""
+        """Authenticate, check the scope, take a place, run; an error ends the call with its status
+        (and an empty reply, which the client never sees). Counts the call; traces it (as `call` if
+        given)."""
         counted, code = self.metrics.start(method), "OK"
         call = call or self.tracing.grpc_call(method, grpc_context.invocation_metadata())
         try:
-            tenant = counted.tenant = grpc_tenant(self.keys, grpc_context)
+            caller = grpc_caller(self.keys, grpc_context)
+            counted.tenant = caller.tenant
+            caller.require(method)
             refuse_undecodable(request)
-            with self.admission.admit():
-                return await run(tenant, request)
+            with self.admission.admit(self.gate.enter(caller, method)):
+                return await run(caller, request)
         except Exception as exc:
             code = status_of(exc).name
+            count_refusal(self.metrics, counted.tenant, exc)
             grpc_error(grpc_context, exc)
             return _empty_reply(method)
         finally:
             counted.end(code)
             call.tag_grpc(grpc_context)
             call.finish(code)
+
+    # --- tenants' usage -------------------------------------------------------
+
+    async def _usage(self, caller: Caller) -> pb.TenantUsage:
+        return caller_usage(caller, await asyncio.to_thread(self.store.usage, caller.tenant), self.gate)
+
+    async def _all_usage(self, caller: Caller) -> list[pb.TenantUsage]:
+        """Every tenant's usage, for an admin key of a server with keys (else none)."""
+        if caller.tenant is None or not caller.is_admin:
+            return []
+        quotas = self.keys.quotas()
+        stored = await asyncio.to_thread(self.store.usages, sorted(quotas))
+        return [tenant_usage(t, [], quotas[t], stored[t], self.gate) for t in sorted(quotas)]
 
     # --- lifecycle: `adapterserve serve` drains every replica (drain.py) -----
 

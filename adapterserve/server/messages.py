@@ -121,4 +121,5 @@ def chunk_message(chunk: Mapping[str, Any]) -> pb.GenerateResponse:
         adapter=chunk.get("adapter") or "",
         prompt_tokens=chunk.get("prompt_tokens", 0),
         request_id=chunk["request_id"],
+        cached_tokens=chunk.get("cached_tokens", 0),
     )

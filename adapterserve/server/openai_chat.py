@@ -181,7 +181,7 @@ def chat_body(call: ChatCall, chunks: Sequence[Mapping[str, Any]], prompt_ids: S
     choice = {"index": 0, "message": {"role": "assistant", "content": "".join(c["text"] for c in chunks)},
               "logprobs": None, "finish_reason": common.finish(chunks[-1]["finish_reason"])}
     reply = {**_envelope(call, "chat.completion"), "choices": [choice],
-             "usage": common.usage(chunks[0].get("prompt_tokens", 0), len(token_ids))}
+             "usage": common.generation_usage(chunks, len(token_ids))}
     if call.return_token_ids:
         choice["token_ids"] = token_ids
         reply["prompt_token_ids"] = list(prompt_ids)

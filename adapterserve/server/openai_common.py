@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from adapterserve import request_fields as check
@@ -100,9 +100,20 @@ def sampling_of(body: Mapping[str, Any], **fields: Any) -> SamplingParams:
     return SamplingParams(**{**given, **fields})
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """The usage block; a generation's (cached_tokens given) says how many prompt tokens the
+    prefix cache held."""
+    block: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        block["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return block
+
+
+def generation_usage(chunks: Sequence[Mapping[str, Any]], completion_tokens: int) -> dict[str, Any]:
+    """The usage block of a generation from its chunks (the first carries the prompt's counts)."""
+    first = chunks[0] if chunks else {}
+    return usage(first.get("prompt_tokens", 0), completion_tokens, first.get("cached_tokens", 0))
 
 
 def finish(reason: str | None) -> str | None:
@@ -117,11 +128,13 @@ async def sse(chunks: AsyncIterator[Mapping[str, Any]], envelope: Mapping[str, A
               choice_of: Callable[[Mapping[str, Any], bool], dict[str, Any]], with_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: `envelope` + one choice per chunk (`choice_of(chunk, first)`), a usage
     event if asked, then `data: [DONE]`. An error after the headers went is reported in the stream."""
-    prompt_tokens = generated = 0
+    head: dict[str, Any] = {}  # the prompt's counts, from the first chunk
+    generated = 0
     first = True
     try:
         async for c in chunks:
-            prompt_tokens = c.get("prompt_tokens", prompt_tokens)
+            if first:
+                head = {k: c[k] for k in ("prompt_tokens", "cached_tokens") if k in c}
             generated += len(c["token_ids"])
             yield event({**envelope, "choices": [choice_of(c, first)]})
             first = False
@@ -129,7 +142,7 @@ async def sse(chunks: AsyncIterator[Mapping[str, Any]], envelope: Mapping[str, A
         yield event(error_body(exc))
         return
     if with_usage:
-        yield event({**envelope, "choices": [], "usage": usage(prompt_tokens, generated)})
+        yield event({**envelope, "choices": [], "usage": generation_usage([head], generated)})
     yield "data: [DONE]\n\n"
 
 

@@ -80,7 +80,7 @@ def completion_body(call: CompletionCall, chunks: list[Mapping[str, Any]]) -> di
     if call.return_token_ids:
         choice["token_ids"] = token_ids
     return {**_envelope(call), "choices": [choice],
-            "usage": common.usage(chunks[0].get("prompt_tokens", 0), len(token_ids))}
+            "usage": common.generation_usage(chunks, len(token_ids))}
 
 
 def sse_events(call: CompletionCall, chunks: AsyncIterator[Mapping[str, Any]]) -> AsyncIterator[str]:

@@ -6,7 +6,8 @@
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter   publish from a path / delete
     GET  /health, /metrics
 
-Every call but /health and /metrics is authenticated (Authorization: Bearer KEY), holds an admission
+Every call but /health and /metrics is authenticated (Authorization: Bearer KEY), needs its key's
+scope (adapters_store/tenants.py: 403 without), holds a place in its tenant's quotas and an admission
 place while it runs (a stream: until its last event), is counted and traced (its response
 names its trace: x-trace-id, traceresponse; server/tracing); its errors, and
 routing errors, come in OpenAI's shape (openai_errors.py). `model` names the generation
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from adapterserve.adapters_store.records import AdapterVersion
+from adapterserve.adapters_store.tenants import Caller
 from adapterserve.errors import AdapterNotFound, RequestError, RequestTooLarge
 from adapterserve.server import (
     openai_chat,
@@ -34,7 +36,7 @@ from adapterserve.server import (
     vllm_lora,
 )
 from adapterserve.server.admission import Place
-from adapterserve.server.auth import http_tenant
+from adapterserve.server.auth import http_caller
 from adapterserve.server.backends import NotServed
 from adapterserve.server.chat_template import ChatRenderer
 from adapterserve.server.http_body import read_json
@@ -44,8 +46,10 @@ from adapterserve.server.metrics.calls import Call
 from adapterserve.server.metrics.exposition import CONTENT_TYPE
 from adapterserve.server.metrics.scrape import MetricsUnavailable
 from adapterserve.server.prompts import limits_of, load_tokenizer
+from adapterserve.server.quotas import count_refusal
 from adapterserve.server.status import status_of
 from adapterserve.server.tracing import CallTrace
+from adapterserve.server.usage_report import caller_usage, usage_json
 from adapterserve.server.validation import adapter_validator
 
 http_app = FastAPI(title="adapterserve", description="OpenAI-compatible routes over many adapters")
@@ -83,7 +87,7 @@ def _route(request: Request) -> str:
 
 class OpenAIRoutes:
     """Mixed into the Ingress: uses its keys, admission, metrics, tracing, backends, store,
-    limits, tokenizer, _generate, _measured, _resolve and _pooled."""
+    limits, tokenizer, resolutions, _generate, _measured, _resolve and _pooled."""
 
     def _init_http(self, config: dict[str, Any]) -> None:
         self.chat = ChatRenderer(self.tokenizer, config["chat_template"], config["model_id"])
@@ -92,19 +96,22 @@ class OpenAIRoutes:
                                       config["store_options"])
 
     async def _http_call(self, method: str, request: Request, handler: Handler, model_param: str = "model"):
-        """Authenticate, take a place, run `handler(request, tenant, place, counted)`; errors in
-        OpenAI's shape. A stream takes the place over (released when its events end)."""
+        """Authenticate, check the scope, take a place, run `handler(request, caller, place, counted)`;
+        errors in OpenAI's shape. A stream takes the place over (released when its events end)."""
         counted, code = self.metrics.start(method), "OK"
         trace = request.state.trace = self.tracing.http_call(request.method, _route(request), request.headers.items())
         try:
-            tenant = counted.tenant = http_tenant(self.keys, request.headers)
-            place = self.admission.take()
+            caller = http_caller(self.keys, request.headers)
+            counted.tenant = caller.tenant
+            caller.require(method)
+            place = self.admission.take(self.gate.enter(caller, method))
             try:
-                return trace.tag(await handler(request, tenant, place, counted))
+                return trace.tag(await handler(request, caller, place, counted))
             finally:
                 place.release()
         except Exception as exc:
             code = status_of(exc).name
+            count_refusal(self.metrics, counted.tenant, exc)
             return trace.tag(openai_errors.error_response(exc, model_param))
         finally:
             counted.end(code)  # a stream's call is counted when the stream ends
@@ -138,26 +145,29 @@ class OpenAIRoutes:
 
     @http_app.get("/v1/models")
     async def models(self, request: Request):
-        async def run(request: Request, tenant: Any, place: Place, counted: Call) -> Response:
-            versions = await asyncio.to_thread(self.store.list, tenant=tenant)
-            return JSONResponse(openai_models.models_body(self.backbone_id, self.backends.encoder_id, versions))
+        async def run(request: Request, caller: Caller, place: Place, counted: Call) -> Response:
+            versions = await asyncio.to_thread(self.store.list, tenant=caller.store_view)
+            body = openai_models.models_body(self.backbone_id, self.backends.encoder_id, versions)
+            stored = await asyncio.to_thread(self.store.usage, caller.tenant)
+            body["tenant"] = usage_json(caller_usage(caller, stored, self.gate))  # the key's own scopes and usage
+            return JSONResponse(body)
 
         return await self._http_call("models", request, run)
 
     @http_app.get("/v1/models/{model:path}")
     async def retrieve_model(self, request: Request, model: str):
-        async def run(request: Request, tenant: Any, place: Place, counted: Call) -> Response:
+        async def run(request: Request, caller: Caller, place: Place, counted: Call) -> Response:
             if model in (self.backbone_id, self.backends.encoder_id):
                 return JSONResponse(openai_models.backbone_entry(model))
-            version = await self._model_version(model, tenant)
+            version = await self._model_version(model, caller)
             return JSONResponse(openai_models.adapter_entry(version, model, self.backbone_id))
 
         return await self._http_call("models", request, run)
 
-    async def _model_version(self, model: str, tenant: Any) -> AdapterVersion:
+    async def _model_version(self, model: str, caller: Caller) -> AdapterVersion:
         """The adapter version `model` names; a name no adapter can have is not found."""
         try:
-            return await self._resolve(model, tenant)
+            return await self._resolve(model, caller)
         except RequestError:
             raise AdapterNotFound(f"no model {model!r}: this server serves {self._served()} and adapters "
                                   "'name' or 'name@N'") from None
@@ -167,23 +177,24 @@ class OpenAIRoutes:
 
     # --- generation -------------------------------------------------------------
 
-    async def _generation_version(self, model: str, tenant: Any) -> AdapterVersion | None:
+    async def _generation_version(self, model: str, caller: Caller) -> AdapterVersion | None:
         if model == self.backbone_id:
             return None
         if model == self.backends.encoder_id:
             raise NotServed(f"model {model!r} is the encoder: it serves /v1/embeddings and /v1/classify; "
                             f"generate with {self.backbone_id!r} or an adapter made for it")
-        return await self._model_version(model, tenant)
+        return await self._model_version(model, caller)
 
     @http_app.post("/v1/completions")
     async def completions(self, request: Request):
         return await self._http_call("completions", request, self._complete)
 
-    async def _complete(self, request: Request, tenant: Any, place: Place, counted: Call) -> Response:
+    async def _complete(self, request: Request, caller: Caller, place: Place, counted: Call) -> Response:
         call = openai_http.parse_completion(await self._body(request), self.backbone_id)
         with _trace(request).span("resolve"):
-            version = await self._generation_version(call.model, tenant)
-        chunks = self._measured(self._generate(call.prompt, call.sampling, version, tenant, _trace(request)), counted)
+            version = await self._generation_version(call.model, caller)
+        generated = self._generate(call.prompt, call.sampling, version, caller, _trace(request))
+        chunks = self._measured(generated, counted)
         first = await anext(chunks)  # errors before the first token get a proper HTTP status
         if call.stream:
             events = openai_http.sse_events(call, _prepend(first, chunks))
@@ -196,10 +207,10 @@ class OpenAIRoutes:
     async def chat_completions(self, request: Request):
         return await self._http_call("chat_completions", request, self._chat)
 
-    async def _chat(self, request: Request, tenant: Any, place: Place, counted: Call) -> Response:
+    async def _chat(self, request: Request, caller: Caller, place: Place, counted: Call) -> Response:
         call = openai_chat.parse_chat(await self._body(request), self.backbone_id)
         with _trace(request).span("resolve"):
-            version = await self._generation_version(call.model, tenant)
+            version = await self._generation_version(call.model, caller)
         limits = limits_of(await self.backends.static(self.backends.model_id), self.max_prompt_chars)
         if call.chars > limits.max_prompt_chars:
             raise RequestTooLarge(f"'messages' hold {call.chars} characters; this server takes at most "
@@ -208,7 +219,8 @@ class OpenAIRoutes:
             ids = await asyncio.to_thread(self.chat.render, call.messages, call.options)
         virtual = int((version.info or {}).get("virtual_tokens", 0)) if version else 0
         sampling = call.sampling_for(len(ids) + virtual, limits.max_model_len)
-        chunks = self._measured(self._generate(ids, sampling, version, tenant, _trace(request)), counted)
+        generated = self._generate(ids, sampling, version, caller, _trace(request))
+        chunks = self._measured(generated, counted)
         first = await anext(chunks)
         if call.stream:
             events = openai_chat.sse_events(call, _prepend(first, chunks))
@@ -219,13 +231,13 @@ class OpenAIRoutes:
 
     # --- the encoder's tasks ------------------------------------------------------
 
-    async def _encoder_version(self, model: str, tenant: Any) -> AdapterVersion | None:
+    async def _encoder_version(self, model: str, caller: Caller) -> AdapterVersion | None:
         if model == self.backends.encoder_id:
             return None
         if model == self.backbone_id:
             what = f"use {self.backends.encoder_id!r}" if self.backends.encoder_id else "this server runs no encoder"
             raise NotServed(f"model {model!r} is the generation backbone, which serves completions only; {what}")
-        return await self._model_version(model, tenant)
+        return await self._model_version(model, caller)
 
     async def _encoder_tokens(self, texts: list[str]) -> int:
         """Tokens the encoder reads of `texts` (each cut to its context), for usage."""
@@ -239,10 +251,10 @@ class OpenAIRoutes:
     async def embeddings(self, request: Request):
         return await self._http_call("embeddings", request, self._embed_http)
 
-    async def _embed_http(self, request: Request, tenant: Any, place: Place, counted: Call) -> Response:
+    async def _embed_http(self, request: Request, caller: Caller, place: Place, counted: Call) -> Response:
         call = openai_embeddings.parse_embeddings(await self._body(request), self.backends.encoder_id, self.max_texts)
         with _trace(request).span("resolve"):
-            version = await self._encoder_version(call.model, tenant)
+            version = await self._encoder_version(call.model, caller)
         reply = await self._pooled("embed", call.texts, version, _trace(request))
         tokens = await self._encoder_tokens(call.texts)
         return JSONResponse(openai_embeddings.embeddings_body(call, reply["embeddings"], tokens))
@@ -252,10 +264,10 @@ class OpenAIRoutes:
     async def classify(self, request: Request):
         return await self._http_call("classify", request, self._classify_http)
 
-    async def _classify_http(self, request: Request, tenant: Any, place: Place, counted: Call) -> Response:
+    async def _classify_http(self, request: Request, caller: Caller, place: Place, counted: Call) -> Response:
         call = openai_embeddings.parse_classify(await self._body(request), self.max_texts)
         with _trace(request).span("resolve"):
-            version = await self._encoder_version(call.model, tenant)
+            version = await self._encoder_version(call.model, caller)
         if version is None:
             raise RequestError(f"'model' {call.model!r} is the encoder, which has no classification head: name an "
                                "adapter with one")
@@ -270,27 +282,33 @@ class OpenAIRoutes:
     async def load_lora_adapter(self, request: Request):
         return await self._http_call("load_lora_adapter", request, self._load_lora, model_param="lora_name")
 
-    async def _load_lora(self, request: Request, tenant: Any, place: Place, counted: Call) -> Response:
+    async def _load_lora(self, request: Request, caller: Caller, place: Place, counted: Call) -> Response:
         call = vllm_lora.parse_load(await self._body(request))
         validator = adapter_validator(await self.backends.statics(), call.name)
-        version = await asyncio.to_thread(self._publish_from, call, tenant, validator)
+        version = await asyncio.to_thread(self._publish_from, call, caller, validator)
+        self.resolutions.forget(call.name)
         return JSONResponse(vllm_lora.loaded_body(version, self.backbone_id))
 
-    def _publish_from(self, call: vllm_lora.LoadCall, tenant: Any, validator: Any) -> AdapterVersion:
+    def _publish_from(self, call: vllm_lora.LoadCall, caller: Caller, validator: Any) -> AdapterVersion:
         """Publish the adapter at `call.path` (blocking: runs in a thread)."""
         if not call.on_s3:
             source = self.sources.local(call.path)
-            return self.store.publish(call.name, source, tenant=tenant, public=call.public, validator=validator)
+            return self.store.publish(call.name, source, tenant=caller.tenant, public=call.public, validator=validator,
+                                      quotas=caller.quotas)
         location = self.sources.s3(call.path)
         with tempfile.TemporaryDirectory(prefix="adapterserve-load-") as tmp:
             self.sources.download(location, Path(tmp), self.limits)
-            return self.store.publish(call.name, tmp, tenant=tenant, public=call.public, validator=validator)
+            return self.store.publish(call.name, tmp, tenant=caller.tenant, public=call.public, validator=validator,
+                                      quotas=caller.quotas)
 
     @http_app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request):
         return await self._http_call("unload_lora_adapter", request, self._unload_lora, model_param="lora_name")
 
-    async def _unload_lora(self, request: Request, tenant: Any, place: Place, counted: Call) -> Response:
+    async def _unload_lora(self, request: Request, caller: Caller, place: Place, counted: Call) -> Response:
         name, number = vllm_lora.parse_unload(await self._body(request))
-        deleted = await asyncio.to_thread(self.store.delete, name, number, tenant=tenant)
+        try:
+            deleted = await asyncio.to_thread(self.store.delete, name, number, tenant=caller.store_view)
+        finally:
+            self.resolutions.forget(name)
         return JSONResponse(vllm_lora.unloaded_body(deleted))

@@ -21,12 +21,12 @@ published into the store at start when the config lists them).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -34,6 +34,7 @@ from ray import serve
 from adapterserve.adapters_store.cache import HostAdapterCache
 from adapterserve.adapters_store.formats.read import read_adapter
 from adapterserve.adapters_store.records import AdapterVersion
+from adapterserve.adapters_store.servable import check_servable
 from adapterserve.adapters_store.store import open_store
 from adapterserve.engine.request import EmbedOutput
 from adapterserve.errors import (
@@ -51,7 +52,7 @@ from adapterserve.server.metrics.replica_metrics import ReplicaMetrics
 from adapterserve.server.relay import RelayPacer
 from adapterserve.server.replies import error_reply
 from adapterserve.server.tracing import ReplicaTrace, open_tracing
-from adapterserve.server.validation import describe_adapter
+from adapterserve.server.validation import backbone_facts, describe_adapter
 
 ADAPTER_KINDS = ("lora", "ia3", "prompt_tuning", "p_tuning", "prefix_tuning", "bottleneck", "classifier_head")
 ENCODER_ADAPTER_KINDS = ("lora", "ia3", "bottleneck", "classifier_head")
@@ -70,6 +71,15 @@ def check_pinnable(version: AdapterVersion, backbone_id: str) -> None:
     if backbone is not None and backbone != backbone_id:
         raise AdapterError(f"pinned adapter {version.ref!r} was validated for backbone {backbone!r}; this "
                            f"replica serves {backbone_id!r}: list it under the other backbone's pinned adapters")
+
+
+def cache_salt(version: AdapterVersion | None) -> str:
+    """Prefix-cache salt of a request: a private adapter's requests share cached KV blocks only
+    within its owning tenant; the base model's and public adapters' are shared by all
+    (docs/prefix_caching.md)."""
+    if version is None or version.public or version.tenant is None:
+        return ""
+    return f"tenant:{version.tenant}"
 
 
 @serve.deployment
@@ -126,7 +136,11 @@ class EngineReplica:
         return {**describe_adapter(self._read(path)), "backbone": self.backbone_id}
 
     def _read(self, path):
-        return read_adapter(path, self.engine.facts.backbone_spec, self.engine.facts.adapter_limits)
+        """Read and check an adapter as the engine will hold it (the host cache's loader)."""
+        facts = self.engine.facts
+        adapter = read_adapter(path, facts.backbone_spec, facts.adapter_limits, dtype=facts.host_dtype)
+        check_servable(adapter, Path(path).name, facts.serving_rules)
+        return adapter
 
     async def check_health(self) -> None:
         """Serve's health check: probe the engine (a failed one restarts in place); raise, so that
@@ -197,7 +211,7 @@ class EngineReplica:
             loaded = await self._traced_acquire(version, trace)
             stream = self.engine.stream(
                 request["prompt"], request["sampling"], adapter_id=loaded.engine_id if loaded else None,
-                request_id=request["request_id"], times=trace.times,
+                request_id=request["request_id"], times=trace.times, cache_salt=cache_salt(version),
             )
             async with aclosing(stream):  # closing it aborts the engine request (frees its KV blocks)
                 with self._pacer.stream():
@@ -229,7 +243,8 @@ class EngineReplica:
             chunk = {"request_id": out.request_id, "token_ids": out.token_ids, "text": out.text,
                      "finish_reason": out.finish_reason}
             if first:
-                chunk.update(adapter=version.ref if version else "", prompt_tokens=len(out.prompt_token_ids))
+                chunk.update(adapter=version.ref if version else "", prompt_tokens=len(out.prompt_token_ids),
+                             cached_tokens=out.cached_tokens)
                 first = False
             yield chunk
             if out.finish_reason is None and (pause := self._pacer.pause_s()):
@@ -268,16 +283,8 @@ class EngineReplica:
         facts, load = self.engine.facts, await self.engine.load()
         spec, encoder = facts.backbone_spec, facts.encoder
         static = {
-            "backbone_id": self.backbone_id,
+            **backbone_facts(self.backbone_id, spec, facts.adapter_limits, facts.serving_rules),
             "tasks": ["classify", "embed"] if encoder else ["generate"],
-            "model_type": spec.model_type,
-            "num_layers": spec.num_layers,
-            "hidden_size": spec.hidden_size,
-            "linear_shapes": dict(spec.linear_shapes),
-            "num_kv_heads": spec.num_kv_heads,
-            "head_dim": spec.head_dim,
-            "layers_prefix": spec.layers_prefix,
-            "limits": dataclasses.asdict(facts.adapter_limits),
             "vocab_size": facts.vocab_size,
             "max_model_len": facts.max_model_len,
             "adapter_kinds": list(ENCODER_ADAPTER_KINDS if encoder else ADAPTER_KINDS),

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from adapterserve.adapters_store.tenants_file import read_keys_file
 from adapterserve.server.chat_template import resolve_chat_template
 from adapterserve.server.lora_sources import check_sources
 from adapterserve.server.metrics.settings import check_metrics
@@ -37,7 +38,7 @@ DEFAULTS: dict[str, Any] = {
     "model": None,  # checkpoint directory; None = the embedded tiny Llama
     "model_id": None,  # the base model's name for clients; default: the directory's name
     "store": str(HOME / "store"),  # directory or s3://bucket/prefix
-    "store_options": {},  # passed to the store backend (S3: endpoint_url, cache_dir)
+    "store_options": {},  # passed to the store backend (S3: endpoint_url, cache_dir, cache_bytes: 8 GiB)
     "api_keys_file": OPEN_KEYS,  # 'KEY TENANT' lines; None = open (loopback demo)
     "engine": {"device": "cpu", "dtype": "float32", "max_lora_rank": 64},  # EngineConfig fields
     "encoder": None,  # encoder checkpoint for Classify/Embed; None = all-MiniLM-L6-v2, False = none
@@ -64,6 +65,8 @@ DEFAULTS: dict[str, Any] = {
     "max_adapters_per_replica": 32,  # multiplexed adapters registered with one engine
     "gc_interval_s": 600.0,  # how often the ingress removes files of deleted versions
     "gc_grace_s": 3600.0,  # ... deleted longer ago than this (longer than any request)
+    "resolve_ttl_s": 5.0,  # an adapter ref resolves from the ingress's cache this old at most (resolutions.py)
+    "stale_upload_s": 600.0,  # at start, upload folders and staging untouched this long are a crash's: removed
     # admission at each ingress replica (docs/reliability.md): calls held at once (gRPC and HTTP,
     # streams until they end; beyond: RESOURCE_EXHAUSTED / 429 with retry advice) and open
     # grpc.health.v1 Watch streams; together below ingress.max_ongoing_requests, so the ingress
@@ -165,6 +168,7 @@ def resolve_paths(config: dict[str, Any]) -> dict[str, Any]:
     check_tracing_settings(config["tracing"])
     if config["api_keys_file"]:
         config["api_keys_file"] = str(Path(config["api_keys_file"]).expanduser().absolute())
+        read_keys_file(config["api_keys_file"])  # a malformed tenants file is refused here, before anything starts
     return config
 
 

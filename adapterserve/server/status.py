@@ -21,6 +21,7 @@ from ray.serve.exceptions import (
 
 from adapterserve.errors import (
     AccessDenied,
+    AdapterInUse,
     AdapterError,
     AdapterIntegrityError,
     AdapterNotFound,
@@ -31,6 +32,7 @@ from adapterserve.errors import (
     RequestError,
     RequestTooLarge,
     ServerDraining,
+    StoreUnavailable,
     Unauthenticated,
 )
 from adapterserve.server.backends import NotServed
@@ -51,6 +53,7 @@ _CODES: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], grpc.
     (AdapterError, grpc.StatusCode.INVALID_ARGUMENT),
     (RequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotServed, grpc.StatusCode.FAILED_PRECONDITION),
+    (AdapterInUse, grpc.StatusCode.FAILED_PRECONDITION),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (BackPressureError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DeploymentUnavailableError, grpc.StatusCode.UNAVAILABLE),
@@ -58,6 +61,7 @@ _CODES: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], grpc.
     (EngineDied, grpc.StatusCode.UNAVAILABLE),
     (EngineBroken, grpc.StatusCode.UNAVAILABLE),
     (ServerDraining, grpc.StatusCode.UNAVAILABLE),
+    (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
     (AdapterIntegrityError, grpc.StatusCode.DATA_LOSS),
 )
 
@@ -115,6 +119,7 @@ def retry_after_s(exc: BaseException) -> float | None:
     if isinstance(exc, Overloaded):
         return exc.retry_after_s
     if isinstance(exc, (BackPressureError, DeploymentUnavailableError, EngineDied, EngineBroken, ServerDraining,
+                        StoreUnavailable,
                         *REPLICA_GONE)):
         return 1.0
     return None

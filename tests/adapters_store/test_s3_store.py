@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from adapterserve.adapters_store.store import open_store
-from adapterserve.errors import AdapterNotFound
+from adapterserve.errors import AdapterNotFound, StoreUnavailable
 
 pytest.importorskip("boto3")
 
@@ -55,8 +55,9 @@ def test_client_failing_on_the_second_file_leaves_nothing_visible(
 ):
     store = _s3(f"s3://{s3_bucket}/p", s3_endpoint, tmp_path)
     _record(store, "PutObject", fail_on=2)
-    with pytest.raises(ConnectionError):
+    with pytest.raises(StoreUnavailable, match="cannot store this adapter now") as refused:
         store.publish("a", adapter_dir(0), tenant=None)
+    assert s3_bucket not in str(refused.value) and isinstance(refused.value.__context__, ConnectionError)
     keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])]
     assert len(keys) == 1 and "/meta/" not in keys[0]
     fresh = _s3(f"s3://{s3_bucket}/p", s3_endpoint, tmp_path)

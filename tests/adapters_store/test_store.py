@@ -18,6 +18,7 @@ from adapterserve.errors import (
     AdapterNotFound,
     AdapterTooLarge,
     RequestError,
+    StoreUnavailable,
 )
 
 
@@ -82,12 +83,37 @@ def test_validator_sees_the_staged_copy_not_the_source(store, adapter_dir):
     assert seen and seen[0] != src and not seen[0].exists()  # a temporary copy, gone afterwards
 
 
-def test_one_level_of_subdirectories_and_hidden_entries(store, adapter_dir):
-    src = adapter_dir(0, extra={"tokenizer/tokenizer.json": b"{}", ".cache/huggingface/x.lock": b""})
+def test_docs_are_kept_and_hidden_entries_skipped(store, adapter_dir):
+    src = adapter_dir(0, extra={"README.md": b"# card", "LICENSE": b"MIT", ".cache/huggingface/x.lock": b""})
     v = store.publish("a", src, tenant=None)
-    assert "tokenizer/tokenizer.json" in v.files
-    assert not any(f.startswith(".") for f in v.files)
-    assert (store.fetch(v) / "tokenizer" / "tokenizer.json").read_bytes() == b"{}"
+    assert v.files == ("LICENSE", "README.md", "adapter_config.json", "adapter_model.safetensors")
+    assert (store.fetch(v) / "README.md").read_bytes() == b"# card"
+
+
+@pytest.mark.parametrize("extra", [{"optimizer.safetensors": b"x" * 100}, {"tokenizer.json": b"{}"},
+                                   {"tokenizer/tokenizer.json": b"{}"}, {"notes.md": b"hi"}])
+def test_files_outside_the_family_are_refused_by_name(store, adapter_dir, extra):
+    name = next(iter(extra)).split("/")[0]
+    with pytest.raises(AdapterError, match=f"{name}.*not part of an adapter"):
+        store.publish("a", adapter_dir(0, extra=extra), tenant=None)
+    _assert_empty(store)
+
+
+def test_a_large_unrelated_file_is_refused_before_it_is_copied(make_store, adapter_dir):
+    src = adapter_dir(0)
+    with open(src / "checkpoint.tar", "wb") as f:
+        f.truncate(2 << 30)  # 2 GiB, sparse: nothing read or copied
+    store = make_store(StoreLimits(max_total_bytes=3 << 30))
+    with pytest.raises(AdapterError, match="'checkpoint.tar' is not part of an adapter"):
+        store.publish("a", src, tenant=None)
+    _assert_empty(store)
+
+
+def test_configs_and_docs_are_capped(make_store, adapter_dir):
+    store = make_store(StoreLimits(max_text_file_bytes=100))
+    with pytest.raises(AdapterTooLarge, match="'README.md' is 101 bytes, over the limit of 100"):
+        store.publish("a", adapter_dir(0, extra={"README.md": b"x" * 101}), tenant=None)
+    _assert_empty(store)
 
 
 def test_restart_sees_the_same_adapters(make_store, adapter_dir):
@@ -120,14 +146,14 @@ def test_pickle_files_are_refused(store, adapter_dir, pickle_name):
 def test_symlinks_are_refused(store, adapter_dir, tmp_path):
     src = adapter_dir(0)
     (tmp_path / "outside.json").write_text("{}")
-    os.symlink(tmp_path / "outside.json", src / "tokenizer.json")
+    os.symlink(tmp_path / "outside.json", src / "head_config.json")
     with pytest.raises(AdapterError, match="symbolic link"):
         store.publish("a", src, tenant=None)
     _assert_empty(store)
 
 
 def test_nested_directories_are_refused(store, adapter_dir):
-    with pytest.raises(AdapterError, match="two levels down"):
+    with pytest.raises(AdapterError, match="folder 'sub/' is not part of an adapter"):
         store.publish("a", adapter_dir(0, extra={"sub/deeper/x.json": b"{}"}), tenant=None)
     _assert_empty(store)
 
@@ -141,7 +167,7 @@ def test_oversized_upload_is_refused(make_store, adapter_dir):
 
 def test_too_many_files_are_refused(make_store, adapter_dir):
     store = make_store(StoreLimits(max_files=3))
-    extra = {f"vocab{i}.txt": b"x" for i in range(2)}
+    extra = {"README.md": b"x", "LICENSE": b"x"}
     with pytest.raises(AdapterTooLarge, match="more than 3 files"):
         store.publish("a", adapter_dir(0, extra=extra), tenant=None)
     _assert_empty(store)
@@ -192,7 +218,7 @@ def test_validator_result_the_manifest_cannot_hold_stores_nothing(store, adapter
 def test_upload_dying_midway_leaves_only_garbage_that_gc_removes(make_store, adapter_dir):
     store = make_store()
     store._store_file = _raise_on_call(2, store._store_file)
-    with pytest.raises(ConnectionError):
+    with pytest.raises(StoreUnavailable, match="retry later"):
         store.publish("a", adapter_dir(0), tenant=None)
     _assert_empty(store)
     assert len(store._list("data/")) == 1  # the first file made it
@@ -221,14 +247,21 @@ def test_losing_the_race_for_a_version_number_takes_the_next(make_store, adapter
 # --- tenants ------------------------------------------------------------------
 
 
+def _not_found_message(call) -> str:
+    with pytest.raises(AdapterNotFound) as info:
+        call()
+    return str(info.value)
+
+
 def test_other_tenants_cannot_see_use_delete_or_take_a_private_adapter(store, adapter_dir):
     v = store.publish("a", adapter_dir(0), tenant="alice")
-    for ref in ("a", "a@1"):
-        with pytest.raises(AccessDenied):
-            store.resolve(ref, tenant="bob")
+    nobody = _not_found_message(lambda: store.resolve("zz", tenant="bob")).replace("'zz'", "'a'")
+    for call in (lambda: store.resolve("a", tenant="bob"), lambda: store.resolve("a@1", tenant="bob"),
+                 lambda: store.describe("a@1", tenant="bob"), lambda: store.delete("a", tenant="bob"),
+                 lambda: store.delete("a", 1, tenant="bob")):
+        assert _not_found_message(call) == nobody  # the same as for a name nobody has: no existence leak
     assert store.list(tenant="bob") == []
-    with pytest.raises(AccessDenied):
-        store.delete("a", tenant="bob")
+    assert store.list(tenant="bob", name="a") == []
     with pytest.raises(AccessDenied, match="another name"):
         store.publish("a", adapter_dir(1), tenant="bob")
     assert store.list(tenant="alice") == [v]
@@ -250,7 +283,7 @@ def test_name_alone_resolves_to_the_newest_version_the_tenant_may_use(store, ada
     store.publish("a", adapter_dir(1), tenant="alice")  # private draft
     assert store.resolve("a", tenant="bob") == public
     assert store.resolve("a", tenant="alice").version == 2
-    with pytest.raises(AccessDenied):
+    with pytest.raises(AdapterNotFound, match="'a' has no version 2; versions you can use: 1$"):
         store.resolve("a@2", tenant="bob")
 
 

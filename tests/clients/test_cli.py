@@ -29,6 +29,10 @@ def test_serve_flags_become_config_overrides(tmp_path):
     }
 
 
+def test_serve_no_warmup_turns_the_engine_warm_up_off():
+    assert cli.serve_config(_serve_args("--no-warmup")) == {"engine": {"warmup": False}}
+
+
 def test_generate_needs_exactly_one_prompt(capsys):
     assert cli.main(["generate", "--server", "127.0.0.1:1"]) == 2
     assert "either PROMPT or --prompt-token-ids" in capsys.readouterr().err

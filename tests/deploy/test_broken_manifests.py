@@ -9,6 +9,7 @@ import pytest
 
 from deploy import validate_manifests as vm
 from deploy.kustomize import K8S
+from deploy.references import check_references
 from deploy.schemas import strict
 from deploy.serve_config_check import check_serve_config
 
@@ -148,3 +149,60 @@ def test_pods_that_would_be_killed_mid_drain(rayservices):
         "gpu pods get terminationGracePeriodSeconds 150, not more than the 200 s their replicas may take to drain "
         "(drain_grace_s, graceful_shutdown_timeout_s)",
     ]
+
+
+def test_metrics_port_not_declared_or_not_reachable(rayservices):
+    doc = copy.deepcopy(rayservices["base"])
+    doc["spec"]["serveConfigV2"] = (doc["spec"]["serveConfigV2"].replace("port: 8090", "port: 9100")
+                                    .replace("host: 0.0.0.0", "host: 127.0.0.1"))
+    assert [p.split(": ", 1)[1] for p in vm.check_consistency(doc)] == [
+        "args.metrics.port is 9100, but the head container's port 'as-metrics' is 8090: declare it there "
+        "(the hub runs on the head)",
+        "args.metrics.host is '127.0.0.1': set 0.0.0.0, or nothing outside the head pod can scrape the metrics port",
+    ]
+
+
+def _production(rendered, kind, name=None):
+    docs = copy.deepcopy(rendered["overlays/production"])
+    return docs, next(d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"]))
+
+
+def test_pod_monitor_with_a_port_the_head_lacks_or_a_typo(rendered):
+    docs, monitor = _production(rendered, "PodMonitor", "adapterserve")
+    monitor["spec"]["podMetricsEndpoints"][0]["port"] = "as-metric"
+    problems = check_references(docs)
+    assert len(problems) == 1
+    assert problems[0].startswith("PodMonitor/adapterserve: spec.podMetricsEndpoints[0].port 'as-metric' is no "
+                                  "container port of RayService/adapterserve head (it has as-metrics, ")
+    monitor["spec"]["podMetricEndpoints"] = monitor["spec"].pop("podMetricsEndpoints")
+    assert vm.check_documents([monitor]) == [
+        "PodMonitor/adapterserve: spec.podMetricEndpoints: unknown field 'podMetricEndpoints' "
+        "(did you mean 'podMetricsEndpoints'?)"]
+    monitor["apiVersion"] = "monitoring.coreos.com/v1beta1"
+    assert vm.check_documents([monitor]) == [
+        "PodMonitor/adapterserve: apiVersion must be monitoring.coreos.com/v1, got 'monitoring.coreos.com/v1beta1'"]
+
+
+def test_pod_monitor_that_selects_nothing(rendered):
+    docs, monitor = _production(rendered, "PodMonitor", "adapterserve")
+    monitor["spec"]["selector"]["matchLabels"]["ray.io/node-type"] = "Head"
+    [problem] = check_references(docs)
+    assert problem.startswith("PodMonitor/adapterserve: spec.selector {app.kubernetes.io/name=adapterserve, "
+                              "ray.io/node-type=Head} selects no pod (RayService/adapterserve head: {")
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda spec: spec.update(maxUnavailable=1) or spec.pop("minAvailable"),
+     "KubeRay's RayCluster has no scale subresource: a budget of its pods needs an integer spec.minAvailable"),
+    (lambda spec: spec.update(minAvailable="50%"), "needs an integer spec.minAvailable"),
+    (lambda spec: spec.update(minAvailable=2),
+     "spec.minAvailable 2 is not below the 2 pod(s) it selects at the least (RayService/adapterserve gpu): "
+     "a node drain would wait for ever"),
+    (lambda spec: spec["selector"]["matchLabels"].update({"ray.io/node-type": "head"}), "selects no pod"),
+])
+def test_budgets_that_would_block_drains_for_ever(rendered, edit, expected):
+    docs, budget = _production(rendered, "PodDisruptionBudget")
+    edit(budget["spec"])
+    problems = check_references(docs)
+    assert len(problems) == 1 and problems[0].startswith("PodDisruptionBudget/adapterserve-gpu-workers: ")
+    assert expected in problems[0], problems

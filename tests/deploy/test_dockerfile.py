@@ -64,7 +64,8 @@ def test_no_weights_in_the_image():
 def test_exposes_the_serve_ports():
     serve = yaml.safe_load((DEPLOY / "serve_config.yaml").read_text())
     exposed = {int(p) for op, a in final_stage() if op == "EXPOSE" for p in a.split()}
-    assert {serve["http_options"]["port"], serve["grpc_options"]["port"]} <= exposed
+    metrics = serve["applications"][0]["args"]["metrics"]["port"]
+    assert {serve["http_options"]["port"], serve["grpc_options"]["port"], metrics} <= exposed
 
 
 def test_runs_serve_as_adapterserve_serve_does():

@@ -5,17 +5,52 @@ import pytest
 import yaml
 
 from deploy import render_serve_config as rsc
-from deploy.kustomize import DeployValues, container, worker_group
+from deploy.kustomize import DeployValues, container, find, worker_group
+from deploy.references import check_references
+from deploy.selection import pod_groups, selected
 from deploy.validate_manifests import check_consistency, check_documents, check_examples
 
 DIRS = ["base", "overlays/production"]
+KINDS = {"base": {"RayService", "ConfigMap", "PodDisruptionBudget"},
+         "overlays/production": {"RayService", "ConfigMap", "PodDisruptionBudget", "PodMonitor"}}
 
 
 @pytest.mark.parametrize("name", DIRS)
 def test_every_rendered_manifest_is_valid(rendered, rayservices, name):
-    assert {d["kind"] for d in rendered[name]} == {"RayService", "ConfigMap"}
+    assert {d["kind"] for d in rendered[name]} == KINDS[name]
     assert check_documents(rendered[name]) == []
     assert check_consistency(rayservices[name]) == []
+    assert check_references(rendered[name]) == []
+
+
+def test_the_hub_is_scraped_once_on_the_head(rendered, rayservices):
+    """The PodMonitor selects the head alone, on the port the Serve config's metrics hub listens on."""
+    docs = rendered["overlays/production"]
+    monitor = find(docs, "PodMonitor", "adapterserve")
+    chosen = selected(monitor["spec"]["selector"], pod_groups(docs))
+    assert [g.where for g in chosen] == ["RayService/adapterserve head"]
+    head = container(rayservices["overlays/production"]["spec"]["rayClusterConfig"]["headGroupSpec"]["template"],
+                     "ray-head")
+    port = next(p["containerPort"] for p in head["ports"] if p["name"] == monitor["spec"]["podMetricsEndpoints"][0]["port"])
+    args = rsc.application(yaml.safe_load(rayservices["overlays/production"]["spec"]["serveConfigV2"]))["args"]
+    assert args["metrics"] == {"port": port, "host": "0.0.0.0"}
+
+
+def test_the_budget_keeps_workers_in_drains_but_never_blocks_them(rendered, rayservices):
+    docs = rendered["overlays/production"]
+    budget = find(docs, "PodDisruptionBudget")
+    chosen = selected(budget["spec"]["selector"], pod_groups(docs))
+    assert [g.where for g in chosen] == ["RayService/adapterserve gpu"]
+    assert budget["spec"]["minAvailable"] == 1 < worker_group(rayservices["overlays/production"])["minReplicas"]
+    assert find(rendered["base"], "PodDisruptionBudget")["spec"]["minAvailable"] == 0
+
+
+def test_the_dashboard_configmap_is_the_json(rendered):
+    from deploy.kustomize import DEPLOY
+
+    dashboard = find(rendered["overlays/production"], "ConfigMap", "adapterserve-dashboard")
+    assert dashboard["metadata"]["labels"] == {"grafana_dashboard": "1"}
+    assert dashboard["data"] == {"adapterserve.json": (DEPLOY / "grafana" / "adapterserve.json").read_text()}
 
 
 def test_base_embeds_serve_config_exactly(rayservices):

@@ -24,16 +24,19 @@ DEPLOY_TIMEOUT_S = 300
 @dataclass(frozen=True)
 class Deployed:
     grpc: str
+    metrics: str  # the metrics port's URL
     config: dict
 
 
-def on_cpu(config: dict, *, model: str, store: str, keys: str, grpc_port: int, http_port: int) -> dict:
+def on_cpu(config: dict, *, model: str, store: str, keys: str, grpc_port: int, http_port: int,
+           metrics_port: int) -> dict:
     """serve_config.yaml with CPU resources and local paths; nothing else changes."""
     config = copy.deepcopy(config)
     config["http_options"].update(host="127.0.0.1", port=http_port)
     config["grpc_options"]["port"] = grpc_port
     app = rsc.application(config)
     app["args"].update(model=model, store=store, api_keys_file=keys, store_options={})  # cache_dir: S3 only
+    app["args"]["metrics"].update(host="127.0.0.1", port=metrics_port)
     app["args"]["engine"].update(device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=8)
     for dep in app["deployments"]:
         dep["ray_actor_options"] = {"num_cpus": 1 if dep["name"] == rsc.ENGINE else 0, "num_gpus": 0}
@@ -78,15 +81,15 @@ def deployed(local_ray, tmp_path_factory) -> Deployed:
     root = tmp_path_factory.mktemp("serve-config")
     (root / "keys").write_text(f"{API_KEY} deploy-test\n")
     model = write_tiny_checkpoint(root / "tiny-llama", "llama", seed=3)
-    grpc_port = free_port()
+    grpc_port, metrics_port = free_port(), free_port()
     raw = on_cpu(yaml.safe_load(rsc.read_serve_config()), model=str(model), store=str(root / "store"),
-                 keys=str(root / "keys"), grpc_port=grpc_port, http_port=free_port())
+                 keys=str(root / "keys"), grpc_port=grpc_port, http_port=free_port(), metrics_port=metrics_port)
     config = ServeDeploySchema.model_validate(raw)
     client = serve_start(http_options=config.http_options.model_dump(), grpc_options=config.grpc_options.model_dump(),
                          proxy_location=config.proxy_location, global_logging_config=config.logging_config)
     client.deploy_apps(config)
     _wait_running(rsc.APP)
-    return Deployed(f"127.0.0.1:{grpc_port}", raw)
+    return Deployed(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{metrics_port}/metrics", raw)
 
 
 def _wait_running(name: str) -> None:
@@ -119,3 +122,32 @@ def test_answers_generate_and_health(deployed):
         completion = client.generate("Hello", max_tokens=4, temperature=0.0)
     assert 1 <= len(completion.token_ids) <= 4
     assert completion.finish_reason in ("stop", "length")
+
+
+def test_the_metrics_port_counts_the_call(deployed):
+    """The port the PodMonitor scrapes (metrics.port) serves the hub's totals."""
+    from adapterserve.clients.client import Client
+
+    with Client(deployed.grpc, api_key=API_KEY, timeout=120) as client:
+        client.generate("Hello", max_tokens=2, temperature=0.0)
+    sample = 'adapterserve_requests_total{adapter="_base",code="OK",method="Generate"}'
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        text = _scrape(deployed.metrics)
+        counted = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(sample + " ")]
+        if counted and counted[0] >= 1:
+            break
+        time.sleep(0.5)
+    assert counted and counted[0] >= 1, text[:2000]
+    assert "adapterserve_tenant_requests_total" in text  # the full view
+
+
+def _scrape(url: str) -> str:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.read().decode()
+    except (urllib.error.URLError, ConnectionError):
+        return ""  # the hub binds its port moments after it starts

@@ -60,7 +60,7 @@ def test_adapter_unloaded_while_its_request_waits_fails_that_request_only(engine
     expected = engine.generate([PROMPTS[1]], GREEDY)[0].token_ids
     waiting = engine.add_request(PROMPTS[0], GREEDY, adapter_id="sql")
     other = engine.add_request(PROMPTS[1], GREEDY)
-    engine.unload_adapter("sql")
+    engine.unload_adapter("sql", fail_queued=True)
     outputs = []
     while engine.has_unfinished():
         outputs += engine.step()

@@ -66,14 +66,7 @@ def test_mixed_batch_matches_peft_alone(setup):
     captured = record_logits(engine)
     outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), adapter_ids=ids)
 
-    base = load_base(model_dir)
-    references = {name: load_peft(model_dir, path) for name, path in adapter_dirs.items()}
-    for adapter, prompt, out in zip(ids, prompts, outs):
-        model = base if adapter is None else references[adapter]
-        tokens, logits = _reference(model, prompt)
-        assert out.token_ids == _trim(tokens, model), adapter
-        rel = (captured[out.request_id][len(out.token_ids) - 1] - logits).norm() / logits.norm()
-        assert rel < 1e-4, (adapter, rel.item())
+    assert_matches_peft_alone(model_dir, adapter_dirs, ids, prompts, outs, captured)
     assert engine.blocks.num_free == engine.config.num_kv_blocks
 
 
@@ -89,3 +82,17 @@ def test_adapters_change_the_output(setup):
     outs = engine.generate([prompt] * len(ids), params, adapter_ids=ids)
     base_tokens = outs[0].token_ids
     assert sum(o.token_ids != base_tokens for o in outs[1:]) >= 6
+
+
+def assert_matches_peft_alone(model_dir, adapter_dirs: dict, ids: list, prompts: list, outs: list,
+                              captured: dict) -> None:
+    """Each output against PEFT (or the base model) run on its prompt alone: greedy tokens
+    identical, the last step's logits within 1e-4 (relative)."""
+    base = load_base(model_dir)
+    references = {name: load_peft(model_dir, path) for name, path in adapter_dirs.items()}
+    for adapter, prompt, out in zip(ids, prompts, outs):
+        model = base if adapter is None else references[adapter]
+        tokens, logits = _reference(model, prompt)
+        assert out.token_ids == _trim(tokens, model), adapter
+        rel = (captured[out.request_id][len(out.token_ids) - 1] - logits).norm() / logits.norm()
+        assert rel < 1e-4, (adapter, rel.item())

@@ -2,8 +2,9 @@
 plugin registered by tests/conftest.py: tests/server and tests/reliability share it).
 
 The server is started the way `adapterserve serve` starts it (the CLI's flags ->
-config -> launch.start), on free loopback ports, with API keys for two tenants
-(alice, bob) and small limits so that overload and oversized uploads are cheap
+config -> launch.start), on free loopback ports, with a tenants file (TENANTS): alice and
+bob (use + publish, no quotas), and tenants for the tenancy tests (scoped keys, an admin,
+quotas), and small limits so that overload and oversized uploads are cheap
 to provoke. Three PEFT LoRA adapters are uploaded by alice with the CLI. The tiny Llama's
 tokenizer has no chat template: the server gets the one the embedded default uses
 (adapterserve/models/tiny_chat_template.jinja, through --chat-template). Adapters may be loaded by path from `lora_sources`: a local folder and
@@ -17,6 +18,7 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -24,12 +26,41 @@ from adapterserve.server.serve_env import free_port
 from adapterserve.server.settings import TINY_CHAT_TEMPLATE
 from tests.helpers.lora import load_base, load_peft, make_peft_lora
 from tests.helpers.moto_s3 import MotoS3, start_moto
-from tests.helpers.otlp_collector import Collector, collecting
+
+if TYPE_CHECKING:
+    from tests.helpers.otlp_collector import Collector
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.serve")
 
 ALICE, BOB = "alice-key-0123", "bob-key-4567"
+# tests/server/test_tenancy.py's keys: read-only and publish-only keys of carol, an admin, and
+# tenants with quotas (the store's; concurrent requests; tokens per minute)
+CAROL_USE, CAROL_PUBLISH, ADMIN = "carol-use-key-1", "carol-publish-key-2", "ops-admin-key-3"
+SMALL, BUSY, METERED = "small-key-4", "busy-key-5", "metered-key-6"
+BUSY_CONCURRENCY, METERED_TOKENS = 2, 24
+TENANTS = f"""# test tenants
+tenants:
+  alice:
+    keys: [{{key: "{ALICE}", scopes: [use, publish]}}]
+  bob:
+    keys: [{{key: "{BOB}", scopes: [use, publish]}}]
+  carol:
+    keys:
+      - {{key: "{CAROL_USE}", scopes: [use]}}
+      - {{key: "{CAROL_PUBLISH}", scopes: [publish]}}
+  ops:
+    keys: [{{key: "{ADMIN}", scopes: [admin]}}]
+  small:
+    keys: [{{key: "{SMALL}", scopes: [use, publish]}}]
+    quotas: {{versions_per_adapter: 2, adapters: 1}}
+  busy:
+    keys: [{{key: "{BUSY}", scopes: [use, publish]}}]
+    quotas: {{concurrent_requests: {BUSY_CONCURRENCY}}}
+  metered:
+    keys: [{{key: "{METERED}", scopes: [use]}}]
+    quotas: {{tokens_per_minute: {METERED_TOKENS}}}
+"""
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {  # three adapters of different ranks and targets
     "sql": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=1),
@@ -85,6 +116,8 @@ def moto_s3() -> MotoS3:
 @pytest.fixture(scope="session")
 def otlp_collector() -> Collector:
     """The OTLP trace receiver the live server sends its spans to."""
+    from tests.helpers.otlp_collector import collecting  # OpenTelemetry: only where it is installed
+
     with collecting("grpc") as collector:
         yield collector
 
@@ -98,7 +131,7 @@ def server(ray_session, tiny_model, moto_s3, otlp_collector, tmp_path_factory) -
     from adapterserve.server import launch
 
     root = tmp_path_factory.mktemp("server")
-    (root / "keys").write_text(f"# test tenants\n{ALICE} alice\n{BOB} bob\n")
+    (root / "keys").write_text(TENANTS)
     overrides = {
         "max_upload_bytes": MAX_UPLOAD_BYTES,
         "engine": {"max_lora_rank": 16, "max_loras": 4, "num_kv_blocks": NUM_KV_BLOCKS, "max_num_seqs": MAX_RUNNING,

@@ -184,8 +184,8 @@ GRPC_CASES: list[GrpcCase] = [
              "no-such-adapter"),
     GrpcCase("encoder adapter for Generate", "Generate", _generate(adapter="sentiment"),
              grpc.StatusCode.FAILED_PRECONDITION, "made for backbone"),
-    GrpcCase("another tenant's adapter", "Generate", _generate(adapter="sql"), grpc.StatusCode.PERMISSION_DENIED,
-             "'sql' belongs to another tenant", api_key=BOB),
+    GrpcCase("another tenant's adapter", "Generate", _generate(adapter="sql"), grpc.StatusCode.NOT_FOUND,
+             "no adapter named 'sql'", api_key=BOB),  # as if it did not exist (docs/tenancy.md)
     GrpcCase("unknown api key", "Generate", _generate(), grpc.StatusCode.UNAUTHENTICATED, "API key",
              api_key="not-a-key"),
     # encoder texts

@@ -101,7 +101,7 @@ CHAT_CASES: list[HttpCase] = [
     chat("encoder as model", "is the encoder", model=ENCODER),
     chat("encoder adapter", "made for backbone", model="sentiment"),
     chat("unknown model", "no-such-adapter", status=404, model="no-such-adapter"),
-    HttpCase("chat: another tenant's adapter", _chat_body(model="sql"), 403, "belongs to another tenant",
+    HttpCase("chat: another tenant's adapter", _chat_body(model="sql"), 404, "no adapter named 'sql'",
              headers={"Authorization": f"Bearer {BOB}"}, path="/v1/chat/completions"),
     HttpCase("chat: no api key", _chat_body(), 401, "API key", headers={}, path="/v1/chat/completions"),
 ]

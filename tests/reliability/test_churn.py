@@ -38,6 +38,9 @@ def _delete_mid_stream(client: Client, lora_dirs) -> None:
     with pytest.raises(ClientError) as refused:
         client.generate(PROMPT, adapter="churn-doomed", max_tokens=2)
     assert refused.value.code is grpc.StatusCode.NOT_FOUND
+    with pytest.raises(ClientError) as refused:  # name@N too, though the ingress resolved it just before
+        client.generate(PROMPT, adapter=doomed.ref, max_tokens=2)
+    assert refused.value.code is grpc.StatusCode.NOT_FOUND
     assert _tokens([first, *running]) == alone
 
 

@@ -12,6 +12,7 @@ import pytest
 from adapterserve.adapters_store.keys import ApiKeys
 from adapterserve.proto import adapterserve_pb2 as pb
 from adapterserve.server.admission import Admission
+from adapterserve.server.quotas import TenantGate
 from adapterserve.server.ingress import Ingress
 from adapterserve.server.metrics.calls import CallMetrics
 from adapterserve.server.settings import DEFAULTS
@@ -72,6 +73,7 @@ async def _ingress_and_handle(response=None):
     backends = SimpleNamespace(for_call=for_call, static=static, model_id="tiny")
     ingress = SimpleNamespace(backends=backends, keys=ApiKeys.open(), metrics=metrics, tokenizer=None,
                               max_prompt_chars=None, admission=Admission(max_in_flight=4, max_health_watches=1),
+                              gate=TenantGate(),
                               tracing=Tracing(),  # off: ids only
                               _gc_task=asyncio.get_running_loop().create_future())  # no store collection here
     for name in ("Generate", "_generate", "_token_ids", "_measured", "_ensure_gc"):

@@ -116,7 +116,7 @@ def test_messages_over_the_character_cap_are_too_large():
 
 
 CHUNKS = [
-    {"token_ids": [5, 6], "text": "ab", "finish_reason": None, "prompt_tokens": 4},
+    {"token_ids": [5, 6], "text": "ab", "finish_reason": None, "prompt_tokens": 4, "cached_tokens": 2},
     {"token_ids": [7], "text": "c", "finish_reason": "stop"},
 ]
 
@@ -128,7 +128,8 @@ def test_chat_body_puts_chunks_together():
     assert reply["choices"][0] == {"index": 0, "message": {"role": "assistant", "content": "abc"}, "logprobs": None,
                                    "finish_reason": "stop", "token_ids": [5, 6, 7]}
     assert reply["prompt_token_ids"] == [1, 2, 3, 4]
-    assert reply["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert reply["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                              "prompt_tokens_details": {"cached_tokens": 2}}
     assert "prompt_token_ids" not in chat_body(parse_chat(_body(), "tiny"), CHUNKS, [1])
 
 
@@ -149,6 +150,7 @@ def test_sse_deltas_start_with_the_role_and_end_with_usage_and_done():
     assert parsed[0]["choices"][0]["delta"] == {"role": "assistant", "content": "ab"}
     assert parsed[1]["choices"][0] == {"index": 0, "delta": {"content": "c"}, "logprobs": None, "finish_reason": "stop"}
     assert parsed[2]["choices"] == [] and parsed[2]["usage"]["total_tokens"] == 7
+    assert parsed[2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
 
 
 # --- templates --------------------------------------------------------------------

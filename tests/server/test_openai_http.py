@@ -134,7 +134,8 @@ def test_completion_body_puts_chunks_together():
     body = completion_body(call, CHUNKS)
     assert body["choices"][0] == {"index": 0, "text": "abc", "logprobs": None, "finish_reason": "length",
                                   "token_ids": [5, 6, 7]}
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # a chunk without it: none cached
 
 
 def test_sse_events_end_with_done_and_report_errors_in_band():

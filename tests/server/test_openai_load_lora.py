@@ -99,7 +99,8 @@ def test_loads_outside_the_sources_or_of_unfit_files_are_refused_and_store_nothi
 def test_unload_deletes_like_delete_adapter(server, uploaded, lora_dirs):
     path = _local_source(server, "poem-unload", lora_dirs["poem"])
     assert _post(server, "load_lora_adapter", {"lora_name": "byref-gone", "lora_path": str(path)}).status_code == 200
-    assert _refusal(_post(server, "unload_lora_adapter", {"lora_name": "byref-gone"}, BOB))[:2] == (403, "lora_name")
+    assert _post(server, "completions", {"model": "byref-gone@1", **GREEDY}).status_code == 200  # resolved: cached
+    assert _refusal(_post(server, "unload_lora_adapter", {"lora_name": "byref-gone"}, BOB))[:2] == (404, "lora_name")
     reply = _post(server, "unload_lora_adapter", {"lora_name": "byref-gone"})
     assert reply.status_code == 200 and reply.json() == {"deleted": ["byref-gone@1"]}
     gone = _post(server, "completions", {"model": "byref-gone@1", **GREEDY})

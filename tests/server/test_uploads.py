@@ -58,7 +58,7 @@ def test_oversized_upload_is_refused(server, alice, lora_dirs, tmp_path):
     import shutil
 
     big = shutil.copytree(lora_dirs["sql"], tmp_path / "big")
-    (big / "padding.txt").write_bytes(b"x" * MAX_UPLOAD_BYTES)
+    (big / "adapter.safetensors").write_bytes(b"x" * MAX_UPLOAD_BYTES)  # an accepted name, too big
     assert f"limit of {MAX_UPLOAD_BYTES} bytes" in _refused(alice, big, "oversized").details
     _assert_nothing_stored(server, alice, "oversized")
 

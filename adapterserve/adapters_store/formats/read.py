@@ -4,13 +4,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.adapters_store.formats.host_dtype import in_dtype
 from adapterserve.adapters_store.formats.peft_common import read_config, read_weights
 from adapterserve.adapters_store.formats.peft_head import read_peft_head
-from adapterserve.adapters_store.formats.peft_prompt import PROMPT_TYPES, read_peft_prompt
+from adapterserve.adapters_store.formats.peft_prompt import (
+    PROMPT_TYPES,
+    read_peft_prompt,
+)
 from adapterserve.adapters_store.formats.types import BackboneSpec
 from adapterserve.errors import AdapterError
-
 
 PEFT_TYPES = ("LORA", "IA3", *PROMPT_TYPES)
 
@@ -22,8 +27,10 @@ class AdapterLimits:
     max_bottleneck_rank: int = 64
 
 
-def read_adapter(path: str | Path, spec: BackboneSpec, limits: AdapterLimits, *, name: str | None = None) -> Adapter:
-    """Read and check any supported adapter directory; AdapterError if unfit."""
+def read_adapter(path: str | Path, spec: BackboneSpec, limits: AdapterLimits, *, name: str | None = None,
+                 dtype: torch.dtype | None = None) -> Adapter:
+    """Read and check any supported adapter directory; AdapterError if unfit. `dtype`: the
+    serving dtype its weights are kept in (default: float32, as read)."""
     root = Path(path)
     name = name or root.name
     if not root.is_dir():
@@ -32,7 +39,7 @@ def read_adapter(path: str | Path, spec: BackboneSpec, limits: AdapterLimits, *,
     adapter = _read_family(root, name, config, spec, limits)
     if config.get("modules_to_save") and str(config.get("peft_type") or "").upper() in PEFT_TYPES:
         adapter.head = read_peft_head(name, read_weights(root, name), config, spec)
-    return adapter
+    return adapter if dtype is None else in_dtype(adapter, dtype, name)
 
 
 def _read_family(root: Path, name: str, config: dict, spec: BackboneSpec, limits: AdapterLimits) -> Adapter:

@@ -3,11 +3,11 @@ attention ("mh") and after the feed-forward block ("output"), one row per slot."
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
-from adapterserve.errors import AdapterError
 from adapterserve.models.encoder_adapters import add_bottleneck_pools, load_bottleneck
 
 
@@ -20,12 +20,8 @@ class BottleneckPools:
         self.max_rank = max_rank
         add_bottleneck_pools(layers, dim, num_slots, max_rank, max_tokens, dtype, device)
 
-    def check_servable(self, adapter: Adapter, name: str) -> None:
-        if adapter.bottleneck is not None and adapter.bottleneck.rank > self.max_rank:
-            raise AdapterError(
-                f"adapter '{name}' has a bottleneck of width {adapter.bottleneck.rank}; this server accepts at "
-                f"most {self.max_rank} (EngineConfig.max_bottleneck_rank)"
-            )
+    def rules(self) -> dict[str, Any]:
+        return {"max_bottleneck_rank": self.max_rank}
 
     def place(self, slot: int, adapter: Adapter) -> bool:
         if adapter.bottleneck is not None:

@@ -6,11 +6,12 @@ heads); the hidden-layer pool exists only when ``max_head_layers`` is 2.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.adapters_store.formats.types import ClassifierHead
-from adapterserve.errors import AdapterError
 from adapterserve.kernels.reference import ACTIVATIONS
 
 
@@ -28,21 +29,9 @@ class HeadPool:
             self.hidden_bias = torch.zeros(num_slots, hidden, dtype=torch.float32, device=device)
         self.heads: dict[int, ClassifierHead] = {}  # host view: slot -> head
 
-    def check_servable(self, adapter: Adapter, name: str) -> None:
-        head = adapter.head
-        if head is None:
-            return
-        if head.num_labels > self.max_labels:
-            raise AdapterError(f"adapter '{name}' has a head with {head.num_labels} labels; this server accepts "
-                               f"at most {self.max_labels} (EngineConfig.max_labels)")
-        if len(head.layers) > self.max_layers:
-            raise AdapterError(f"adapter '{name}' has a head of {len(head.layers)} layers; this server accepts "
-                               f"{self.max_layers} (EngineConfig.max_head_layers)")
-        if head.pooling not in self.poolings:
-            raise AdapterError(f"adapter '{name}' pools with {head.pooling!r}; this backbone pools with "
-                               f"{', '.join(self.poolings)}")
-        if len(head.layers) == 2 and head.layers[0].weight.shape[0] != self.weight.shape[-1]:
-            raise AdapterError(f"adapter '{name}': the head's hidden layer must keep the hidden size")
+    def rules(self) -> dict[str, Any]:
+        return {"max_labels": self.max_labels, "max_head_layers": self.max_layers,
+                "head_poolings": tuple(self.poolings), "hidden_size": self.weight.shape[-1]}
 
     def place(self, slot: int, adapter: Adapter) -> bool:
         head = adapter.head

@@ -5,11 +5,12 @@ adapter is (IA)^3, so other families never pay for it.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.engine.layers import AdapterLinear
-from adapterserve.errors import AdapterError
 
 
 class Ia3Pool:
@@ -22,17 +23,10 @@ class Ia3Pool:
             linear.ia3_in = torch.ones(num_slots, linear.in_features, dtype=dtype, device=device)
             linear.ia3_out = torch.ones(num_slots, linear.weight.shape[0], dtype=dtype, device=device)
 
-    def check_servable(self, adapter: Adapter, name: str) -> None:
-        """Fused projections share their input, so only an unfused one may scale it."""
-        if adapter.ia3 is None:
-            return
+    def rules(self) -> dict[str, Any]:
+        """Projections fused with others share their input: (IA)^3 may not scale it there."""
         fused = {kind for _, linear in self.linears if len(linear.slice_kinds) > 1 for kind in linear.slice_kinds}
-        fused &= adapter.ia3.feedforward
-        if fused:
-            raise AdapterError(
-                f"adapter '{name}': (IA)^3 input scaling (feedforward_modules) on {sorted(fused)} is not "
-                "supported: those projections share their input with others; scale an unfused one's input"
-            )
+        return {"ia3_fused_kinds": frozenset(fused)}
 
     def place(self, slot: int, adapter: Adapter) -> bool:
         if adapter.ia3 is None:

@@ -4,11 +4,16 @@ An adapter takes one row range per projection kind (shared by all layers), as
 long as its largest rank for that kind; kinds it does not target take nothing.
 Linears of the same shape in every layer share stacked tensors ([layers, ...]),
 each layer's LoraSlices a view of its row: placing an adapter is then a few large
-copies per projection, not one per layer.
+copies per projection, not one per layer. In the stacked layout (kernels/stacked.py)
+each linear's A rows live under its own base weight instead, copied layer by layer,
+and the pool keeps the row bucket its stacked GEMMs cover.
 """
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -17,26 +22,36 @@ from adapterserve.adapters_store.formats.types import LoraAdapter
 from adapterserve.engine.layers import AdapterLinear
 from adapterserve.engine.row_allocator import RowAllocator
 from adapterserve.kernels import LoraSlices
+from adapterserve.kernels.stacked import RowsInUse, row_bucket, stack_weight
 
 
 class _Stack:
     """The pooled tensors of one linear role (e.g. every layer's qkv_proj)."""
 
     def __init__(self, linears: list[tuple[int, AdapterLinear]], num_slots: int, pool_rows: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, stacked: RowsInUse | None = None) -> None:
         self.layers = [layer for layer, _ in linears]
         first = linears[0][1]
         self.kinds, n = first.slice_kinds, len(first.slice_kinds)
+        self.in_features = first.in_features
         self.offsets = [0]
         for width in first.slice_widths:
             self.offsets.append(self.offsets[-1] + width)
         count = len(linears)
-        self.a = torch.zeros(count, n, pool_rows, first.in_features, dtype=dtype, device=device)
         self.b = torch.zeros(count, pool_rows, self.offsets[-1], dtype=dtype, device=device)
         self.row_start = torch.zeros(count, n, num_slots, dtype=torch.int32, device=device)
         self.rank = torch.zeros(count, n, num_slots, dtype=torch.int32, device=device)
+        if stacked is None:
+            self.a: torch.Tensor | None = torch.zeros(count, n, pool_rows, first.in_features, dtype=dtype,
+                                                      device=device)
+            a_layers = list(self.a)
+        else:
+            self.a = None
+            a_layers = [_stack_under_weight(linear, pool_rows, dtype, stacked) for _, linear in linears]
         for i, (_, linear) in enumerate(linears):
-            linear.lora = LoraSlices(self.a[i], self.b[i], self.row_start[i], self.rank[i], tuple(self.offsets), max_rank)
+            linear.lora = LoraSlices(a_layers[i], self.b[i], self.row_start[i], self.rank[i], tuple(self.offsets),
+                                     max_rank)
+        self.a_layers = a_layers  # [n, pool_rows, K] per layer
 
     @torch.no_grad()
     def write(self, slot: int, adapter: LoraAdapter, rows: dict[str, tuple[int, int]], staged: dict) -> None:
@@ -49,9 +64,14 @@ class _Stack:
                 staged.update(self.stage(adapter))
             ranks, a, b = staged[kind]
             self.rank[:, s, slot].copy_(ranks, non_blocking=True)
-            if width:
+            if not width:
+                continue
+            if self.a is not None:
                 self.a[:, s, start : start + width].copy_(a, non_blocking=True)
-                self.b[:, start : start + width, self.offsets[s] : self.offsets[s + 1]].copy_(b, non_blocking=True)
+            else:  # stacked: each layer's A rows sit under its own weight
+                for a_layer, a_rows in zip(self.a_layers, a):
+                    a_layer[s, start : start + width].copy_(a_rows, non_blocking=True)
+            self.b[:, start : start + width, self.offsets[s] : self.offsets[s + 1]].copy_(b, non_blocking=True)
 
     def stage(self, adapter: LoraAdapter) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per kind: ranks [layers], A [layers, r, in], scaled B^T [layers, r, out] in the pool's
@@ -62,19 +82,19 @@ class _Stack:
             ranks = torch.tensor([adapter.modules[(l, kind)].rank if (l, kind) in adapter.modules else 0
                                   for l in self.layers], dtype=torch.int32)
             a, b = self._packed(adapter, kind, width, self.offsets[s + 1] - self.offsets[s])
-            staged[kind] = (ranks.pin_memory(), a, b) if self.a.is_cuda else (ranks, a, b)
+            staged[kind] = (ranks.pin_memory(), a, b) if self.b.is_cuda else (ranks, a, b)
         return staged
 
     def _packed(self, adapter: LoraAdapter, kind: str, width: int, out: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Host tensors [layers, width, in] of A and [layers, width, out] of scaled B^T, zero-padded."""
-        a = torch.zeros(len(self.layers), width, self.a.shape[-1], dtype=self.a.dtype)
+        a = torch.zeros(len(self.layers), width, self.in_features, dtype=self.b.dtype)
         b = torch.zeros(len(self.layers), width, out, dtype=self.b.dtype)
         for i, layer in enumerate(self.layers):
             module = adapter.modules.get((layer, kind))
             if module is not None:
                 a[i, : module.rank] = module.a
                 b[i, : module.rank] = (module.b * module.scaling).T
-        if self.a.is_cuda:
+        if self.b.is_cuda:
             a, b = a.pin_memory(), b.pin_memory()
         return a, b
 
@@ -82,15 +102,35 @@ class _Stack:
         self.rank[:, :, slot] = 0
 
 
+def _stack_under_weight(linear: AdapterLinear, pool_rows: int, dtype: torch.dtype, rows_in_use: RowsInUse
+                        ) -> torch.Tensor:
+    """Move the linear's weight into a [W; A] buffer (its weight a view of it; the old tensor
+    is freed, so at most one layer's weight exists twice); returns the A pool view."""
+    if linear.weight.dtype != dtype:
+        raise ValueError(
+            f"the stacked LoRA layout needs the base weight in the adapters' dtype {dtype}, got "
+            f"{linear.weight.dtype}; use lora_decode='kernels'"
+        )
+    stacked = stack_weight(linear.weight.data, len(linear.slice_kinds), pool_rows, rows_in_use)
+    linear.weight = torch.nn.Parameter(stacked.weight(), requires_grad=False)
+    linear.stacked = stacked
+    return stacked.lora_a()
+
+
 class LoraPool:
+    """``stacked``: keep each linear's A rows under its base weight (EngineConfig.lora_decode)."""
+
     family = "lora"
 
     def __init__(self, linears: list[tuple[int, AdapterLinear]], num_slots: int, pool_rows: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, stacked: bool = False) -> None:
         roles: dict[tuple, list[tuple[int, AdapterLinear]]] = defaultdict(list)
         for layer, linear in linears:
             roles[(linear.slice_kinds, linear.slice_widths, linear.in_features)].append((layer, linear))
-        self.stacks = [_Stack(group, num_slots, pool_rows, max_rank, dtype, device) for group in roles.values()]
+        self.pool_rows = pool_rows
+        self.rows_in_use = RowsInUse() if stacked else None
+        self.stacks = [_Stack(group, num_slots, pool_rows, max_rank, dtype, device, self.rows_in_use)
+                       for group in roles.values()]
         kinds = sorted({kind for stack in self.stacks for kind in stack.kinds})
         self.allocators = {kind: RowAllocator(pool_rows) for kind in kinds}
         self._rows: dict[int, dict[str, tuple[int, int]]] = {}  # slot -> kind -> (start, rows)
@@ -106,7 +146,11 @@ class LoraPool:
         staged = adapter.staged.setdefault("lora", [{} for _ in self.stacks])
         for stack, stack_staged in zip(self.stacks, staged):
             stack.write(slot, adapter.lora, rows, stack_staged)
+        self._update_rows_in_use()
         return True
+
+    def rules(self) -> dict[str, Any]:
+        return {}
 
     def prepare(self, adapter: Adapter) -> None:
         """Stage the adapter's host copy now (on add), so placing it later only copies."""
@@ -120,6 +164,43 @@ class LoraPool:
         self._free(rows)
         for stack in self.stacks:
             stack.clear(slot)
+        self._update_rows_in_use()
+
+    def stacked_rows(self) -> int:
+        """Pool rows the stacked GEMMs cover now (0 without the stacked layout): a host
+        value the captured decode graphs depend on."""
+        return 0 if self.rows_in_use is None else self.rows_in_use.rows
+
+    def graph_part(self) -> tuple:
+        """The LoRA part of a decode graph's key: the stacked GEMMs' row bucket (their
+        shape); nothing without the stacked layout."""
+        return () if self.rows_in_use is None else ("stacked_rows", self.rows_in_use.rows)
+
+    def row_buckets(self) -> list[int]:
+        """Every row bucket the stacked GEMMs can cover (a decode graph each); [] without
+        the stacked layout."""
+        if self.rows_in_use is None:
+            return []
+        return sorted({row_bucket(high, self.pool_rows) for high in range(1, self.pool_rows + 1)})
+
+    @contextmanager
+    def covering(self, rows: int) -> Iterator[None]:
+        """Run as if the stacked GEMMs covered ``rows`` pool rows (a bucket of row_buckets at
+        least the rows in use; place nothing meanwhile): warm-up captures each bucket's
+        decode graphs in it."""
+        if self.rows_in_use is None or rows not in self.row_buckets() or rows < self.rows_in_use.rows:
+            raise ValueError(f"rows must be one of the stacked row buckets >= the rows in use, got {rows}")
+        self.rows_in_use.rows = rows
+        try:
+            yield
+        finally:
+            self._update_rows_in_use()
+
+    def _update_rows_in_use(self) -> None:
+        if self.rows_in_use is None:
+            return
+        high = max((start + n for rows in self._rows.values() for start, n in rows.values()), default=0)
+        self.rows_in_use.rows = row_bucket(high, self.pool_rows)
 
     def _alloc(self, need: dict[str, int]) -> dict[str, tuple[int, int]] | None:
         got: dict[str, tuple[int, int]] = {}

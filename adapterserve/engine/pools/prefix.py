@@ -3,6 +3,8 @@ KV-cache blocks that every request of that adapter attends first. The blocks are
 held while the adapter sits in its slot and freed when the slot is cleared."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
@@ -36,6 +38,9 @@ class PrefixPool:
                 attn.v_cache[index] = prefix.values[layer].to(attn.v_cache.device, attn.v_cache.dtype)
         self.pages[slot] = table
         return True
+
+    def rules(self) -> dict[str, Any]:
+        return {}
 
     def clear(self, slot: int) -> None:
         table = self.pages.pop(slot, None)

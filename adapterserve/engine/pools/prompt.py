@@ -1,6 +1,8 @@
 """Prompt-tuning and P-tuning pool: each slot's virtual-token embeddings."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
@@ -18,6 +20,9 @@ class PromptPool:
             rows = adapter.prompt.embeddings
             self.embeddings[slot, : rows.shape[0]] = rows.to(self.embeddings.device, self.embeddings.dtype)
         return True
+
+    def rules(self) -> dict[str, Any]:
+        return {}
 
     def clear(self, slot: int) -> None:
         pass

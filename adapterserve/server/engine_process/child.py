@@ -9,6 +9,7 @@ ends on "close", when the pipe closes, or when its parent is gone.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -29,6 +30,7 @@ _EXIT_GRACE_S = 10.0  # after the parent went away, how long the loop may take t
 def main(conn: Connection, model_dir: str, engine_kwargs: dict[str, Any], parent_pid: int) -> None:
     """The process's target: build the engine, report its facts (or the failure), serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the parent to handle
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # warm-up progress
     try:
         engine = LocalEngine.from_pretrained(model_dir, engine_kwargs)
     except Exception as exc:
@@ -92,10 +94,11 @@ class EngineServer:
         self.tasks[call_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(call_id, None))
 
-    async def _stream(self, call_id: int, prompt, sampling, adapter_id, request_id, timed: bool) -> None:
+    async def _stream(self, call_id: int, prompt, sampling, adapter_id, request_id, timed: bool,
+                      cache_salt: str = "") -> None:
         times = RequestTimes() if timed else None
         try:
-            async with aclosing(self.engine.stream(prompt, sampling, adapter_id, request_id, times)) as chunks:
+            async with aclosing(self.engine.stream(prompt, sampling, adapter_id, request_id, times, cache_salt)) as chunks:
                 first = True
                 async for out in chunks:
                     if times is not None and out.finished:  # in the same message as the last chunk, before it

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from adapterserve.adapters_store.formats.read import AdapterLimits
 from adapterserve.adapters_store.formats.types import BackboneSpec
+from adapterserve.adapters_store.servable import ServingRules
 from adapterserve.engine.encoder_engine import EncoderEngine
 
 
@@ -18,6 +21,8 @@ class EngineFacts:
     max_model_len: int
     max_lora_rank: int
     num_kv_blocks: int  # 0 for an encoder
+    serving_rules: ServingRules  # what its pools hold: uploads are checked against it
+    host_dtype: torch.dtype  # adapters' host copies are kept in the serving dtype
 
     @classmethod
     def of(cls, engine) -> EngineFacts:
@@ -25,7 +30,7 @@ class EngineFacts:
         return cls(
             engine.backbone_spec, engine.adapter_limits, encoder, engine.model_config.vocab_size,
             engine.max_length if encoder else engine.max_model_len, engine.config.max_lora_rank,
-            0 if encoder else engine.blocks.num_blocks,
+            0 if encoder else engine.blocks.num_blocks, engine.serving_rules, engine.config.torch_dtype,
         )
 
 

@@ -38,9 +38,10 @@ class LocalEngine:
         return cls(Engine.from_pretrained(model_dir, **dict(engine_kwargs or {})))
 
     async def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
-                     request_id: str | None = None, times: RequestTimes | None = None) -> AsyncIterator[RequestOutput]:
+                     request_id: str | None = None, times: RequestTimes | None = None,
+                     cache_salt: str = "") -> AsyncIterator[RequestOutput]:
         """Engine.stream: closing it early (or cancelling its task) aborts the request."""
-        async with aclosing(self.engine.stream(prompt, sampling, adapter_id, request_id, times)) as chunks:
+        async with aclosing(self.engine.stream(prompt, sampling, adapter_id, request_id, times, cache_salt)) as chunks:
             async for chunk in chunks:
                 yield chunk
 

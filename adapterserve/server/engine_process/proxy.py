@@ -57,7 +57,8 @@ class _Stream:
             return value
         ids, text, reason = value
         head = self.head
-        return RequestOutput(head.request_id, ids, text, reason, head.adapter_id, head.prompt_token_ids)
+        return RequestOutput(head.request_id, ids, text, reason, head.adapter_id, head.prompt_token_ids,
+                             cached_tokens=head.cached_tokens)
 
 
 class EngineProcess:
@@ -103,7 +104,8 @@ class EngineProcess:
     # the API
 
     async def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
-                     request_id: str | None = None, times: RequestTimes | None = None) -> AsyncIterator[RequestOutput]:
+                     request_id: str | None = None, times: RequestTimes | None = None,
+                     cache_salt: str = "") -> AsyncIterator[RequestOutput]:
         """Engine.stream in the child: closing it early (or cancelling its task) aborts the request.
         `times`, if given, gets the stage times the child recorded, by the last chunk."""
         call_id = next(self._ids)
@@ -111,7 +113,7 @@ class EngineProcess:
         self._register(self._streams, call_id, stream)
         finished = False
         try:
-            self._send(("stream", call_id, prompt, sampling, adapter_id, request_id, times is not None))
+            self._send(("stream", call_id, prompt, sampling, adapter_id, request_id, times is not None, cache_salt))
             while not finished:
                 chunk = merge_chunks([await stream.queue.get()], stream.queue)
                 finished = chunk.finished

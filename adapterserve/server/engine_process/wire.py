@@ -1,7 +1,8 @@
 """The pipe between a replica and its engine process.
 
 Parent -> child, tuples:
-    ("stream", call_id, prompt, sampling, adapter_id, request_id, timed)   timed: send its RequestTimes
+    ("stream", call_id, prompt, sampling, adapter_id, request_id, timed, cache_salt)
+                                          timed: send its RequestTimes; cache_salt: Engine.add_request's
     ("call", call_id, method, args)       method in CALLS; a reply comes back
     ("abort", call_id)                    cancel that stream or call (frees its KV blocks)
     ("close",)

@@ -20,6 +20,7 @@ from adapterserve.server.metrics.reporter import Reporter
 _HISTOGRAMS = {"step_seconds": s.STEP_SECONDS, "batch_requests": s.BATCH_REQUESTS,
                "batch_tokens": s.BATCH_TOKENS, "queue_seconds": s.QUEUE_SECONDS}
 _COUNTERS = {"slot_loads": s.SLOT_LOADS, "slot_evictions": s.SLOT_EVICTIONS, "preemptions": s.PREEMPTIONS}
+_STAT_COUNTERS = {"prefix_queries": s.PREFIX_CACHE_QUERIES, "prefix_hits": s.PREFIX_CACHE_HITS}
 
 
 class ReplicaMetrics:
@@ -76,6 +77,9 @@ class ReplicaMetrics:
             earlier = last.stats if last is not None else None
             for field, series in _HISTOGRAMS.items():
                 self.recorder.add(series, _since(report.stats, earlier, field), self._backbone)
+            for field, series in _STAT_COUNTERS.items():
+                before = getattr(earlier, field) if earlier is not None else 0
+                self.recorder.inc(series, self._backbone, amount=getattr(report.stats, field) - before)
 
     def _gauge_values(self, report: EngineReport) -> dict[Key, float]:
         values = {s.RUNNING: report.running, s.WAITING: report.waiting, s.SLOTS: report.slots,

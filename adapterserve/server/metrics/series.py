@@ -96,16 +96,25 @@ QUEUE_SECONDS = _histogram("adapterserve_request_queue_seconds", "Time from a re
                            "its first step.", engine_stats.QUEUE_SECONDS, "backbone")
 PREEMPTIONS = _counter("adapterserve_engine_preemptions", "Running requests sent back to wait (KV cache full).",
                        "backbone")
+PREFIX_CACHE_QUERIES = _counter("adapterserve_prefix_cache_queries", "Prompt tokens of requests looked up in the "
+                                "prefix cache (hit rate: hits / queries).", "backbone")
+PREFIX_CACHE_HITS = _counter("adapterserve_prefix_cache_hits", "Prompt tokens found in the prefix cache (their KV "
+                             "computed before, not again).", "backbone")
 RESTARTS = _counter("adapterserve_engine_restarts", "Engine processes restarted after a fault.", "backbone")
 
 # the hub itself
 REPORTERS = _gauge("adapterserve_metrics_reporters", "Replicas reporting to the metrics hub, by role.", "role")
 
+# tenants' quotas (docs/tenancy.md)
+TENANT_QUOTA_REFUSALS = _counter("adapterserve_tenant_quota_refusals", "Calls refused because their tenant was at a "
+                                 "quota, by tenant and quota.", "tenant", "quota", full_only=True)
+
 CATALOG: dict[str, Series] = {s.name: s for s in (
     REQUESTS, REQUEST_SECONDS, TTFT, TPOT, PROMPT_TOKENS, GENERATED_TOKENS, TENANT_REQUESTS, TENANT_PROMPT_TOKENS,
     TENANT_GENERATED_TOKENS, RUNNING, WAITING, KV_BLOCKS, KV_USED, KV_USAGE, SLOTS, SLOTS_USED, SLOTS_PINNED,
     SLOT_LOADS, SLOT_EVICTIONS, ADAPTER_LOADS, ADAPTER_UNLOADS, ADAPTER_LOAD_SECONDS, CACHE_LOOKUPS, STEP_SECONDS,
-    BATCH_REQUESTS, BATCH_TOKENS, QUEUE_SECONDS, PREEMPTIONS, RESTARTS, REPORTERS,
+    BATCH_REQUESTS, BATCH_TOKENS, QUEUE_SECONDS, PREEMPTIONS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, RESTARTS,
+    REPORTERS, TENANT_QUOTA_REFUSALS,
 )}
 
 # the Gateway API Inference Extension's endpoint picker reads these, under vLLM's names (gateway.py)

@@ -24,13 +24,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.sdk.trace import Span, Tracer
-from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
 
 from adapterserve import __version__
 from adapterserve.engine.request import RequestTimes
@@ -104,16 +112,8 @@ class TracedCall(CallTrace):
         self._code, self._http_status = "OK", None
         self._attributes: dict[str, Any] = {}  # the root's, set when it ends
 
-    @contextmanager
-    def span(self, name: str) -> Iterator[None]:
-        span = self._tracer.start_span(name, self._in_ingress)
-        try:
-            yield
-        except BaseException as exc:
-            _fail(span, exc)
-            raise
-        finally:
-            span.end()
+    def span(self, name: str) -> AbstractContextManager[None]:
+        return _child_span(self._tracer, name, self._in_ingress)
 
     def resolved(self, version: Any) -> None:
         if version is not None:
@@ -195,16 +195,8 @@ class TracedReplica(ReplicaTrace):
         self._in_root = trace.set_span_in_context(root)
         self.times = RequestTimes() if timed else None
 
-    @contextmanager
-    def span(self, name: str, attributes: Mapping[str, Any] | None = None) -> Iterator[None]:
-        span = self._tracer.start_span(name, self._in_root, attributes=attributes)
-        try:
-            yield
-        except BaseException as exc:
-            _fail(span, exc)
-            raise
-        finally:
-            span.end()
+    def span(self, name: str, attributes: Mapping[str, Any] | None = None) -> AbstractContextManager[None]:
+        return _child_span(self._tracer, name, self._in_root, attributes)
 
     def failed(self, why: BaseException | str) -> None:
         _fail(self._root, why)
@@ -252,3 +244,16 @@ def _fail(span: Span, why: BaseException | str) -> None:
     else:
         span.set_attribute("error.type", why)
         span.set_status(Status(StatusCode.ERROR, why))
+
+
+@contextmanager
+def _child_span(tracer: Any, name: str, parent: Any, attributes: Mapping[str, Any] | None = None) -> Iterator[None]:
+    """A span of `name` under `parent` for the with-block; an exception marks it failed."""
+    span = tracer.start_span(name, parent, attributes=attributes)
+    try:
+        yield
+    except BaseException as exc:
+        _fail(span, exc)
+        raise
+    finally:
+        span.end()

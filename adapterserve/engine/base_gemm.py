@@ -1,0 +1,105 @@
+"""The frozen base product of an AdapterLinear: y = x W^T (+ bias).
+
+Weights are either in the activations' dtype (plain F.linear) or float8_e4m3fn with
+one float32 scale per output channel (an FP8 backbone). FP8 kernels, chosen by
+``fp8_gemm``:
+  scaled_mm    activations quantized per token to e4m3, torch._scaled_mm with row-wise
+               scales (Hopper and later)
+  w8a8_triton  the same arithmetic as scaled_mm in a Triton GEMM tuned for decode batches
+               (split-K for narrow outputs; kernels/fp8_w8a8.py)
+  weight_only  bf16 activations, weights widened in a Triton GEMM's mainloop
+  reference    dequantize to the activations' dtype, F.linear (CPU; the oracle)
+  auto         on sm_90+ w8a8_triton for at most AUTO_W8A8_MAX_TOKENS tokens, else scaled_mm;
+               weight_only on other CUDA devices; reference on CPU
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from adapterserve.config import FP8_GEMMS
+
+ACTIVATION_QUANTIZING = ("scaled_mm", "w8a8_triton")  # kernels that round activations to e4m3 per token
+AUTO_W8A8_MAX_TOKENS = 64  # "auto" on sm_90+: the Triton W8A8 GEMM up to this many tokens
+
+
+def base_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
+                bias: torch.Tensor | None, fp8_gemm: str = "auto") -> torch.Tensor:
+    """x: [T, K] -> [T, N] in x's dtype. weight_scale: None (weight in x's dtype) or [N]."""
+    if weight_scale is None:
+        return F.linear(x, weight, bias)
+    y = fp8_linear(x, weight, weight_scale, fp8_gemm)
+    return y if bias is None else y.add_(bias)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, fp8_gemm: str = "auto"
+               ) -> torch.Tensor:
+    """x: [T, K], weight: [N, K] float8_e4m3fn, weight_scale: [N] float32 -> [T, N] in x's dtype."""
+    kernel = resolve_fp8_gemm(fp8_gemm, x.device, x.shape[0])
+    if kernel == "reference":
+        return fp8_linear_reference(x, weight, weight_scale)
+    if x.shape[0] == 0:
+        return x.new_empty(0, weight.shape[0])
+    if kernel == "scaled_mm":
+        return fp8_scaled_mm(x, weight, weight_scale)
+    if kernel == "w8a8_triton":
+        return fp8_w8a8(x, weight, weight_scale)
+    from adapterserve.kernels.fp8_gemm import fp8_weight_only_linear
+
+    return fp8_weight_only_linear(x.contiguous(), weight, weight_scale)
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """Dequantize (weight * scale, rounded once to x's dtype) and run F.linear."""
+    dequantized = (weight.float() * weight_scale.float()[:, None]).to(x.dtype)
+    return F.linear(x, dequantized)
+
+
+def fp8_linear_oracle(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, kernel: str
+                      ) -> torch.Tensor:
+    """What ``kernel`` computes, in float32 on x's device: the dequantized weight times x,
+    with x first rounded per token to e4m3 for the kernels that quantize activations."""
+    if kernel in ACTIVATION_QUANTIZING:
+        from adapterserve.kernels.fp8 import quantize_rows_reference
+
+        q, x_scale = quantize_rows_reference(x)
+        x = q.float() * x_scale
+    return F.linear(x.float(), weight.float() * weight_scale.float()[:, None])
+
+
+def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """Per-token e4m3 activations (one Triton launch) times the e4m3 weight, row-wise scales."""
+    from adapterserve.kernels.fp8 import quantize_rows
+
+    q, x_scale = quantize_rows(x)
+    return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                            out_dtype=x.dtype)
+
+
+def fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """Per-token e4m3 activations times the e4m3 weight in the Triton W8A8 GEMM."""
+    from adapterserve.kernels.fp8 import quantize_rows
+    from adapterserve.kernels.fp8_w8a8 import fp8_w8a8_linear
+
+    q, x_scale = quantize_rows(x)
+    return fp8_w8a8_linear(q, x_scale, weight, weight_scale, x.dtype)
+
+
+def resolve_fp8_gemm(fp8_gemm: str, device: torch.device, tokens: int = 1) -> str:
+    """The kernel that runs for ``fp8_gemm`` on ``device`` for ``tokens`` rows ('auto' resolved)."""
+    if fp8_gemm not in FP8_GEMMS:
+        raise ValueError(f"fp8_gemm must be one of {', '.join(FP8_GEMMS)}, got {fp8_gemm!r}")
+    if device.type != "cuda":
+        return "reference"
+    if fp8_gemm != "auto":
+        return fp8_gemm
+    if _capability(device.index) < (9, 0):
+        return "weight_only"
+    return "w8a8_triton" if tokens <= AUTO_W8A8_MAX_TOKENS else "scaled_mm"
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)

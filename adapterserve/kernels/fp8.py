@@ -1,0 +1,62 @@
+"""FP8 (e4m3) quantization of activations, one row (token) at a time.
+
+``quantize_rows(x)`` gives ``q`` in float8_e4m3fn and a float32 scale per row such
+that ``q.float() * scale ~ x``: the dynamic per-token input of an FP8 GEMM.
+``quantize_rows_reference`` is the float32 torch twin (CPU and the oracle). Kernel and
+twin do the same float32 arithmetic: IEEE-rounded divisions (``div_rn``: Triton's ``/``
+is approximate on NVIDIA, which moves values across e4m3 rounding midpoints), the clamp,
+then one round-to-nearest-even to e4m3; so they agree bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+MIN_SCALE = 1e-12  # an all-zero row gets this scale (its values stay zero)
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] -> (q [M, K] float8_e4m3fn, scale [M, 1] float32); scale = absmax / 448."""
+    h = x.float()
+    # a tensor divisor: torch on CUDA multiplies by the reciprocal of a Python scalar, which
+    # rounds differently from the kernel's (and the CPU's) true division; full_like, not
+    # torch.tensor: no host-to-device copy, so it may run inside a CUDA-graph capture
+    amax = h.abs().amax(dim=1, keepdim=True)
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
+    return (h / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, n, fp8_max, min_scale, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        mask = start + cols < n
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), fp8_max), min_scale)
+    tl.store(s_ptr + row, scale)
+    for start in range(0, n, BLOCK):
+        mask = start + cols < n
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+        tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows_triton(x: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel (out_dtype other than FP8 only for tests under the interpreter)."""
+    rows, n = x.shape
+    q = torch.empty(rows, n, dtype=out_dtype, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    block = min(triton.next_power_of_2(n), 2048)
+    _quantize_rows_kernel[(rows,)](x, q, scale, x.stride(0), q.stride(0), n, FP8_MAX, MIN_SCALE, BLOCK=block)
+    return q, scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] (last dim contiguous) -> (q, scale [M, 1]); Triton on CUDA, the twin elsewhere."""
+    return quantize_rows_triton(x) if x.is_cuda else quantize_rows_reference(x)

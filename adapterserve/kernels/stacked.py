@@ -1,0 +1,134 @@
+"""The stacked layout: a linear's LoRA A rows as extra output rows of its base weight.
+
+One buffer [N + pool_rows * n_slices, K] holds the base weight W (rows 0..N, the
+layer's weight is a view of them: no second copy) and then the A rows of every
+slot, pool row by pool row, slices interleaved: pool row r of slice s is buffer row
+N + r * n_slices + s. The first ``rows`` pool rows of all slices are then one
+contiguous range, so a single GEMM over ``buffer[: N + rows * n_slices]`` yields the
+base output and every adapter's shrink at once (``stacked_gemm``); the expand reads
+each token's own columns of that output (``ops.stacked_expand``; its tiles from
+``expand_tiles``, a host-only chooser warm-up calls too).
+
+``rows`` is a host int from a few sizes (``row_bucket``): a CUDA graph captures one
+GEMM shape per size, and adapters placed in the low rows keep the GEMM short.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from adapterserve.kernels.lora_slices import LoraSlices
+from adapterserve.kernels.metadata import AdapterBatchMeta
+
+MIN_ROW_BUCKET = 16
+STACKED_MAX_TOKENS = 256  # larger batches (prefill) keep the segmented kernels
+MAX_SLICES = 4  # as segment_common.MAX_SLICES: slices one expand launch covers
+
+
+@dataclass(frozen=True)
+class ExpandTiles:
+    """Constexprs of one tiled stacked-expand launch (a Triton compile variant)."""
+
+    block_m: int  # tokens per program
+    block_n: int  # output columns per program (of one slice)
+    warps: int
+    skip_unused: bool = True  # branch over row chunks no token of the tile uses (else masked loads)
+    stages: int = 1  # software-pipelined stages of the row-chunk loop (> 1 only without the branch)
+
+
+def expand_tiles(num_tokens: int, n_out: int) -> ExpandTiles:
+    """The tiled expand's tiles for a step of num_tokens rows over a linear of n_out
+    columns: the shortest token tile that holds the step (a decode step is one M-tile,
+    so B rows are read once), wider column tiles only where the columns give programs
+    enough for every SM."""
+    block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64
+    block_n = 128 if n_out >= 16384 else 64
+    return ExpandTiles(block_m, block_n, 8 if block_m * block_n >= 8192 else 4)
+
+
+@dataclass
+class RowsInUse:
+    """Pool rows the stacked GEMMs cover (a row bucket; 0 = none in use). Shared by every
+    stacked linear of an engine, written by the LoRA pool as adapters come and go."""
+
+    rows: int = 0
+
+
+@dataclass
+class StackedWeight:
+    """One linear's [W; A] buffer.
+
+    buffer:     [N + pool_rows * n_slices, K]
+    n_out:      N, the base output width
+    n_slices:   projections fused in the linear
+    rows_in_use: the shared row bucket
+    """
+
+    buffer: torch.Tensor
+    n_out: int
+    n_slices: int
+    rows_in_use: RowsInUse
+
+    @property
+    def pool_rows(self) -> int:
+        return (self.buffer.shape[0] - self.n_out) // self.n_slices
+
+    def weight(self) -> torch.Tensor:
+        """[N, K] the base weight (a view)."""
+        return self.buffer[: self.n_out]
+
+    def lora_a(self) -> torch.Tensor:
+        """[n_slices, pool_rows, K] the A pool (a strided view, LoraSlices.a's layout)."""
+        k = self.buffer.shape[1]
+        return self.buffer[self.n_out :].view(self.pool_rows, self.n_slices, k).transpose(0, 1)
+
+
+def stack_weight(weight: torch.Tensor, n_slices: int, pool_rows: int, rows_in_use: RowsInUse) -> StackedWeight:
+    """A new [W; A] buffer holding a copy of ``weight`` [N, K] and zeroed A rows."""
+    n_out, k = weight.shape
+    buffer = torch.zeros(n_out + pool_rows * n_slices, k, dtype=weight.dtype, device=weight.device)
+    buffer[:n_out].copy_(weight)
+    return StackedWeight(buffer, n_out, n_slices, rows_in_use)
+
+
+def row_bucket(high_water: int, pool_rows: int) -> int:
+    """Rows a stacked GEMM covers so pool rows [0, high_water) are in: a power of two
+    (at least MIN_ROW_BUCKET), at most pool_rows; 0 when no row is in use."""
+    if high_water <= 0:
+        return 0
+    if high_water > pool_rows:
+        raise ValueError(f"rows in use ({high_water}) exceed the pool's {pool_rows} rows")
+    bucket = MIN_ROW_BUCKET
+    while bucket < high_water:
+        bucket *= 2
+    return min(bucket, pool_rows)
+
+
+def stacked_gemm(x: torch.Tensor, stacked: StackedWeight, rows: int) -> torch.Tensor:
+    """x: [T, K] -> [T, N + rows * n_slices]: the base output, then every slot's shrink
+    of pool rows [0, rows) (column N + r * n_slices + s holds x @ A_s[r])."""
+    if not 0 <= rows <= stacked.pool_rows:
+        raise ValueError(f"rows must be in [0, {stacked.pool_rows}], got {rows}")
+    return F.linear(x, stacked.buffer[: stacked.n_out + rows * stacked.n_slices])
+
+
+def check_stacked(out: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, y: torch.Tensor,
+                  bias: torch.Tensor | None) -> int:
+    """Shape checks shared with the twin; returns the rows the stacked GEMM covered."""
+    n, n_slices = lora.out_offsets[-1], lora.num_slices
+    if y.dim() != 2 or y.shape != (meta.num_tokens, n):
+        raise ValueError(f"y must be [T={meta.num_tokens}, N={n}], got {tuple(y.shape)}")
+    extra = out.shape[1] - n if out.dim() == 2 else -1
+    if out.dim() != 2 or out.shape[0] != y.shape[0] or extra < 0 or extra % n_slices:
+        raise ValueError(
+            f"out must be [T={y.shape[0]}, N + rows * {n_slices}] with N={n}, got {tuple(out.shape)}"
+        )
+    if extra // n_slices > lora.b.shape[0]:
+        raise ValueError(f"out covers {extra // n_slices} pool rows, the pool has {lora.b.shape[0]}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [N={n}], got {tuple(bias.shape)}")
+    if n_slices > MAX_SLICES:
+        raise ValueError(f"{n_slices} slices in one launch; at most {MAX_SLICES} are supported")
+    return extra // n_slices

@@ -1,0 +1,234 @@
+"""The decode LoRA update of a whole Llama-8B stack: today's kernels against the stacked GEMM.
+
+    PYTHONPATH=. python benchmarks/fused_update.py            # H100/H200: one table, ~2 min
+    PYTHONPATH=. python benchmarks/fused_update.py --smoke    # CPU, tiny shapes, seconds
+    (with TRITON_INTERPRET=1 the smoke runs the Triton expands in the interpreter: minutes)
+
+32 layers of q|k|v, o, gate|up and down (bf16, distinct weights and pools per layer, so
+every read comes from HBM as in a decode step), B=64 tokens spread over 1, 8 or 64
+rank-16 adapters, or 64 adapters of ranks 8/16/32/64. Each figure is one CUDA graph
+replay of the whole stack's projections (every variant warmed up and run once before
+its capture), for:
+  - base:                the base GEMMs alone;
+  - kernels:             base GEMM, then the segmented shrink and expand, one stream;
+  - kernels+side:        the shrink on a side stream beside the GEMM (lora_decode="kernels");
+  - stacked:             one GEMM over [W; A rows of the active adapters] and the tiled
+                         expand with the tiles expand_tiles picks (lora_decode="stacked"
+                         with the adapters packed low);
+  - stacked n64 / n128:  the tiled expand with 64 / 128 columns per program (token tile
+                         and warps as expand_tiles picks for that width);
+  - stacked no-skip:     expand_tiles' tiles, no branch over unused row chunks (masked
+                         loads), the row-chunk loop pipelined in 3 stages;
+  - stacked-per-token:   the per-token expand (one program per token and 512 columns);
+  - stacked-pool:        the stacked variant's GEMM over every pool row (64 adapters resident);
+  - stacked-gemm:        the stacked GEMM alone (what the expand adds is the difference).
+Tax: over base. Floor: the bytes of the base weights and of the distinct adapters' A and B
+rows at the copy bandwidth measured in the same run. Check: largest relative difference
+between a stacked variant's and the kernels' outputs of the last projection, over the
+stacked variants. Prints one table last.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from adapterserve.kernels import lora_expand, lora_shrink, reference
+from adapterserve.kernels.lora_slices import LoraSlices
+from adapterserve.kernels.metadata import build_adapter_meta
+from adapterserve.kernels.stacked import (
+    ExpandTiles,
+    RowsInUse,
+    expand_tiles,
+    row_bucket,
+    stack_weight,
+    stacked_gemm,
+)
+from adapterserve.kernels.stacked_tiled import stacked_expand_tiled
+from adapterserve.kernels.stacked_triton import stacked_expand as stacked_expand_per_token
+from benchmarks.checkpoints import SHAPES
+
+SLOTS = 64
+VARIANTS = ("base", "kernels", "kernels+side", "stacked", "stacked n64", "stacked n128", "stacked no-skip",
+            "stacked-per-token", "stacked-pool", "stacked-gemm")
+CHECKED = ("stacked", "stacked n64", "stacked n128", "stacked no-skip", "stacked-per-token", "stacked-pool")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    adapters: int  # distinct adapters among the tokens (slots 0..adapters-1)
+    ranks: tuple[int, ...]  # rank of every slot of the pool
+
+
+def scenarios(slots: int) -> list[Scenario]:
+    r16 = (16,) * slots
+    mixed = tuple((8, 16, 32, 64)[i % 4] for i in range(slots))
+    counts = sorted({1, min(8, slots), slots})
+    return [Scenario(f"{n} x r16", n, r16) for n in counts] + [Scenario(f"{slots} x r8-64", slots, mixed)]
+
+
+class Projection:
+    """One layer's fused projection: a [W; A] buffer, its B pool, and a contiguous copy of A
+    (the kernels path's pool layout)."""
+
+    def __init__(self, k: int, widths: tuple[int, ...], ranks: tuple[int, ...], device: str, dtype) -> None:
+        self.k, self.n_slices = k, len(widths)
+        offsets = [0]
+        for w in widths:
+            offsets.append(offsets[-1] + w)
+        pool_rows = sum(ranks)
+        weight = torch.randn(offsets[-1], k, device=device, dtype=dtype) * 0.02
+        self.stacked = stack_weight(weight, len(widths), pool_rows, RowsInUse())
+        del weight
+        a = self.stacked.lora_a()
+        a.copy_(torch.randn(a.shape, device=device, dtype=dtype) * 0.02)
+        b = torch.randn(pool_rows, offsets[-1], device=device, dtype=dtype) * 0.02
+        starts = torch.tensor([0] + list(ranks[:-1]), device=device).cumsum(0).to(torch.int32)
+        row_start = starts.repeat(len(widths), 1).contiguous()
+        rank = torch.tensor(ranks, device=device, dtype=torch.int32).repeat(len(widths), 1).contiguous()
+        self.lora_stacked = LoraSlices(a, b, row_start, rank, tuple(offsets), max(ranks))
+        self.lora_kernels = LoraSlices(a.contiguous(), b, row_start, rank, tuple(offsets), max(ranks))
+
+    def floor_bytes(self, ranks: tuple[int, ...], adapters: int) -> int:
+        n = self.lora_stacked.out_offsets[-1]
+        lora_rows = sum(ranks[:adapters])
+        return (n * self.k + lora_rows * self.n_slices * self.k + lora_rows * n) * self.stacked.buffer.element_size()
+
+
+class Stack:
+    def __init__(self, shape, layers: int, tokens: int, ranks: tuple[int, ...], device: str, dtype) -> None:
+        lin, h, inter = shape.linear_shapes(), shape.hidden, shape.inter
+        kinds = [(h, (lin["q_proj"][1], lin["k_proj"][1], lin["v_proj"][1])), (lin["o_proj"][0], (h,)),
+                 (h, (inter, inter)), (inter, (h,))]
+        self.projections = [Projection(k, widths, ranks, device, dtype) for _ in range(layers) for k, widths in kinds]
+        self.x = {k: torch.randn(tokens, k, device=device, dtype=dtype) for k, _ in kinds}
+        self.workspace = torch.empty(3, tokens, max(ranks), device=device, dtype=dtype)
+        self.side = torch.cuda.Stream() if device == "cuda" else None
+        self.pool_rows = sum(ranks)
+
+    def run(self, variant: str, meta, rows: int) -> torch.Tensor:
+        """Every projection of the stack as `variant` says; the last projection's output."""
+        y = None
+        for p in self.projections:
+            y = self._projection(p, variant, meta, rows)
+        return y
+
+    def _projection(self, p: Projection, variant: str, meta, rows: int) -> torch.Tensor:
+        x = self.x[p.k]
+        if variant == "base":
+            return F.linear(x, p.stacked.weight())
+        if variant.startswith("stacked"):
+            out = stacked_gemm(x, p.stacked, self.pool_rows if variant == "stacked-pool" else rows)
+            if variant == "stacked-gemm":
+                return out
+            y = torch.empty(x.shape[0], p.stacked.n_out, device=x.device, dtype=x.dtype)
+            if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+                reference.stacked_expand(out, p.lora_stacked, meta, y)  # smoke without the interpreter
+            elif variant == "stacked-per-token":
+                stacked_expand_per_token(out, p.lora_stacked, meta, y)
+            else:
+                stacked_expand_tiled(out, p.lora_stacked, meta, y, tiles=_tiles(variant, x.shape[0], p))
+            return y
+        workspace = self.workspace[: p.n_slices]
+        if variant == "kernels+side" and self.side is not None:
+            main = torch.cuda.current_stream()
+            self.side.wait_stream(main)
+            with torch.cuda.stream(self.side):
+                lora_shrink(x, p.lora_kernels, meta, workspace)
+            y = F.linear(x, p.stacked.weight())
+            main.wait_stream(self.side)
+        else:
+            y = F.linear(x, p.stacked.weight())
+            lora_shrink(x, p.lora_kernels, meta, workspace)
+        lora_expand(workspace, p.lora_kernels, meta, y)
+        return y
+
+
+def _tiles(variant: str, tokens: int, p: Projection) -> ExpandTiles | None:
+    """The tiled expand's tiles: expand_tiles' choice, or its choice at a forced width or
+    without the branch."""
+    if variant == "stacked no-skip":
+        chosen = expand_tiles(tokens, p.stacked.n_out)
+        return ExpandTiles(chosen.block_m, chosen.block_n, chosen.warps, skip_unused=False, stages=3)
+    if not variant.startswith("stacked n"):
+        return None
+    block_n = int(variant.removeprefix("stacked n"))
+    chosen = expand_tiles(tokens, p.stacked.n_out)
+    return ExpandTiles(chosen.block_m, block_n, 8 if chosen.block_m * block_n >= 8192 else 4)
+
+
+def time_ms(run, device: str) -> float:
+    """One CUDA graph replay (median) on a GPU; the median eager run elsewhere."""
+    if device == "cuda":
+        from benchmarks.measure import graph_ms
+
+        run()  # compile every Triton variant before graph_ms's own warm-up and capture
+        torch.cuda.synchronize()
+        return graph_ms(run)
+    run()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def bandwidth(device: str) -> float:
+    if device != "cuda":
+        return float("nan")
+    from benchmarks.measure import copy_bandwidth
+
+    return copy_bandwidth("cuda", 1 << 30)
+
+
+def measure(scenario: Scenario, shape, layers: int, tokens: int, device: str, dtype, bw: float) -> list[str]:
+    stack = Stack(shape, layers, tokens, scenario.ranks, device, dtype)
+    slots = (torch.arange(tokens, device=device) % scenario.adapters).to(torch.int32)
+    meta = build_adapter_meta(slots, len(scenario.ranks))
+    rows = row_bucket(sum(scenario.ranks[: scenario.adapters]), stack.pool_rows)
+    ms = {v: time_ms(lambda v=v: stack.run(v, meta, rows), device) for v in VARIANTS}
+    want = stack.run("kernels", meta, rows).float()
+    check = max(float((stack.run(v, meta, rows).float() - want).norm() / want.norm()) for v in CHECKED)
+    floor = sum(p.floor_bytes(scenario.ranks, scenario.adapters) for p in stack.projections) / bw * 1e3
+    base = ms["base"]
+    cells = [f"{ms[v]:.3f}" + ("" if v == "base" else f" ({(ms[v] / base - 1) * 100:+.1f}%)") for v in VARIANTS]
+    return [scenario.name, str(rows), *cells, f"{floor:.3f}", f"{ms['stacked'] / floor:.2f}", f"{check:.1e}"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny shapes: the code runs, figures mean nothing")
+    args = p.parse_args()
+    if args.smoke:
+        device, dtype, shape, layers, tokens, slots = "cpu", torch.float32, SHAPES["tiny"], 2, 8, 4
+        name = "CPU (smoke)"
+    else:
+        device, dtype, shape, layers, tokens, slots = "cuda", torch.bfloat16, SHAPES["8b"], args.layers, 64, SLOTS
+        name = torch.cuda.get_device_name()
+    torch.manual_seed(0)
+    bw = bandwidth(device)
+    rows = []
+    for scenario in scenarios(slots):
+        rows.append(measure(scenario, shape, layers, tokens, device, dtype, bw))
+        if device == "cuda":
+            torch.cuda.empty_cache()  # the scenario's stack is gone: make room for the next
+    print(f"\n{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, {dtype}; "
+          f"copy bandwidth {bw / 1e9:.0f} GB/s; ms per step of q|k|v, o, gate|up, down (tax over base); "
+          + ("one CUDA graph replay per figure" if device == "cuda" else "eager, median of 3"))
+    header = ["adapters", "stacked rows", *[f"{v} ms" for v in VARIANTS], "floor ms", "stacked / floor", "check"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()

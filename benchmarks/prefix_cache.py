@@ -1,0 +1,191 @@
+"""Prefix caching: time to first token and throughput with caching off and on, side by side
+on one backbone, for a shared-system-prompt workload and a multi-turn chat.
+
+    PYTHONPATH=. python3 benchmarks/prefix_cache.py --model 1b     # GPU
+    PYTHONPATH=. python3 benchmarks/prefix_cache.py --smoke        # CPU, tiny model, seconds
+
+Shared system prompts: 8 applications x 2 LoRA adapters each (rank 16, every projection),
+one system prompt per application (1,000 tokens), user turns of 50-200 tokens, greedy
+answers of 32 tokens; 64 users, each sending its next request when its last one ends.
+Multi-turn: 16 chats of 8 turns, each turn resending the whole conversation (system prompt,
+earlier turns and answers) plus a new user turn. Every case runs on a fresh engine after a
+warm-up of the same lengths on other prompts (so no hit comes from the warm-up, and no
+Triton compile from the timed run). TTFT: add_request to the step that returns the first
+token; tokens/s: generated tokens over the run's wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from adapterserve.config import EngineConfig
+from adapterserve.engine.engine import Engine
+from adapterserve.engine.sampling_params import SamplingParams
+from adapterserve.models.loader import load_decoder
+from benchmarks.backbone import Backbone
+from benchmarks.checkpoints import SHAPES, scratch_dir, write_random_checkpoint
+from benchmarks.measure import sync
+from benchmarks.random_adapters import AdapterFactory
+
+
+@dataclass(frozen=True)
+class Workload:
+    apps: int
+    adapters_per_app: int
+    system_tokens: int
+    user_tokens: tuple[int, int]
+    answer_tokens: int
+    users: int
+    requests_per_user: int
+    chats: int
+    turns: int
+
+
+FULL = Workload(8, 2, 1000, (50, 200), 32, 64, 4, 16, 8)
+SMOKE = Workload(2, 2, 48, (4, 12), 4, 4, 2, 2, 3)
+
+
+@dataclass
+class Result:
+    ttft: list[float]
+    tokens: int
+    wall: float
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class Conversations:
+    """Who sends what: each user's (or chat's) next prompt and adapter, after its last answer."""
+
+    def __init__(self, work: Workload, seed: int, vocab: int, multi_turn: bool) -> None:
+        self.work, self.multi_turn, self.rng = work, multi_turn, random.Random(seed)
+        self.vocab = vocab
+        self.systems = [self._ids(work.system_tokens) for _ in range(work.apps)]
+        count = work.chats if multi_turn else work.users
+        self.left = {u: work.turns if multi_turn else work.requests_per_user for u in range(count)}
+        self.history: dict[int, list[int]] = {}
+        self.adapter: dict[int, str] = {}
+
+    def _ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(3, self.vocab) for _ in range(n)]
+
+    def next(self, user: int, answer: list[int]) -> tuple[list[int], str] | None:
+        if self.left[user] == 0:
+            return None
+        self.left[user] -= 1
+        turn = self._ids(self.rng.randint(*self.work.user_tokens))
+        if self.multi_turn and user in self.history:
+            self.history[user] += answer + turn
+            return list(self.history[user]), self.adapter[user]
+        app = self.rng.randrange(self.work.apps)
+        adapter = f"app{app}-{self.rng.randrange(self.work.adapters_per_app)}"
+        self.history[user], self.adapter[user] = self.systems[app] + turn, adapter
+        return list(self.history[user]), adapter
+
+
+def run(engine: Engine, talk: Conversations, answer_tokens: int) -> Result:
+    """Every user starts at once; each sends its next prompt when its last answer ends."""
+    params = SamplingParams(max_tokens=answer_tokens, temperature=0.0, ignore_eos=True)
+    result, owner, added = Result([], 0, 0.0, 0, 0), {}, {}
+    start = time.perf_counter()
+
+    def send(user: int, answer: list[int]) -> None:
+        nxt = talk.next(user, answer)
+        if nxt is not None:
+            request = engine.add_request(nxt[0], params, nxt[1])
+            owner[request.request_id], added[request.request_id] = (user, request), time.perf_counter()
+
+    for user in list(talk.left):
+        send(user, [])
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.request_id in added and out.token_ids:
+                result.ttft.append(now - added.pop(out.request_id))
+            if out.finished:
+                user, request = owner.pop(out.request_id)
+                result.tokens += len(request.output_ids)
+                result.prompt_tokens += len(request.prompt_ids)
+                result.cached_tokens += request.cached_tokens or 0
+                send(user, list(request.output_ids))
+    result.wall = time.perf_counter() - start
+    return result
+
+
+def fresh_engine(backbone: Backbone, factory: AdapterFactory, work: Workload, caching: bool, device: str,
+                 dtype: str) -> Engine:
+    longest = work.system_tokens + work.turns * (work.user_tokens[1] + work.answer_tokens) + 64
+    users = max(work.users, work.chats)
+    config = EngineConfig(device=device, dtype=dtype, max_loras=work.apps * work.adapters_per_app, max_lora_rank=16,
+                          block_size=16, num_kv_blocks=users * -(-longest // 16) + 64, max_num_seqs=users,
+                          max_num_batched_tokens=8192, max_model_len=longest, enable_prefix_caching=caching)
+    engine = backbone.engine(config)
+    for i in range(work.apps * work.adapters_per_app):
+        engine.add_adapter(f"app{i // work.adapters_per_app}-{i % work.adapters_per_app}", factory.lora(i))
+    return engine
+
+
+def case(backbone, factory, work: Workload, multi_turn: bool, caching: bool, device: str, dtype: str,
+         vocab: int) -> Result:
+    engine = fresh_engine(backbone, factory, work, caching, device, dtype)
+    try:
+        run(engine, Conversations(work, 100, vocab, multi_turn), work.answer_tokens)  # warm-up: other prompts
+        sync(device)
+        return run(engine, Conversations(work, 1, vocab, multi_turn), work.answer_tokens)
+    finally:
+        engine = None
+        backbone.reset()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def print_table(rows: list[tuple[str, bool, Result]], card: str, model: str, work: Workload) -> None:
+    print(f"\n{card}; {model}; {work.apps} apps x {work.adapters_per_app} LoRA adapters, system prompt "
+          f"{work.system_tokens} tokens, user turns {work.user_tokens[0]}-{work.user_tokens[1]}, answers "
+          f"{work.answer_tokens} tokens; {work.users} users x {work.requests_per_user} requests; "
+          f"multi-turn: {work.chats} chats x {work.turns} turns")
+    print("| workload | prefix caching | TTFT p50 ms | TTFT p99 ms | tokens/s | prompt tokens cached "
+          "| TTFT p50 off/on | tokens/s on/off |")
+    print("|---|---|---|---|---|---|---|---|")
+    off: dict[str, Result] = {}
+    for name, caching, r in rows:
+        p50, p99 = 1e3 * statistics.median(r.ttft), 1e3 * percentile(r.ttft, 0.99)
+        rate = r.tokens / r.wall
+        base = off.setdefault(name, r)
+        ratios = (f"{statistics.median(base.ttft) / statistics.median(r.ttft):.2f}x | "
+                  f"{rate / (base.tokens / base.wall):.2f}x") if caching else "- | -"
+        print(f"| {name} | {'on' if caching else 'off'} | {p50:.1f} | {p99:.1f} | {rate:.0f} "
+              f"| {100 * r.cached_tokens / r.prompt_tokens:.0f}% | {ratios} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="1b", choices=["1b", "8b"])
+    parser.add_argument("--smoke", action="store_true", help="CPU, float32, tiny model, a small workload")
+    args = parser.parse_args()
+    name, device, dtype = ("tiny", "cpu", "float32") if args.smoke else (args.model, "cuda", "bfloat16")
+    work = SMOKE if args.smoke else FULL
+    shape = SHAPES[name]
+    tmp = scratch_dir(shape.checkpoint_bytes())
+    started = time.perf_counter()
+    ckpt = write_random_checkpoint(shape, tmp / "model", device)
+    model, _ = load_decoder(ckpt, torch.bfloat16 if dtype == "bfloat16" else torch.float32, device, max_positions=8192)
+    backbone, factory = Backbone(model), AdapterFactory(shape, device)
+    rows = [(label, caching, case(backbone, factory, work, multi_turn, caching, device, dtype, shape.vocab))
+            for label, multi_turn in (("shared system prompts", False), ("multi-turn chat", True))
+            for caching in (False, True)]
+    card = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    print_table(rows, card, f"{name} ({time.perf_counter() - started:.0f} s)", work)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The lead's batched GPU session on the lent machine: GPU tests and the benchmarks of
+# issues 17 and 19, one stage per argument, outputs in $OUT. Usage:
+#   bash scripts/gpu_wave.sh tests fused fp8gemm   # then: engine8b, fp8engine, prefix, quality
+set -u
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=.
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/engine tests/models 2>&1 | tail -25 ;;
+    fused) python3 benchmarks/fused_update.py 2>&1 | tail -30 ;;
+    fp8gemm) python3 benchmarks/fp8_gemm.py 2>&1 | tail -30 ;;
+    engine8b) python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 480 \
+                --first-request --workloads base,one,one+st,uniform8,uniform8+st,distinct,distinct+st,zipf,families --out "$OUT/et8b.md" 2>&1 | tail -25 ;;
+    fp8engine) python3 benchmarks/engine_throughput.py --models 8b --dtype fp8 --hf-models '' --budget-s 300 \
+                --workloads base,one,distinct --out "$OUT/et8b_fp8.md" 2>&1 | tail -16
+               python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 100 \
+                --workloads base --out "$OUT/et8b_bf16_base.md" 2>&1 | tail -8 ;;
+    prefix) python3 benchmarks/prefix_cache.py --model 1b 2>&1 | tail -25 ;;
+    quality) python3 benchmarks/fp8_quality.py --shape 8b 2>&1 | tail -20 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done

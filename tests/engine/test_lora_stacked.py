@@ -1,0 +1,166 @@
+"""lora_decode="stacked": LoRA A rows under the base weight, one GEMM for base output and
+shrink. A mixed batch against PEFT + transformers one request at a time (float32, CPU);
+adapters placed and evicted while others decode, against the segmented kernels' engine;
+every family in one batch."""
+from itertools import product
+
+import pytest
+import torch
+
+from adapterserve import Engine, SamplingParams
+from adapterserve.models.tiny import write_tiny_checkpoint
+from tests.engine.test_lora_mixed import ADAPTERS, MAX_TOKENS, assert_matches_peft_alone
+from tests.helpers.lora import make_peft_lora
+from tests.helpers.recording import record_logits
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])  # qwen2: q|k|v bias through the stacked expand
+def setup(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"stacked-{request.param}")
+    model_dir = write_tiny_checkpoint(root / "model", request.param, seed=23)
+    adapters = {
+        name: make_peft_lora(model_dir, root / name, seed=10 + i, **kwargs)
+        for i, (name, kwargs) in enumerate(ADAPTERS.items())
+    }
+    return model_dir, adapters
+
+
+def _prompts(vocab: int, count: int, gen: torch.Generator) -> list[list[int]]:
+    """Prompts whose first step holds more than 256 tokens: prefill runs the segmented
+    kernels on the stacked pool's views, decode the stacked GEMM."""
+    return [torch.randint(3, vocab, (int(torch.randint(16, 25, (), generator=gen)),), generator=gen).tolist()
+            for _ in range(count)]
+
+
+def test_stacked_mixed_batch_matches_peft_alone(setup):
+    model_dir, adapter_dirs = setup
+    engine = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=8, lora_decode="stacked")
+    for _, linear in engine.model.adapter_linears():
+        assert linear.stacked is not None and linear.weight.data_ptr() == linear.stacked.buffer.data_ptr()
+    for name, path in adapter_dirs.items():
+        engine.load_adapter(name, path)
+    ids = [None] + list(adapter_dirs) + [None] + list(adapter_dirs)[::-1]
+    prompts = _prompts(engine.model_config.vocab_size, len(ids), torch.Generator().manual_seed(3))
+    assert sum(map(len, prompts)) > 256
+
+    captured = record_logits(engine)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), adapter_ids=ids)
+
+    assert engine.lora_pool.stacked_rows() > 0
+    assert_matches_peft_alone(model_dir, adapter_dirs, ids, prompts, outs, captured)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+
+
+# float32 both ways; on a GPU the segmented kernels' prefill dots run in TF32 (tl.dot's
+# default), so the two engines' logits differ by more than float32 rounding there
+LOGIT_TOLERANCE = {"cpu": 1e-4, "cuda": 1e-3}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stacked_places_and_evicts_while_others_decode(setup, device):
+    """Three slots for eight adapters with a tight row pool: adapters come and go between
+    decode steps (the row bucket, and on a GPU the captured graph, with them); every request
+    gets the tokens the segmented kernels' engine gives it with room for all (float32)."""
+    model_dir, adapter_dirs = setup
+    tight = Engine.from_pretrained(model_dir, device, max_lora_rank=64, max_loras=3, lora_pool_rows=96,
+                                   lora_decode="stacked")
+    roomy = Engine.from_pretrained(model_dir, device, max_lora_rank=64, max_loras=8)
+    for engine in (tight, roomy):
+        for name, path in adapter_dirs.items():
+            engine.load_adapter(name, path)
+    ids = list(adapter_dirs) * 2 + [None]
+    prompts = _prompts(tight.model_config.vocab_size, len(ids), torch.Generator().manual_seed(4))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    rows_seen: set[int] = set()
+    step = tight.step
+
+    def recording_step():
+        rows_seen.add(tight.lora_pool.stacked_rows())
+        return step()
+
+    tight.step = recording_step
+    got_logits, want_logits = record_logits(tight), record_logits(roomy)
+    got = tight.generate(prompts, params, adapter_ids=ids)
+    want = roomy.generate(prompts, params, adapter_ids=ids)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got, want):
+        last = len(a.token_ids) - 1
+        g, w = got_logits[a.request_id][last], want_logits[b.request_id][last]
+        assert (g - w).norm() / w.norm() < LOGIT_TOLERANCE[device], a.adapter_id
+    assert tight.slots.evictions > 0
+    assert len(rows_seen - {0}) > 1, rows_seen
+
+
+def test_decode_graph_keys_follow_the_stacked_row_bucket(setup):
+    """A captured decode graph holds the stacked GEMMs' shape: the row bucket is in the key of
+    every graph with LoRA rows and of no other; the kernels layout adds nothing to any key
+    (its graphs keep the keys warm-up captures them under)."""
+    from adapterserve.engine.graphs import _key
+
+    model_dir, _ = setup
+    stacked = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=3, lora_pool_rows=96,
+                                     lora_decode="stacked")
+    pool = stacked.lora_pool
+    for _, linear in stacked.model.adapter_linears():
+        assert linear.stacked.rows_in_use is pool.rows_in_use  # the one host value the stacked ops read
+    assert pool.row_buckets() == [16, 32, 64, 96]
+    mixes = list(product((False, True), repeat=3))  # (lora, ia3, bottleneck) rows in the batch
+    keys = {}
+    for rows in pool.row_buckets():
+        with pool.covering(rows):
+            assert pool.stacked_rows() == rows
+            signature = stacked.runner.graph_signature()
+            keys[rows] = {mix: _key(8, mix, signature) for mix in mixes}
+    assert pool.stacked_rows() == 0
+    for mix in mixes:
+        assert len({keys[rows][mix] for rows in keys}) == (len(keys) if mix[0] else 1), mix
+    with pytest.raises(ValueError, match="row buckets"), pool.covering(48):
+        pass
+
+    kernels = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=3, lora_pool_rows=96)
+    assert kernels.lora_pool.row_buckets() == []
+    for mix in mixes:
+        assert _key(8, mix, kernels.runner.graph_signature()) == _key(8, mix, ()), mix
+
+
+def test_stacked_refuses_a_foreign_weight_dtype(tmp_path):
+    from adapterserve.engine.pools.lora import LoraPool
+    from adapterserve.models.loader import load_decoder
+
+    model_dir = write_tiny_checkpoint(tmp_path / "model", "llama", seed=1)
+    model, _ = load_decoder(model_dir, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="lora_decode='kernels'"):
+        LoraPool(list(model.adapter_linears()), 2, 32, 16, torch.float16, "cpu", stacked=True)
+
+
+def test_stacked_with_every_family_in_one_batch(tmp_path):
+    """LoRA rows beside (IA)^3, prompt/prefix tuning and bottleneck adapters in one batch:
+    the stacked engine gives every request the kernels engine's tokens."""
+    from tests.engine.test_all_families import FIXTURES, MODEL
+    from tests.helpers.families import family_configs, make_peft_adapter
+
+    dirs = {name: make_peft_adapter(MODEL, tmp_path / name, cfg, seed=i)
+            for i, (name, cfg) in enumerate(family_configs().items())}
+    dirs["lora"] = make_peft_lora(MODEL, tmp_path / "lora", r=8, lora_alpha=16, target_modules="all-linear")
+    dirs["houlsby"] = FIXTURES / "llama-houlsby"
+    engines = [Engine.from_pretrained(MODEL, max_loras=16, lora_decode=mode) for mode in ("stacked", "kernels")]
+    for engine in engines:
+        for name, path in dirs.items():
+            engine.load_adapter(name, path)
+    ids = [None, *dirs, "lora"]
+    prompts = _prompts(engines[0].model_config.vocab_size, len(ids), torch.Generator().manual_seed(5))
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    got, want = (engine.generate(prompts, params, adapter_ids=ids) for engine in engines)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(o.token_ids != got[0].token_ids for o in got[1:]) >= len(dirs) // 2  # the adapters matter
+
+
+def test_lora_decode_names_the_choices():
+    from adapterserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="lora_decode must be one of"):
+        EngineConfig(lora_decode="fused")

@@ -1,0 +1,77 @@
+"""After warm-up on a GPU, a mixed batch (every family, prompt lengths across the kernel
+classes, decodes beside prompts, penalties, sampling) compiles no Triton kernel and
+captures no CUDA graph: the first requests after ready run compiled code."""
+import random
+import sys
+
+import pytest
+import torch
+
+from adapterserve import Engine, SamplingParams
+from adapterserve.models.tiny import write_tiny_checkpoint
+from tests.helpers.families import family_configs, make_peft_adapter
+from tests.helpers.lora import make_peft_lora
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+
+def compiled_variants() -> set[tuple[str, str]]:
+    """(kernel, specialisation key: argument types, int/pointer specialisations and
+    constexprs) of every variant the Triton kernels of adapterserve hold compiled."""
+    from triton.runtime.jit import JITFunction
+
+    kernels = {id(v): v for name, module in list(sys.modules.items()) if name.startswith("adapterserve.kernels")
+               for v in vars(module).values() if isinstance(v, JITFunction)}
+    return {(f"{fn.fn.__module__}.{fn.fn.__name__}", str(key))
+            for fn in kernels.values() for entry in fn.device_caches.values() for key in entry[0]}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("warmup-gpu")
+    model_dir = write_tiny_checkpoint(root / "model", "llama", num_layers=2, hidden_size=1024, intermediate_size=2816,
+                                      num_attention_heads=16, num_key_value_heads=4, vocab_size=2048, seed=3)
+    all_linear = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapters = {f"lora-r{r}": make_peft_lora(model_dir, root / f"r{r}", r=r, lora_alpha=2 * r,
+                                            target_modules=all_linear, seed=r) for r in (8, 64)}
+    configs = family_configs()
+    for name in ("ia3", "prompt", "prefix"):
+        adapters[name] = make_peft_adapter(model_dir, root / name, configs[name], seed=len(name))
+    return model_dir, adapters
+
+
+# the default path; the stacked LoRA layout (graphs per row bucket); a step budget below
+# max_num_seqs (decode graphs bounded by the budget, chunked prompts beside decodes)
+CONFIGS = {"kernels": dict(max_num_seqs=16, max_num_batched_tokens=2048),
+           "stacked": dict(max_num_seqs=16, max_num_batched_tokens=2048, lora_decode="stacked"),
+           "small-budget": dict(max_num_seqs=64, max_num_batched_tokens=48)}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_after_warm_up_a_mixed_batch_compiles_nothing(setup, config):
+    model_dir, adapters = setup
+    engine = Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", max_model_len=1024,
+                                    num_kv_blocks=1024, **CONFIGS[config])
+    report = engine.warmup
+    assert report is not None and report.missing == set(), sorted(map(str, report.missing))
+    assert report.graphs > 0
+    for name, path in adapters.items():
+        engine.load_adapter(name, path)
+    kernels, graphs = compiled_variants(), set(engine.runner.graphs._graphs)
+    assert kernels
+    rng = random.Random(0)
+    names = [None, *adapters]
+    prompts = [[rng.randrange(3, 2000) for _ in range(rng.choice([1, 5, 16, 17, 100, 300, 700, 900]))]
+               for _ in range(16)]
+    sampling = [SamplingParams(max_tokens=rng.randint(2, 24), ignore_eos=True,
+                               temperature=rng.choice([0.0, 0.7]), top_p=rng.choice([1.0, 0.9]), seed=i,
+                               presence_penalty=rng.choice([0.0, 0.5]), repetition_penalty=rng.choice([1.0, 1.2]))
+                for i in range(len(prompts))]
+    outputs = engine.generate(prompts, sampling, [names[i % len(names)] for i in range(len(prompts))])
+    assert all(o.error is None for o in outputs)
+    late = sorted(compiled_variants() - kernels)
+    assert not late, "compiled after warm-up:\n" + "\n".join(f"{name} {key}" for name, key in late)
+    new_graphs = set(engine.runner.graphs._graphs) - graphs
+    assert not new_graphs, f"decode graphs captured after warm-up (bucket, families, signature): {new_graphs}"

@@ -1,0 +1,119 @@
+"""The fp8 engine on a GPU (bfloat16 activations, CUDA graphs, each FP8 kernel) with LoRA
+rows in the batch: every base product of its prefill against the float32 twin of its
+kernel on the same input; its logits against float32 CPU engines on the dequantized and
+on the unquantized weights. One set of fresh random prompts per run, shared by all engines."""
+import pytest
+import torch
+
+from adapterserve import Engine, SamplingParams
+from adapterserve.engine.base_gemm import fp8_linear_oracle
+from adapterserve.models.tiny import write_tiny_checkpoint
+from tests.helpers.lora import make_peft_lora
+from tests.helpers.recording import record_logits
+from tests.models.fp8_checkpoints import (
+    write_dequantized_checkpoint,
+    write_fp8_checkpoint,
+)
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = [None, "lora", None, "lora"]
+# one base product against its kernel's float32 twin on the same bf16 input: the twin rounds
+# activations to e4m3 bit for bit as the kernel does, so only float32 summation order and the
+# bf16 output rounding (2^-9 relative) remain
+PROJECTION_REL_TOL = 5e-3
+# first-token (and, while greedy tokens agree, decode) logits, relative L2 error. This random
+# model (peaked attention, 4 layers) amplifies a small change of any layer's input about
+# tenfold. Per-token e4m3 activations (about 3% per projection) then give 0.2-0.4 against the
+# dequantized weights and 0.3-0.6 against the unquantized ones (measured by emulating the
+# kernel on CPU); logits of an unrelated computation are about sqrt(2) = 1.41 away.
+SCALED_MM_REL_TOL = 0.6
+SCALED_MM_UNQUANTIZED_REL_TOL = 0.8
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8gpu")
+    float_dir = write_tiny_checkpoint(root / "float", "llama", num_layers=4, hidden_size=1024,
+                                      intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
+                                      vocab_size=2048, seed=3)
+    dequantized = write_dequantized_checkpoint(write_fp8_checkpoint(float_dir, root / "fp8"), root / "dequantized")
+    lora = make_peft_lora(float_dir, root / "r16", r=16, lora_alpha=32, target_modules=ALL_LINEAR, seed=4)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    prompts = [torch.randint(3, 2000, (n,), generator=g).tolist() for n in (1, 13, 64, 200)]
+    return float_dir, dequantized, lora, prompts
+
+
+def _engine(path, lora, **kwargs) -> Engine:
+    engine = Engine.from_pretrained(path, block_size=16, num_kv_blocks=256, max_loras=2, **kwargs)
+    engine.load_adapter("lora", lora)
+    return engine
+
+
+def _generate(engine, prompts) -> list[tuple[list[int], torch.Tensor]]:
+    """Per prompt: (greedy tokens, logits of prefill and 3 graph-replayed decodes)."""
+    captured = record_logits(engine)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                           adapter_ids=ADAPTERS)
+    return [(o.token_ids, torch.stack(captured[o.request_id][:4])) for o in outs]
+
+
+def _rel(got, want) -> float:
+    """Largest relative error over prompts and over the steps whose context (the greedy
+    tokens before them) is the same in both runs."""
+    errors = []
+    for (got_tokens, got_logits), (want_tokens, want_logits) in zip(got, want):
+        for step in range(len(got_logits)):
+            if got_tokens[:step] != want_tokens[:step]:
+                break
+            errors.append(((got_logits[step] - want_logits[step]).norm() / want_logits[step].norm()).item())
+    return max(errors)
+
+
+def _record_base_products(engine) -> list[tuple[object, torch.Tensor, torch.Tensor]]:
+    """Wrap every linear's base product; eager calls (not graph captures) are recorded."""
+    records = []
+    for _, linear in engine.model.adapter_linears():
+        def recording(x, linear=linear, base=linear.base_product):
+            y = base(x)
+            if not torch.cuda.is_current_stream_capturing():
+                records.append((linear, x.clone(), y.clone()))
+            return y
+        linear.base_product = recording
+    return records
+
+
+@pytest.mark.parametrize("kernel", ["weight_only", "scaled_mm", "w8a8_triton"])
+def test_each_base_product_of_the_fp8_engine_is_its_kernels_twin(setup, kernel):
+    if kernel != "weight_only" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("row-wise scaled_mm and e4m3 tl.dot need sm_90")
+    float_dir, _, lora, prompts = setup
+    engine = _engine(float_dir, lora, device="cuda", dtype="fp8", fp8_gemm=kernel)
+    records = _record_base_products(engine)
+    _generate(engine, prompts)
+    assert len(records) >= 4 * 4  # the prefill's four projections in each of four layers
+    for linear, x, y in records:
+        want = fp8_linear_oracle(x, linear.weight, linear.weight_scale, kernel)
+        assert y.dtype == torch.bfloat16 and not torch.isnan(y).any()
+        rel = ((y.float() - want).norm() / want.norm()).item()
+        assert rel < PROJECTION_REL_TOL, (linear.slice_kinds, tuple(x.shape), rel)
+
+
+def test_fp8_engine_on_gpu_against_float32_engines(setup):
+    float_dir, dequantized, lora, prompts = setup
+    want = _generate(_engine(dequantized, lora, device="cpu", dtype="float32"), prompts)
+    bf16 = _rel(_generate(_engine(dequantized, lora, device="cuda", dtype="bfloat16"), prompts), want)
+    weight_only = _generate(_engine(float_dir, lora, device="cuda", dtype="fp8", fp8_gemm="weight_only"), prompts)
+    # weight_only differs from a bfloat16 engine on the dequantized weights only in summation order
+    assert _rel(weight_only, want) < max(3 * bf16, 0.02), (_rel(weight_only, want), bf16)
+    if torch.cuda.get_device_capability() < (9, 0):
+        return
+    scaled_mm = _generate(_engine(float_dir, lora, device="cuda", dtype="fp8", fp8_gemm="scaled_mm"), prompts)
+    unquantized = _generate(_engine(float_dir, lora, device="cpu", dtype="float32"), prompts)
+    assert _rel(scaled_mm, want) < SCALED_MM_REL_TOL, (_rel(scaled_mm, want), bf16)
+    assert _rel(scaled_mm, unquantized) < SCALED_MM_UNQUANTIZED_REL_TOL, _rel(scaled_mm, unquantized)
+    w8a8 = _generate(_engine(float_dir, lora, device="cuda", dtype="fp8", fp8_gemm="w8a8_triton"), prompts)
+    assert _rel(w8a8, want) < SCALED_MM_REL_TOL, _rel(w8a8, want)  # the same arithmetic as scaled_mm
