@@ -143,7 +143,7 @@ def _measure(model: Path, adapter: Path, device: str, args) -> list[tuple[str, s
 
 
 def _print(rows, device: str, model: Path, args) -> None:
-    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke: float32 reference vs fp8 reference)"
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke: float32 against fp8 on CPU: scaled_mm emulated in float32, weight_only dequantized)"
     source = model if args.model else f"random-weight {'tiny' if args.smoke else args.shape} checkpoint"
     print(f"\n{name}; torch {torch.__version__}; {source}; {args.prompts} prompts x {args.max_tokens} greedy tokens; "
           f"fp8 (e4m3 weights, per-channel scales) against {'bf16' if device == 'cuda' else 'float32'}")

@@ -8,10 +8,16 @@ Shared system prompts: 8 applications x 2 LoRA adapters each (rank 16, every pro
 one system prompt per application (1,000 tokens), user turns of 50-200 tokens, greedy
 answers of 32 tokens; 64 users, each sending its next request when its last one ends.
 Multi-turn: 16 chats of 8 turns, each turn resending the whole conversation (system prompt,
-earlier turns and answers) plus a new user turn. Every case runs on a fresh engine after a
-warm-up of the same lengths on other prompts (so no hit comes from the warm-up, and no
-Triton compile from the timed run). TTFT: add_request to the step that returns the first
-token; tokens/s: generated tokens over the run's wall time.
+earlier turns and answers) plus a new user turn. Users start spread over the steps of one
+answer (user i before step i * answer_tokens / users), so arrivals are spread as in live
+traffic; the `burst` row starts all 64 at once: every answer then has the same length, so
+the users stay in lock-step waves and each first token waits for the prefills of the whole
+wave's cohort. Every case runs on a fresh engine after a warm-up of the same lengths on
+other prompts (so no hit comes from the warm-up, and no Triton compile from the timed run).
+TTFT: add_request to the step that returns the first token; tokens/s: generated tokens over
+the run's wall time; step ms: median wall time of a step call, which waits for the batch
+launched by the call before (decode: that batch had only decodes; mixed: it had prefill
+tokens too).
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import torch
 from adapterserve.config import EngineConfig
 from adapterserve.engine.engine import Engine
 from adapterserve.engine.sampling_params import SamplingParams
+from adapterserve.engine.stats import StatsSnapshot
 from adapterserve.models.loader import load_decoder
 from benchmarks.backbone import Backbone
 from benchmarks.checkpoints import SHAPES, scratch_dir, write_random_checkpoint
@@ -57,6 +64,8 @@ class Result:
     wall: float
     prompt_tokens: int
     cached_tokens: int
+    decode_steps: list[float]  # seconds of step calls that waited for a decode-only batch
+    mixed_steps: list[float]  # ... for a batch with prefill tokens
 
 
 class Conversations:
@@ -88,11 +97,14 @@ class Conversations:
         return list(self.history[user]), adapter
 
 
-def run(engine: Engine, talk: Conversations, answer_tokens: int) -> Result:
-    """Every user starts at once; each sends its next prompt when its last answer ends."""
+def run(engine: Engine, talk: Conversations, answer_tokens: int, burst: bool) -> Result:
+    """Each user sends its next prompt when its last answer ends; user i sends its first one
+    before step i * answer_tokens / users (all before the first step if `burst`)."""
     params = SamplingParams(max_tokens=answer_tokens, temperature=0.0, ignore_eos=True)
-    result, owner, added = Result([], 0, 0.0, 0, 0), {}, {}
-    start = time.perf_counter()
+    result, owner, added = Result([], 0, 0.0, 0, 0, [], []), {}, {}
+    users = list(talk.left)
+    starts = {u: 0 if burst else i * answer_tokens // len(users) for i, u in enumerate(users)}
+    start, steps, waited_mixed = time.perf_counter(), 0, None
 
     def send(user: int, answer: list[int]) -> None:
         nxt = talk.next(user, answer)
@@ -100,11 +112,18 @@ def run(engine: Engine, talk: Conversations, answer_tokens: int) -> Result:
             request = engine.add_request(nxt[0], params, nxt[1])
             owner[request.request_id], added[request.request_id] = (user, request), time.perf_counter()
 
-    for user in list(talk.left):
-        send(user, [])
-    while engine.has_unfinished():
+    while starts or engine.has_unfinished():
+        for user in [u for u, s in starts.items() if s <= steps]:
+            del starts[user]
+            send(user, [])
+        before = engine.stats.snapshot()
+        called = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
+        if waited_mixed is not None:
+            (result.mixed_steps if waited_mixed else result.decode_steps).append(now - called)
+        waited_mixed = _launched_prefill(engine, before)
+        steps += 1
         for out in outputs:
             if out.request_id in added and out.token_ids:
                 result.ttft.append(now - added.pop(out.request_id))
@@ -116,6 +135,15 @@ def run(engine: Engine, talk: Conversations, answer_tokens: int) -> Result:
                 send(user, list(request.output_ids))
     result.wall = time.perf_counter() - start
     return result
+
+
+def _launched_prefill(engine: Engine, before: StatsSnapshot) -> bool | None:
+    """Whether the step just called launched prefill tokens (None: it launched nothing)."""
+    after = engine.stats.snapshot()
+    rows = after.batch_requests.minus(before.batch_requests)
+    if rows.count == 0:
+        return None
+    return after.batch_tokens.minus(before.batch_tokens).sum > rows.sum
 
 
 def fresh_engine(backbone: Backbone, factory: AdapterFactory, work: Workload, caching: bool, device: str,
@@ -131,13 +159,13 @@ def fresh_engine(backbone: Backbone, factory: AdapterFactory, work: Workload, ca
     return engine
 
 
-def case(backbone, factory, work: Workload, multi_turn: bool, caching: bool, device: str, dtype: str,
-         vocab: int) -> Result:
+def case(backbone, factory, work: Workload, multi_turn: bool, burst: bool, caching: bool, device: str,
+         dtype: str, vocab: int) -> Result:
     engine = fresh_engine(backbone, factory, work, caching, device, dtype)
     try:
-        run(engine, Conversations(work, 100, vocab, multi_turn), work.answer_tokens)  # warm-up: other prompts
+        run(engine, Conversations(work, 100, vocab, multi_turn), work.answer_tokens, burst)  # warm-up: other prompts
         sync(device)
-        return run(engine, Conversations(work, 1, vocab, multi_turn), work.answer_tokens)
+        return run(engine, Conversations(work, 1, vocab, multi_turn), work.answer_tokens, burst)
     finally:
         engine = None
         backbone.reset()
@@ -154,8 +182,8 @@ def print_table(rows: list[tuple[str, bool, Result]], card: str, model: str, wor
           f"{work.answer_tokens} tokens; {work.users} users x {work.requests_per_user} requests; "
           f"multi-turn: {work.chats} chats x {work.turns} turns")
     print("| workload | prefix caching | TTFT p50 ms | TTFT p99 ms | tokens/s | prompt tokens cached "
-          "| TTFT p50 off/on | tokens/s on/off |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| decode / mixed step ms | TTFT p50 off/on | tokens/s on/off |")
+    print("|---|---|---|---|---|---|---|---|---|")
     off: dict[str, Result] = {}
     for name, caching, r in rows:
         p50, p99 = 1e3 * statistics.median(r.ttft), 1e3 * percentile(r.ttft, 0.99)
@@ -163,8 +191,9 @@ def print_table(rows: list[tuple[str, bool, Result]], card: str, model: str, wor
         base = off.setdefault(name, r)
         ratios = (f"{statistics.median(base.ttft) / statistics.median(r.ttft):.2f}x | "
                   f"{rate / (base.tokens / base.wall):.2f}x") if caching else "- | -"
+        steps = " / ".join(f"{1e3 * statistics.median(t):.2f}" if t else "-" for t in (r.decode_steps, r.mixed_steps))
         print(f"| {name} | {'on' if caching else 'off'} | {p50:.1f} | {p99:.1f} | {rate:.0f} "
-              f"| {100 * r.cached_tokens / r.prompt_tokens:.0f}% | {ratios} |")
+              f"| {100 * r.cached_tokens / r.prompt_tokens:.0f}% | {steps} | {ratios} |")
 
 
 def main() -> None:
@@ -180,9 +209,10 @@ def main() -> None:
     ckpt = write_random_checkpoint(shape, tmp / "model", device)
     model, _ = load_decoder(ckpt, torch.bfloat16 if dtype == "bfloat16" else torch.float32, device, max_positions=8192)
     backbone, factory = Backbone(model), AdapterFactory(shape, device)
-    rows = [(label, caching, case(backbone, factory, work, multi_turn, caching, device, dtype, shape.vocab))
-            for label, multi_turn in (("shared system prompts", False), ("multi-turn chat", True))
-            for caching in (False, True)]
+    workloads = (("shared system prompts", False, False), ("shared system prompts, burst", False, True),
+                 ("multi-turn chat", True, False))
+    rows = [(label, caching, case(backbone, factory, work, multi_turn, burst, caching, device, dtype, shape.vocab))
+            for label, multi_turn, burst in workloads for caching in (False, True)]
     card = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     print_table(rows, card, f"{name} ({time.perf_counter() - started:.0f} s)", work)
 

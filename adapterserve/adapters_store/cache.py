@@ -48,6 +48,14 @@ def tensor_nbytes(obj: Any) -> int:
     return total
 
 
+def host_copy_bytes(adapter: Any) -> int:
+    """Bytes of an adapter's host copy, without the loading copies an engine stages on it
+    (its `staged` field, bounded by the engine's max_staged_bytes)."""
+    if dataclasses.is_dataclass(adapter) and getattr(adapter, "staged", None):
+        adapter = dataclasses.replace(adapter, staged={})
+    return tensor_nbytes(adapter)
+
+
 @dataclass(frozen=True)
 class CacheStats:
     hits: int

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from adapterserve.adapters_store.cache import tensor_nbytes
+from adapterserve.adapters_store.cache import host_copy_bytes, tensor_nbytes
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.adapters_store.formats.read import AdapterLimits, read_adapter
 from adapterserve.adapters_store.formats.types import BackboneSpec, LoraAdapter
@@ -135,6 +135,19 @@ class AdapterHost:
             oldest.staged.clear()
             total -= sizes[oldest_id]
 
+    def _count_restaged(self, adapter_id: str, adapter: Adapter) -> None:
+        """Placing an adapter whose loading copies were dropped makes them again (the pools'
+        `place`): count them, as the newest, towards max_staged_adapters / max_staged_bytes."""
+        if adapter.staged and self._staged.get(adapter_id) is not adapter and self.adapters.get(adapter_id) is adapter:
+            self._staged[adapter_id] = adapter
+            self._trim_staged()
+
+    @property
+    def registered_bytes(self) -> int:
+        """Host bytes of the registered adapters' copies (without their loading copies)."""
+        with self._lock:
+            return sum(host_copy_bytes(a) for a in self.adapters.values())
+
     @property
     def staged_bytes(self) -> int:
         """Host bytes of the adapters' ready-to-copy loading copies."""
@@ -185,7 +198,9 @@ class AdapterHost:
         adapter = self.adapters.get(adapter_id)
         if adapter is None:
             raise AdapterNotFound(f"adapter {adapter_id!r} was unloaded while the request waited")
-        return self.slots.acquire(adapter_id, adapter, keep)
+        slot = self.slots.acquire(adapter_id, adapter, keep)
+        self._count_restaged(adapter_id, adapter)
+        return slot
 
     def _families_of(self, slot: int) -> frozenset[str]:
         adapter = self.slots.adapter_in[slot]

@@ -11,6 +11,12 @@ one float32 scale per output channel (an FP8 backbone). FP8 kernels, chosen by
   reference    dequantize to the activations' dtype, F.linear (CPU; the oracle)
   auto         on sm_90+ w8a8_triton for at most AUTO_W8A8_MAX_TOKENS tokens, else scaled_mm;
                weight_only on other CUDA devices; reference on CPU
+On CPU, scaled_mm and w8a8_triton are emulated in float32 (their e4m3 activations times the
+dequantized weight); the others run the reference.
+
+The kernels that quantize activations take them either as x (quantized here, one launch)
+or already quantized by the op that made x (``quantized``: kernels/fp8_fused.py), which
+must be exactly quantize_rows(x).
 """
 from __future__ import annotations
 
@@ -23,29 +29,35 @@ from adapterserve.config import FP8_GEMMS
 
 ACTIVATION_QUANTIZING = ("scaled_mm", "w8a8_triton")  # kernels that round activations to e4m3 per token
 AUTO_W8A8_MAX_TOKENS = 64  # "auto" on sm_90+: the Triton W8A8 GEMM up to this many tokens
+QuantizedRows = tuple[torch.Tensor, torch.Tensor]  # (q [T, K] float8_e4m3fn, scale [T, 1] float32)
 
 
 def base_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
-                bias: torch.Tensor | None, fp8_gemm: str = "auto") -> torch.Tensor:
-    """x: [T, K] -> [T, N] in x's dtype. weight_scale: None (weight in x's dtype) or [N]."""
+                bias: torch.Tensor | None, fp8_gemm: str = "auto", quantized: QuantizedRows | None = None
+                ) -> torch.Tensor:
+    """x: [T, K] -> [T, N] in x's dtype. weight_scale: None (weight in x's dtype) or [N].
+    quantized: x's per-token e4m3 rounding, if already made (used by the kernels that need it)."""
     if weight_scale is None:
         return F.linear(x, weight, bias)
-    y = fp8_linear(x, weight, weight_scale, fp8_gemm)
+    y = fp8_linear(x, weight, weight_scale, fp8_gemm, quantized)
     return y if bias is None else y.add_(bias)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, fp8_gemm: str = "auto"
-               ) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, fp8_gemm: str = "auto",
+               quantized: QuantizedRows | None = None) -> torch.Tensor:
     """x: [T, K], weight: [N, K] float8_e4m3fn, weight_scale: [N] float32 -> [T, N] in x's dtype."""
     kernel = resolve_fp8_gemm(fp8_gemm, x.device, x.shape[0])
     if kernel == "reference":
         return fp8_linear_reference(x, weight, weight_scale)
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0])
+    if not x.is_cuda:  # an activation-quantizing kernel asked for on CPU
+        q, x_scale = quantized if quantized is not None else _quantize(x)
+        return fp8_a8_emulated(q, x_scale, weight, weight_scale, x.dtype)
     if kernel == "scaled_mm":
-        return fp8_scaled_mm(x, weight, weight_scale)
+        return fp8_scaled_mm(x, weight, weight_scale, quantized)
     if kernel == "w8a8_triton":
-        return fp8_w8a8(x, weight, weight_scale)
+        return fp8_w8a8(x, weight, weight_scale, quantized)
     from adapterserve.kernels.fp8_gemm import fp8_weight_only_linear
 
     return fp8_weight_only_linear(x.contiguous(), weight, weight_scale)
@@ -69,22 +81,36 @@ def fp8_linear_oracle(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     return F.linear(x.float(), weight.float() * weight_scale.float()[:, None])
 
 
-def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """Per-token e4m3 activations (one Triton launch) times the e4m3 weight, row-wise scales."""
-    from adapterserve.kernels.fp8 import quantize_rows
-
-    q, x_scale = quantize_rows(x)
+def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                  quantized: QuantizedRows | None = None) -> torch.Tensor:
+    """Per-token e4m3 activations (one Triton launch unless given) times the e4m3 weight,
+    row-wise scales."""
+    q, x_scale = quantized if quantized is not None else _quantize(x)
     return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
                             out_dtype=x.dtype)
 
 
-def fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """Per-token e4m3 activations times the e4m3 weight in the Triton W8A8 GEMM."""
-    from adapterserve.kernels.fp8 import quantize_rows
+def fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             quantized: QuantizedRows | None = None) -> torch.Tensor:
+    """Per-token e4m3 activations (quantized here unless given) times the e4m3 weight in the
+    Triton W8A8 GEMM."""
     from adapterserve.kernels.fp8_w8a8 import fp8_w8a8_linear
 
-    q, x_scale = quantize_rows(x)
+    q, x_scale = quantized if quantized is not None else _quantize(x)
     return fp8_w8a8_linear(q, x_scale, weight, weight_scale, x.dtype)
+
+
+def _quantize(x: torch.Tensor) -> QuantizedRows:
+    from adapterserve.kernels.fp8 import quantize_rows
+
+    return quantize_rows(x)
+
+
+def fp8_a8_emulated(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """What scaled_mm / w8a8_triton compute, in float32 torch (CPU): the e4m3 activations
+    times the dequantized weight, rounded once to out_dtype."""
+    return F.linear(q.float() * x_scale, weight.float() * weight_scale.float()[:, None]).to(out_dtype)
 
 
 def resolve_fp8_gemm(fp8_gemm: str, device: torch.device, tokens: int = 1) -> str:
@@ -92,7 +118,7 @@ def resolve_fp8_gemm(fp8_gemm: str, device: torch.device, tokens: int = 1) -> st
     if fp8_gemm not in FP8_GEMMS:
         raise ValueError(f"fp8_gemm must be one of {', '.join(FP8_GEMMS)}, got {fp8_gemm!r}")
     if device.type != "cuda":
-        return "reference"
+        return fp8_gemm if fp8_gemm in ACTIVATION_QUANTIZING else "reference"
     if fp8_gemm != "auto":
         return fp8_gemm
     if _capability(device.index) < (9, 0):

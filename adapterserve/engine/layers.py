@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from adapterserve.engine.base_gemm import base_linear
+from adapterserve.engine.base_gemm import ACTIVATION_QUANTIZING, QuantizedRows, base_linear, resolve_fp8_gemm
 from adapterserve.engine.context import get_context
 from adapterserve.kernels import (
     LoraSlices,
@@ -13,6 +13,7 @@ from adapterserve.kernels import (
     lora_shrink,
     stacked_expand,
 )
+from adapterserve.kernels.fp8_fused import rms_norm_quant
 from adapterserve.kernels.fused import add_rms_norm, rms_norm
 from adapterserve.kernels.stacked import STACKED_MAX_TOKENS, StackedWeight, stacked_gemm
 
@@ -52,6 +53,7 @@ class AdapterLinear(torch.nn.Module):
             else None
         )
         self.fp8_gemm = "auto"  # which FP8 kernel runs the base product (engine.base_gemm)
+        self.fuse_input_quant = True  # FP8: may take its input quantized by the op that made it
         self.bias = (
             torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
             if bias
@@ -63,40 +65,52 @@ class AdapterLinear(torch.nn.Module):
         self.side_stream: torch.cuda.Stream | None = None  # runs the LoRA shrink beside the base GEMM
         self.stacked: StackedWeight | None = None  # [W; A] buffer when the pool stacks A under the weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, K] -> y: [T, N]
+    def forward(self, x: torch.Tensor, quantized: QuantizedRows | None = None) -> torch.Tensor:
+        """x: [T, K] -> y: [T, N]. quantized: x rounded to e4m3 per token (quantize_rows(x)),
+        given only where ``takes_quantized_input`` said so; adapters read x."""
         ctx = get_context()
         ia3 = ctx.ia3 if self.ia3_in is not None else None
         if ia3 is not None:
             x = x.clone()
             ia3_scale(x, self.ia3_in, ia3)
+            quantized = None  # it rounds the unscaled x
         if self.lora is not None and ctx.lora is not None:
-            y = self._with_lora(x, ctx)
+            y = self._with_lora(x, ctx, quantized)
         else:
-            y = self.base_product(x)
+            y = self.base_product(x, quantized)
         if ia3 is not None:
             ia3_scale(y, self.ia3_out, ia3)
         return y
 
-    def base_product(self, x: torch.Tensor) -> torch.Tensor:
-        """The frozen base output x W^T + b, whatever the weights' storage."""
-        return base_linear(x, self.weight, self.weight_scale, self.bias, self.fp8_gemm)
+    def takes_quantized_input(self, tokens: int) -> bool:
+        """Whether this batch's input should come quantized with it (one fused launch in the
+        op before): FP8 weights, a kernel that rounds activations to e4m3, and no (IA)^3
+        rows scaling the input first."""
+        if self.weight_scale is None or not self.fuse_input_quant:
+            return False
+        if self.ia3_in is not None and get_context().ia3 is not None:
+            return False
+        return resolve_fp8_gemm(self.fp8_gemm, self.weight.device, tokens) in ACTIVATION_QUANTIZING
 
-    def _with_lora(self, x: torch.Tensor, ctx) -> torch.Tensor:
+    def base_product(self, x: torch.Tensor, quantized: QuantizedRows | None = None) -> torch.Tensor:
+        """The frozen base output x W^T + b, whatever the weights' storage."""
+        return base_linear(x, self.weight, self.weight_scale, self.bias, self.fp8_gemm, quantized)
+
+    def _with_lora(self, x: torch.Tensor, ctx, quantized: QuantizedRows | None = None) -> torch.Tensor:
         """Base output plus each row's LoRA update. With a side stream, the shrink (small,
         latency-bound) runs concurrently with the base GEMM; the expand adds into its output."""
         if self.stacked is not None and x.shape[0] <= STACKED_MAX_TOKENS:
             return self._stacked_lora(x, ctx)
         workspace = ctx.lora_workspace[: self.lora.num_slices, : x.shape[0]]
         if self.side_stream is None:
-            y = self.base_product(x)
+            y = self.base_product(x, quantized)
             lora_shrink(x, self.lora, ctx.lora, workspace)
         else:
             main = torch.cuda.current_stream()
             self.side_stream.wait_stream(main)
             with torch.cuda.stream(self.side_stream):
                 lora_shrink(x, self.lora, ctx.lora, workspace)
-            y = self.base_product(x)
+            y = self.base_product(x, quantized)
             main.wait_stream(self.side_stream)
         lora_expand(workspace, self.lora, ctx.lora, y)
         return y
@@ -122,3 +136,10 @@ class RMSNorm(torch.nn.Module):
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual += x in place; returns the norm of the sum (one fused launch on a GPU)."""
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+    def quantized(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, QuantizedRows]:
+        """The norm of x (with residual: residual += x first, the norm of the sum) and its
+        per-token e4m3 rounding, in one launch on a GPU."""
+        normed, q, scale = rms_norm_quant(x, self.weight, self.eps, residual)
+        return normed, (q, scale)

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from adapterserve.engine.attention import PagedAttention
 from adapterserve.engine.context import get_context
-from adapterserve.engine.layers import AdapterLinear, RMSNorm
+from adapterserve.engine.layers import AdapterLinear, QuantizedRows, RMSNorm
+from adapterserve.kernels.fp8_fused import silu_mul_quant
 from adapterserve.kernels.fused import silu_mul
 from adapterserve.models.decoder_config import DecoderConfig
 from adapterserve.models.encoder_adapters import BottleneckPool, bottlenecks_active, residual_sublayer
@@ -49,14 +50,14 @@ class DecoderLayer(torch.nn.Module):
                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """residual: [T, D], the residual stream; pending: the previous layer's MLP output
         not yet added to it (None: nothing to add). Each residual add is fused with the
-        norm after it. Returns this layer's (pending, residual)."""
-        if pending is None:
-            normed = self.input_layernorm(residual)
-        else:
-            normed = self.input_layernorm.add(pending, residual)
-        attn_out = self.o_proj(self._attention(positions, self.qkv_proj(normed)))
-        normed = self._close_sublayer(attn_out, residual, self.bottleneck_mh, self.post_attention_layernorm)
-        mlp_out = self.down_proj(silu_mul(self.gate_up_proj(normed)))
+        norm after it; with an FP8 backbone whose kernel rounds activations to e4m3, so is
+        the quantization of q|k|v's and gate|up's input (and down's, in SiLU-mul).
+        Returns this layer's (pending, residual)."""
+        normed, quantized = self._norm(self.input_layernorm, pending, residual, self.qkv_proj)
+        attn_out = self.o_proj(self._attention(positions, self.qkv_proj(normed, quantized)))
+        normed, quantized = self._close_sublayer(attn_out, residual, self.bottleneck_mh,
+                                                 self.post_attention_layernorm, self.gate_up_proj)
+        mlp_out = self.down_proj(*self._silu_mul(self.gate_up_proj(normed, quantized)))
         if bottlenecks_active(self.bottleneck_output):  # rows with adapters: added here, unfused
             residual.copy_(residual_sublayer(mlp_out, residual, None, self.bottleneck_output))
             return None, residual
@@ -78,14 +79,30 @@ class DecoderLayer(torch.nn.Module):
         q, k = self.rope(positions, q, k)
         return self.attn(q, k, v)
 
-    @staticmethod
-    def _close_sublayer(out: torch.Tensor, residual: torch.Tensor, pool: BottleneckPool | None, norm: RMSNorm
-                        ) -> torch.Tensor:
+    @classmethod
+    def _close_sublayer(cls, out: torch.Tensor, residual: torch.Tensor, pool: BottleneckPool | None, norm: RMSNorm,
+                        consumer: AdapterLinear) -> tuple[torch.Tensor, QuantizedRows | None]:
         """residual += out (through each row's bottleneck adapter, if any); norm of the sum."""
         if not bottlenecks_active(pool):
-            return norm.add(out, residual)
+            return cls._norm(norm, out, residual, consumer)
         residual.copy_(residual_sublayer(out, residual, None, pool))
-        return norm(residual)
+        return cls._norm(norm, None, residual, consumer)
+
+    @staticmethod
+    def _norm(norm: RMSNorm, pending: torch.Tensor | None, residual: torch.Tensor, consumer: AdapterLinear
+              ) -> tuple[torch.Tensor, QuantizedRows | None]:
+        """norm(residual) (residual += pending first, unless None), quantized with it when
+        ``consumer`` takes e4m3 input this batch."""
+        if consumer.takes_quantized_input(residual.shape[0]):
+            return norm.quantized(residual) if pending is None else norm.quantized(pending, residual)
+        return (norm(residual) if pending is None else norm.add(pending, residual)), None
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, QuantizedRows | None]:
+        """silu(gate) * up, quantized with it when down_proj takes e4m3 input this batch."""
+        if self.down_proj.takes_quantized_input(gate_up.shape[0]):
+            out, q, scale = silu_mul_quant(gate_up)
+            return out, (q, scale)
+        return silu_mul(gate_up), None
 
 
 class DecoderModel(torch.nn.Module):

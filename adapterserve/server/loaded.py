@@ -1,10 +1,10 @@
 """An adapter registered with a replica's engine, counted by the requests using it.
 
-Ray Serve's multiplexer evicts adapters least-recently-used and calls `__del__`
-(in a worker thread). Requests still streaming with the adapter keep it: the
-engine unloads it when the last of them releases it. Each registration gets a
-fresh engine id, so a re-load after eviction never collides with a copy that
-is still draining.
+The replica evicts registrations (server/registrations.py: Serve's multiplexer
+dropping an adapter, or the byte budget making room for another). Requests still
+streaming with the adapter keep it: the engine unloads it when the last of them
+releases it. Each registration gets a fresh engine id, so a re-load after eviction
+never collides with a copy that is still draining.
 """
 from __future__ import annotations
 
@@ -45,6 +45,15 @@ class LoadedAdapter:
             self._unloaded |= unload
         if unload:
             self._unload(self)
+
+    def unload_if_idle(self) -> bool:
+        """Unload now if no request uses it (True); else change nothing (False)."""
+        with self._lock:
+            unload = self._users == 0 and not self._unloaded
+            self._unloaded |= unload
+        if unload:
+            self._unload(self)
+        return unload
 
     def __del__(self) -> None:  # what Ray Serve's multiplexer calls on eviction
         self.evict()

@@ -3,7 +3,8 @@
 A request names its adapter by content hash (`multiplexed_model_id`), so Serve
 routes it to a replica that already holds it. Loading reads the files from the
 store into the host cache and registers the adapter with the engine, all off
-the event loop, so running requests keep streaming while another adapter loads.
+the event loop, so running requests keep streaming while another adapter loads;
+the registered adapters' host copies are bounded in bytes (server/registrations.py).
 Many requests run at once on one replica: the engine batches them. The engine runs
 in a child process of its own (`engine_process: true`, the default), so this
 process's event loop only relays chunks; `false` keeps it in this process.
@@ -21,8 +22,6 @@ published into the store at start when the config lists them).
 from __future__ import annotations
 
 import asyncio
-import itertools
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from functools import partial
@@ -49,6 +48,7 @@ from adapterserve.errors import (
 from adapterserve.server.engine_process import EngineSupervisor, start_engine
 from adapterserve.server.loaded import LoadedAdapter
 from adapterserve.server.metrics.replica_metrics import ReplicaMetrics
+from adapterserve.server.registrations import Advertised, EngineRegistry
 from adapterserve.server.relay import RelayPacer
 from adapterserve.server.replies import error_reply
 from adapterserve.server.tracing import ReplicaTrace, open_tracing
@@ -62,7 +62,6 @@ ROLES = {"model": ("model", "model_id", "engine", "pinned_adapters"),
 # Errors a request can meet in the replica; sent back as data so their type survives Ray.
 _REQUEST_ERRORS = (AdapterError, AdapterNotFound, AdapterIntegrityError, RequestError, CapacityError, EngineDied,
                    EngineBroken)
-_MAX_LOAD_ATTEMPTS = 3
 
 
 def check_pinnable(version: AdapterVersion, backbone_id: str) -> None:
@@ -96,18 +95,15 @@ class EngineReplica:
         self.metrics = ReplicaMetrics(metrics_hub, role, config[id_key], config["metrics"]["push_interval_s"],
                                       self.engine.stats)  # reported to the hub (metrics_hub: its handle)
         self.tracing = open_tracing(config, role)
-        self._pending: dict[str, AdapterVersion] = {}  # content hash -> version, for the loader
-        self._resident: dict[str, LoadedAdapter] = {}  # content hash -> registration
-        self._ids = itertools.count()
+        self.registry = EngineRegistry(self.engine, self.cache, self.metrics, config["registered_adapter_bytes"])
         self._cancelled = 0  # requests stopped because the caller went away
         self._pooling = 0  # classify/embed calls in progress
         self._pacer = RelayPacer(config["relay_chunk_ms"] / 1000)
-        self._pinned: dict[str, LoadedAdapter] = {}  # content hash -> registration kept for good
 
-        async def load(content_hash: str) -> LoadedAdapter:  # a plain function: Serve keeps its LRU on it
-            return await self._load(content_hash)
+        async def advertise(content_hash: str) -> Advertised:  # a plain function: Serve keeps its LRU on it
+            return Advertised(content_hash, self.registry)
 
-        self._adapter = serve.multiplexed(max_num_models_per_replica=config["max_adapters_per_replica"])(load)
+        self._advertise = serve.multiplexed(max_num_models_per_replica=config["max_adapters_per_replica"])(advertise)
         if role == "encoder":
             self._preload(config["preload_adapters"])
         await self._pin(config[pinned_key])
@@ -124,12 +120,7 @@ class EngineReplica:
         for ref in refs:
             version = await asyncio.to_thread(self.store.resolve, ref, tenant=None)
             check_pinnable(version, self.backbone_id)
-            started = time.monotonic()
-            adapter = await asyncio.to_thread(self.cache.get_or_load, version)
-            engine_id = f"{version.ref}#pinned"
-            await self.engine.add_adapter(engine_id, adapter, pinned=True)
-            self.metrics.registered(engine_id, version, time.monotonic() - started)
-            self._pinned[version.content_hash] = LoadedAdapter(engine_id, self._unload)
+            await self.registry.pin(version)
 
     def validate(self, path) -> dict[str, Any]:
         """Store validator for this backbone: what the store records, with the backbone's id."""
@@ -165,39 +156,11 @@ class EngineReplica:
 
     # adapters
 
-    async def _load(self, content_hash: str) -> LoadedAdapter:
-        version, started = self._pending[content_hash], time.monotonic()
-        self.metrics.lookup("host", version in self.cache)
-        lora = await asyncio.to_thread(self.cache.get_or_load, version)
-        engine_id = f"{version.ref}#{next(self._ids)}"
-        await self.engine.add_adapter(engine_id, lora)
-        self.metrics.registered(engine_id, version, time.monotonic() - started)
-        loaded = LoadedAdapter(engine_id, self._unload)
-        self._resident[content_hash] = loaded
-        self._pending.pop(content_hash, None)
-        return loaded
-
-    def _unload(self, loaded: LoadedAdapter) -> None:
-        """Called once per registration, when it is evicted and no request uses it."""
-        for key, value in list(self._resident.items()):
-            if value is loaded:
-                self._resident.pop(key, None)
-        self.engine.discard_adapter(loaded.engine_id)
-        self.metrics.unregistered(loaded.engine_id)
-
     async def _acquire(self, version: AdapterVersion) -> LoadedAdapter:
         """The engine registration of `version`, counted as in use by the caller."""
-        key = version.content_hash
-        pinned = self._pinned.get(key)
-        if pinned is not None and pinned.acquire():
-            return pinned
-        for _ in range(_MAX_LOAD_ATTEMPTS):
-            self.metrics.lookup("engine", key in self._resident)
-            self._pending[key] = version  # read by _load if this call loads
-            loaded = await self._adapter(key)
-            if loaded.acquire():
-                return loaded
-        raise CapacityError(f"adapter {version.ref} was evicted while loading {_MAX_LOAD_ATTEMPTS} times; retry")
+        if version.content_hash not in self.registry.pinned():
+            await self._advertise(version.content_hash)  # Serve routes this adapter's requests here
+        return await self.registry.acquire(version)
 
     # requests
 
@@ -294,8 +257,8 @@ class EngineReplica:
         live = {
             "free_kv_blocks": load.free_kv_blocks,
             "running_requests": self._pooling + load.requests,
-            "loaded_adapters": sorted(self._resident.keys() | self._pinned.keys()),
-            "pinned_adapters": sorted(self._pinned),
+            "loaded_adapters": sorted(self.registry.registered()),
+            "pinned_adapters": sorted(self.registry.pinned()),
             "cancelled_requests": self._cancelled,
             "engine_pid": self.engine.pid,  # None when the engine runs in this process
             "engine_restarts": self.engine.restarts,

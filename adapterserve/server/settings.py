@@ -62,7 +62,9 @@ DEFAULTS: dict[str, Any] = {
     "max_upload_bytes": 2 << 30,
     "max_upload_files": 32,
     "host_cache_bytes": 2 << 30,  # adapters read into host memory, per replica
-    "max_adapters_per_replica": 32,  # multiplexed adapters registered with one engine
+    "max_adapters_per_replica": 32,  # adapters Serve routes to one replica (its multiplexer's LRU)
+    # bytes of the adapters' host copies registered with one replica's engine (LRU among idle ones)
+    "registered_adapter_bytes": 8 << 30,
     "gc_interval_s": 600.0,  # how often the ingress removes files of deleted versions
     "gc_grace_s": 3600.0,  # ... deleted longer ago than this (longer than any request)
     "resolve_ttl_s": 5.0,  # an adapter ref resolves from the ingress's cache this old at most (resolutions.py)

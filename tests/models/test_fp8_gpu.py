@@ -7,6 +7,7 @@ import torch
 
 from adapterserve import Engine, SamplingParams
 from adapterserve.engine.base_gemm import fp8_linear_oracle
+from adapterserve.kernels.fp8 import quantize_rows_reference
 from adapterserve.models.tiny import write_tiny_checkpoint
 from tests.helpers.lora import make_peft_lora
 from tests.helpers.recording import record_logits
@@ -32,6 +33,7 @@ PROJECTION_REL_TOL = 5e-3
 # kernel on CPU); logits of an unrelated computation are about sqrt(2) = 1.41 away.
 SCALED_MM_REL_TOL = 0.6
 SCALED_MM_UNQUANTIZED_REL_TOL = 0.8
+FUSED_REL_TOL = 1e-3  # fused vs unfused activation quantization, same kernel (see its test)
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +75,16 @@ def _rel(got, want) -> float:
     return max(errors)
 
 
-def _record_base_products(engine) -> list[tuple[object, torch.Tensor, torch.Tensor]]:
-    """Wrap every linear's base product; eager calls (not graph captures) are recorded."""
+def _record_base_products(engine) -> list[tuple[object, torch.Tensor, torch.Tensor, tuple | None]]:
+    """Wrap every linear's base product; eager calls (not graph captures) are recorded with
+    the quantized input the decoder's fused norm / SiLU-mul handed over (or None)."""
     records = []
     for _, linear in engine.model.adapter_linears():
-        def recording(x, linear=linear, base=linear.base_product):
-            y = base(x)
+        def recording(x, quantized=None, linear=linear, base=linear.base_product):
+            y = base(x, quantized)
             if not torch.cuda.is_current_stream_capturing():
-                records.append((linear, x.clone(), y.clone()))
+                pair = None if quantized is None else (quantized[0].clone(), quantized[1].clone())
+                records.append((linear, x.clone(), y.clone(), pair))
             return y
         linear.base_product = recording
     return records
@@ -95,11 +99,34 @@ def test_each_base_product_of_the_fp8_engine_is_its_kernels_twin(setup, kernel):
     records = _record_base_products(engine)
     _generate(engine, prompts)
     assert len(records) >= 4 * 4  # the prefill's four projections in each of four layers
-    for linear, x, y in records:
+    for linear, x, y, _ in records:
         want = fp8_linear_oracle(x, linear.weight, linear.weight_scale, kernel)
         assert y.dtype == torch.bfloat16 and not torch.isnan(y).any()
         rel = ((y.float() - want).norm() / want.norm()).item()
         assert rel < PROJECTION_REL_TOL, (linear.slice_kinds, tuple(x.shape), rel)
+    fused = {linear.slice_kinds[0] for linear, _, _, pair in records if pair is not None}
+    assert fused == (set() if kernel == "weight_only" else {"q_proj", "gate_proj", "down_proj"})
+    for linear, x, _, pair in records:  # the fused kernels' rounding is quantize_rows' bit for bit
+        if pair is not None:
+            q_want, scale_want = quantize_rows_reference(x)
+            assert torch.equal(pair[1], scale_want), linear.slice_kinds
+            assert torch.equal(pair[0].view(torch.uint8), q_want.view(torch.uint8)), linear.slice_kinds
+
+
+@pytest.mark.parametrize("kernel", ["scaled_mm", "w8a8_triton", "auto"])
+def test_fused_activation_quantization_on_gpu_matches_the_unfused_engine(setup, kernel):
+    """The fused norm / SiLU-mul kernels do the unfused ops' arithmetic and quantize_rows'
+    rounding, so only float32 reduction order may differ (logits within FUSED_REL_TOL);
+    handing a projection the rounding of another tensor moves logits by more than 0.1.
+    Decode steps replay CUDA graphs captured with the fusion (warm-up) and without (lazily)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("row-wise scaled_mm and e4m3 tl.dot need sm_90")
+    float_dir, _, lora, prompts = setup
+    fused = _engine(float_dir, lora, device="cuda", dtype="fp8", fp8_gemm=kernel)
+    unfused = _engine(float_dir, lora, device="cuda", dtype="fp8", fp8_gemm=kernel, warmup=False)
+    for _, linear in unfused.model.adapter_linears():
+        linear.fuse_input_quant = False
+    assert _rel(_generate(fused, prompts), _generate(unfused, prompts)) < FUSED_REL_TOL
 
 
 def test_fp8_engine_on_gpu_against_float32_engines(setup):

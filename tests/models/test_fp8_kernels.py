@@ -86,7 +86,8 @@ def test_reference_path_is_the_dequantized_product_and_near_the_float_one():
 
 def test_kernel_choice():
     assert resolve_fp8_gemm("auto", torch.device("cpu")) == "reference"
-    assert resolve_fp8_gemm("scaled_mm", torch.device("cpu")) == "reference"  # CPU runs the reference
+    assert resolve_fp8_gemm("weight_only", torch.device("cpu")) == "reference"  # CPU runs the reference
+    assert resolve_fp8_gemm("scaled_mm", torch.device("cpu")) == "scaled_mm"  # emulated in float32
     with pytest.raises(ValueError, match="fp8_gemm must be one of"):
         resolve_fp8_gemm("cutlass", torch.device("cpu"))
 

@@ -1,4 +1,4 @@
-"""Uploads through the live server: every family through the CLI (checked locally with the
+"""Uploads through the live server: every family through the CLI (LoRA: the `uploaded` fixture) (checked locally with the
 server's own check, from ServerInfo), an unfit (IA)^3 refused alike locally and by the
 server, files outside the family refused by name, and `x` beside `x/y` a client mistake;
 nothing stored for a refusal."""
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import grpc
 import pytest
@@ -21,9 +22,15 @@ def _stored(alice, name: str) -> bool:
     return name in {a.name for a in alice.list_adapters()}
 
 
-@pytest.mark.parametrize("family", ["ia3", "prompt", "p-tuning", "prefix"])
+ADAPTERHUB = Path(__file__).parents[1] / "fixtures" / "adapterhub"  # bottleneck adapters of the tiny Llama's shape
+
+
+@pytest.mark.parametrize("family", ["ia3", "prompt", "p-tuning", "prefix", "houlsby", "pfeiffer"])
 def test_each_family_uploads_through_the_cli(server, alice, tiny_model, tmp_path, family):
-    path = make_peft_adapter(tiny_model, tmp_path / family, family_configs()[family])
+    if family in ("houlsby", "pfeiffer"):  # AdapterHub's format
+        path = ADAPTERHUB / f"llama-{family}"
+    else:
+        path = make_peft_adapter(tiny_model, tmp_path / family, family_configs()[family])
     name = f"cli-{family}"
     status, out, err = run_cli("upload", str(path), "--name", name, "--server", server.grpc, "--api-key", ALICE)
     assert status == 0, err

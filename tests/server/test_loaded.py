@@ -34,3 +34,13 @@ def test_release_without_eviction_keeps_it():
     assert adapter.acquire()
     adapter.release()
     assert unloaded == [] and adapter.acquire()
+
+
+def test_unload_if_idle_leaves_a_used_adapter():
+    adapter, unloaded = _adapter()
+    assert adapter.acquire()
+    assert not adapter.unload_if_idle() and unloaded == []
+    adapter.release()
+    assert unloaded == [], "not evicted: the release keeps it"
+    assert adapter.unload_if_idle() and unloaded == [adapter]
+    assert not adapter.unload_if_idle() and not adapter.acquire()

@@ -81,7 +81,7 @@ SLOT_EVICTIONS = _counter("adapterserve_adapter_slot_evictions", "Idle adapters 
 ADAPTER_LOADS = _counter("adapterserve_adapter_loads", "Adapters registered with an engine (read from the store "
                          "or the host cache).", "backbone")
 ADAPTER_UNLOADS = _counter("adapterserve_adapter_unloads", "Adapters unregistered (evicted by the replica's "
-                           "multiplexer).", "backbone")
+                           "multiplexer or its registered_adapter_bytes budget).", "backbone")
 ADAPTER_LOAD_SECONDS = _histogram("adapterserve_adapter_load_seconds", "Time to read an adapter (store or host "
                                   "cache) and register it with the engine.", LOAD, "backbone")
 CACHE_LOOKUPS = _counter("adapterserve_adapter_cache_lookups", "Adapter lookups by tier (engine: registered; host: "
