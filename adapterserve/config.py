@@ -7,7 +7,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FP8 = "fp8"  # float8_e4m3fn linear weights (Llama-family decoders); see EngineConfig.dtype
-FP8_GEMMS = ("auto", "scaled_mm", "w8a8_triton", "weight_only", "reference")  # engine.base_gemm's kernels
+FP8_GEMMS = ("auto", "scaled_mm", "w8a8_triton", "weight_only", "reference")  # layers.base_gemm's kernels
 LORA_DECODES = ("kernels", "stacked")  # EngineConfig.lora_decode
 
 

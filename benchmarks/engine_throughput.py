@@ -7,7 +7,7 @@ Run on a GPU (one table at the end, naming the GPU; markdown at --out, JSON besi
     PYTHONPATH=. python3 benchmarks/engine_throughput.py --models 8b --out $OUT/engine_throughput_8b.md
 Every path on the CPU (tiny model, float32, a few steps):
     PYTHONPATH=. python3 benchmarks/engine_throughput.py --smoke --out /tmp/et.md
---dtype fp8 runs the backbone with float8 linear weights (engine.base_gemm; --fp8-gemm picks
+--dtype fp8 runs the backbone with float8 linear weights (layers.base_gemm; --fp8-gemm picks
 the kernel); its floor counts those weights at one byte (embeddings, lm_head and the KV
 cache stay bfloat16); the transformers baselines stay bfloat16.
 --first-request adds the TTFT of the first request after the engine is ready against the
@@ -37,8 +37,20 @@ from benchmarks.first_request import first_request_line, measure_first_request
 from benchmarks.hf_baseline import add_peft_loras, load_hf, timed_row
 from benchmarks.hotswap import measure_hotswap
 from benchmarks.measure import Floor, copy_bandwidth, floor_for
-from benchmarks.random_adapters import AdapterFactory, decode_read_bytes, write_peft_lora
-from benchmarks.workloads import VARIANTS, WORKLOADS, Settings, make_prompts, plan, run_workload, supports_bottleneck
+from benchmarks.random_adapters import (
+    AdapterFactory,
+    decode_read_bytes,
+    write_peft_lora,
+)
+from benchmarks.workloads import (
+    VARIANTS,
+    WORKLOADS,
+    Settings,
+    make_prompts,
+    plan,
+    run_workload,
+    supports_bottleneck,
+)
 
 START = time.monotonic()
 
@@ -68,7 +80,7 @@ def parse_args(argv: list[str] | None) -> Config:
     p.add_argument("--models", default="1b", help="comma list of 1b, 8b")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "fp8"], help="the engine's dtype")
     p.add_argument("--fp8-gemm", default="auto", choices=FP8_GEMMS, help="with --dtype fp8: the base product's "
-                   "kernel (engine.base_gemm)")
+                   "kernel (layers.base_gemm)")
     p.add_argument("--batches", default="1,16,64,256", help="batch sizes for 1b")
     p.add_argument("--batches-8b", default="64", help="batch sizes for 8b")
     p.add_argument("--workloads", default=",".join(WORKLOADS))

@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/fp8_gemm.py            # a GPU (scaled_mm needs sm_90)
     PYTHONPATH=. python benchmarks/fp8_gemm.py --smoke    # CPU, tiny shapes, seconds
 
-Variants (engine.base_gemm): bf16 F.linear; scaled_mm (per-token e4m3 activations, one
+Variants (layers.base_gemm): bf16 F.linear; scaled_mm (per-token e4m3 activations, one
 quantization launch + torch._scaled_mm with row-wise scales); scaled_mm's GEMM alone
 (activations quantized beforehand: what fusing the quantization into the preceding
 RMSNorm could reach); w8a8 (the same arithmetic in the Triton W8A8 GEMM, tiles from
@@ -32,10 +32,10 @@ import torch.nn.functional as F
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' @triton.jit runs
 
-from adapterserve.engine.base_gemm import fp8_scaled_mm, fp8_w8a8
 from adapterserve.kernels.fp8 import quantize_rows
 from adapterserve.kernels.fp8_gemm import fp8_weight_only_linear
 from adapterserve.kernels.fp8_w8a8 import choose_w8a8_config, fp8_w8a8_linear
+from adapterserve.layers.base_gemm import fp8_scaled_mm, fp8_w8a8
 from adapterserve.models.fp8 import quantize_per_channel
 
 PROJECTIONS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # K, N

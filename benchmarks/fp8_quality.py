@@ -29,7 +29,7 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from adapterserve import Engine, SamplingParams
-from adapterserve.engine.base_gemm import resolve_fp8_gemm
+from adapterserve.layers.base_gemm import resolve_fp8_gemm
 
 TEXTS = (
     "The capital of France is", "def fibonacci(n):", "Translate to German: The weather is nice today.",

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from adapterserve.engine.context import AttentionMeta
 from adapterserve.engine.host_copy import to_device
 from adapterserve.kernels.prefill_tiles import (
     DEFAULT_TILE_TOKENS,
     PrefillTiles,
     prefill_tile_lists,
 )
+from adapterserve.layers.context import AttentionMeta
 
 
 class SequenceLayout:

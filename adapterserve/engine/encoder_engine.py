@@ -19,7 +19,6 @@ import torch
 from adapterserve.adapters_store.formats.types import BackboneSpec
 from adapterserve.config import EngineConfig
 from adapterserve.engine.adapter_host import TOKEN_FAMILIES, AdapterHost, family_slots
-from adapterserve.engine.context import BatchContext, set_context
 from adapterserve.engine.pools.bottleneck import BottleneckPools
 from adapterserve.engine.pools.head import HeadPool
 from adapterserve.engine.pools.ia3 import Ia3Pool
@@ -27,8 +26,9 @@ from adapterserve.engine.pools.lora import LoraPool
 from adapterserve.engine.request import ClassifyOutput, EmbedOutput
 from adapterserve.engine.slots import AdapterSlots
 from adapterserve.errors import AdapterNotFound, CapacityError, RequestError
+from adapterserve.layers.bottleneck import encoder_adapter_meta
+from adapterserve.layers.context import BatchContext, set_context
 from adapterserve.models.encoder import EncoderModel
-from adapterserve.models.encoder_adapters import encoder_adapter_meta
 from adapterserve.models.encoder_config import PoolingConfig
 from adapterserve.models.encoder_loader import load_encoder
 

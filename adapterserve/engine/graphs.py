@@ -13,10 +13,10 @@ import numpy as np
 import torch
 
 from adapterserve.engine.attention_meta import longest_first
-from adapterserve.engine.context import AttentionMeta, BatchContext, set_context
 from adapterserve.engine.host_copy import copy_into
 from adapterserve.engine.runner import with_sampled_ids
 from adapterserve.kernels import build_adapter_meta
+from adapterserve.layers.context import AttentionMeta, BatchContext, set_context
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 

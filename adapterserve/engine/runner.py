@@ -14,7 +14,6 @@ import torch
 
 from adapterserve.engine.adapter_host import TOKEN_FAMILIES, family_slots
 from adapterserve.engine.attention_meta import SequenceLayout, build_attention_meta
-from adapterserve.engine.context import BatchContext, VirtualTokens, set_context
 from adapterserve.engine.host_copy import to_device
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.penalties import PenaltyState
@@ -22,6 +21,7 @@ from adapterserve.engine.request import Request
 from adapterserve.engine.sampler import sample
 from adapterserve.engine.scheduler import ScheduledBatch
 from adapterserve.kernels import build_adapter_meta
+from adapterserve.layers.context import BatchContext, VirtualTokens, set_context
 from adapterserve.models.decoder import DecoderModel
 
 

@@ -25,7 +25,12 @@ from itertools import count
 
 import torch
 
-from adapterserve.adapters_store.formats.families import Adapter, Ia3Adapter, PrefixAdapter, PromptAdapter
+from adapterserve.adapters_store.formats.families import (
+    Adapter,
+    Ia3Adapter,
+    PrefixAdapter,
+    PromptAdapter,
+)
 from adapterserve.adapters_store.formats.types import (
     BOTTLENECK_POSITIONS,
     BottleneckAdapter,
@@ -35,7 +40,6 @@ from adapterserve.adapters_store.formats.types import (
 )
 from adapterserve.config import EngineConfig
 from adapterserve.engine.adapter_host import TOKEN_FAMILIES
-from adapterserve.engine.context import get_context
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.engine.stats import EngineStats
 from adapterserve.engine.warmup_variants import (
@@ -49,7 +53,8 @@ from adapterserve.engine.warmup_variants import (
     reachable,
     segment_variants,
 )
-from adapterserve.models.encoder_adapters import BOTTLENECK_ACTIVATIONS
+from adapterserve.layers.bottleneck import BOTTLENECK_ACTIVATIONS
+from adapterserve.layers.context import get_context
 
 log = logging.getLogger("adapterserve.engine")
 

@@ -24,11 +24,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import combinations, product
 
-from adapterserve.engine.context import BatchContext
 from adapterserve.kernels.attention import decode_blocks
 from adapterserve.kernels.metadata import default_block_m
 from adapterserve.kernels.segment_ops import use_gemv
 from adapterserve.kernels.stacked import STACKED_MAX_TOKENS, expand_tiles
+from adapterserve.layers.context import BatchContext
 
 Variant = tuple
 SEGMENT_FAMILIES = ("lora", "bottleneck")  # families whose update runs the segment kernels

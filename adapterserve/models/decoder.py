@@ -11,13 +11,17 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from adapterserve.engine.attention import PagedAttention
-from adapterserve.engine.context import get_context
-from adapterserve.engine.layers import AdapterLinear, QuantizedRows, RMSNorm
 from adapterserve.kernels.fp8_fused import silu_mul_quant
 from adapterserve.kernels.fused import silu_mul
+from adapterserve.layers.attention import PagedAttention
+from adapterserve.layers.bottleneck import (
+    BottleneckPool,
+    bottlenecks_active,
+    residual_sublayer,
+)
+from adapterserve.layers.context import get_context
+from adapterserve.layers.linear import AdapterLinear, QuantizedRows, RMSNorm
 from adapterserve.models.decoder_config import DecoderConfig
-from adapterserve.models.encoder_adapters import BottleneckPool, bottlenecks_active, residual_sublayer
 from adapterserve.models.rope import RotaryEmbedding
 
 

@@ -8,7 +8,7 @@ slices whose kinds are the Hugging Face module paths below ``encoder.layer.<i>.`
 
 Layers work on the flattened batch [T = B * L, D]; the BatchContext's adapter
 metadata covers those T tokens, a token's slot being its row's
-(``encoder_adapters.encoder_adapter_meta``). LoRA and (IA)^3 act inside the
+(``layers.bottleneck.encoder_adapter_meta``). LoRA and (IA)^3 act inside the
 AdapterLinears ((IA)^3 on keys and values: ``qkv.ia3_out``; on the FFN activation:
 ``output.ia3_in``). Bottleneck adapters have two hooks per layer, None until a slot
 manager fills them: after the attention output and after the feed-forward output,
@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from adapterserve.adapters_store.formats.types import BackboneSpec
-from adapterserve.engine.layers import AdapterLinear
 from adapterserve.kernels.reference import ACTIVATIONS
-from adapterserve.models.encoder_adapters import BottleneckPool, residual_sublayer
+from adapterserve.layers.bottleneck import BottleneckPool, residual_sublayer
+from adapterserve.layers.linear import AdapterLinear
 from adapterserve.models.encoder_config import EncoderConfig, PoolingConfig
 
 _ACT = {**ACTIVATIONS, "gelu_pytorch_tanh": ACTIVATIONS["gelu_new"]}

@@ -147,7 +147,7 @@ def load_decoder(
     fp8_gemm: str | None = None,
 ) -> tuple[DecoderModel, DecoderConfig]:
     """fp8_gemm: None for linear weights in dtype; else FP8 weights run by that kernel
-    (engine.base_gemm), quantized at load unless the checkpoint holds FP8 ones."""
+    (layers.base_gemm), quantized at load unless the checkpoint holds FP8 ones."""
     model_dir = Path(model_dir)
     cfg = read_decoder_config(model_dir)
     model = DecoderModel(cfg, max_positions or cfg.max_position_embeddings, dtype, device, fp8=fp8_gemm is not None)

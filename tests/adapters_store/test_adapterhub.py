@@ -14,10 +14,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from adapterserve.adapters_store.formats.adapterhub import read_adapterhub
-from adapterserve.adapters_store.formats.types import BackboneSpec, BottleneckAdapter, ClassifierHead
-from adapterserve.engine.context import BatchContext, set_context
+from adapterserve.adapters_store.formats.types import (
+    BackboneSpec,
+    BottleneckAdapter,
+    ClassifierHead,
+)
 from adapterserve.kernels.reference import ACTIVATIONS
-from adapterserve.models.encoder_adapters import add_bottleneck_pools, encoder_adapter_meta, load_bottleneck
+from adapterserve.layers.bottleneck import (
+    add_bottleneck_pools,
+    encoder_adapter_meta,
+    load_bottleneck,
+)
+from adapterserve.layers.context import BatchContext, set_context
 from adapterserve.models.encoder_loader import default_encoder_dir, load_encoder
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "adapterhub"

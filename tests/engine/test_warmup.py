@@ -6,12 +6,17 @@ import torch
 
 from adapterserve import Engine, SamplingParams
 from adapterserve.config import EngineConfig
-from adapterserve.engine.context import get_context
 from adapterserve.engine.graphs import DecodeGraphs, decode_graph_limits
 from adapterserve.engine.penalties import PenaltyState
 from adapterserve.engine.request import Request
 from adapterserve.engine.warmup import should_warm_up
-from adapterserve.engine.warmup_variants import EngineShape, context_variants, graph_plan, reachable
+from adapterserve.engine.warmup_variants import (
+    EngineShape,
+    context_variants,
+    graph_plan,
+    reachable,
+)
+from adapterserve.layers.context import get_context
 from tests.helpers.families import family_configs, make_peft_adapter
 from tests.helpers.lora import make_peft_lora
 

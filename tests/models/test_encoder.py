@@ -15,7 +15,7 @@ from transformers import (
     RobertaModel,
 )
 
-from adapterserve.engine.context import BatchContext, set_context
+from adapterserve.layers.context import BatchContext, set_context
 from adapterserve.models.encoder_config import PoolingConfig
 from adapterserve.models.encoder_loader import default_encoder_dir, load_encoder
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from adapterserve import Engine, SamplingParams
-from adapterserve.engine.base_gemm import fp8_linear_oracle
 from adapterserve.kernels.fp8 import quantize_rows_reference
+from adapterserve.layers.base_gemm import fp8_linear_oracle
 from adapterserve.models.tiny import write_tiny_checkpoint
 from tests.helpers.lora import make_peft_lora
 from tests.helpers.recording import record_logits

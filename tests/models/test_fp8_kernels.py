@@ -9,16 +9,16 @@ import torch
 if not torch.cuda.is_available():  # before the kernels' @triton.jit runs
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from adapterserve.engine.base_gemm import (
+from adapterserve.kernels.fp8 import quantize_rows_reference, quantize_rows_triton
+from adapterserve.kernels.fp8_gemm import fp8_weight_only_linear
+from adapterserve.kernels.fp8_w8a8 import choose_w8a8_config, fp8_w8a8_linear
+from adapterserve.layers.base_gemm import (
     base_linear,
     fp8_linear,
     fp8_linear_oracle,
     fp8_linear_reference,
     resolve_fp8_gemm,
 )
-from adapterserve.kernels.fp8 import quantize_rows_reference, quantize_rows_triton
-from adapterserve.kernels.fp8_gemm import fp8_weight_only_linear
-from adapterserve.kernels.fp8_w8a8 import choose_w8a8_config, fp8_w8a8_linear
 
 E4M3 = torch.float8_e4m3fn
 CUDA = torch.cuda.is_available()

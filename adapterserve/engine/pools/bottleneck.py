@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
-from adapterserve.models.encoder_adapters import add_bottleneck_pools, load_bottleneck
+from adapterserve.layers.bottleneck import add_bottleneck_pools, load_bottleneck
 
 
 class BottleneckPools:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
-from adapterserve.engine.layers import AdapterLinear
+from adapterserve.layers.linear import AdapterLinear
 
 
 class Ia3Pool:

@@ -19,10 +19,10 @@ import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.adapters_store.formats.types import LoraAdapter
-from adapterserve.engine.layers import AdapterLinear
 from adapterserve.engine.row_allocator import RowAllocator
 from adapterserve.kernels import LoraSlices
 from adapterserve.kernels.stacked import RowsInUse, row_bucket, stack_weight
+from adapterserve.layers.linear import AdapterLinear
 
 
 class _Stack:

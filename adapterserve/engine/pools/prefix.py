@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
-from adapterserve.engine.attention import PagedAttention
 from adapterserve.engine.kv_cache import BlockManager
+from adapterserve.layers.attention import PagedAttention
 
 
 class PrefixPool:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from adapterserve.engine.base_gemm import ACTIVATION_QUANTIZING, QuantizedRows, base_linear, resolve_fp8_gemm
-from adapterserve.engine.context import get_context
 from adapterserve.kernels import (
     LoraSlices,
     ia3_scale,
@@ -16,6 +14,13 @@ from adapterserve.kernels import (
 from adapterserve.kernels.fp8_fused import rms_norm_quant
 from adapterserve.kernels.fused import add_rms_norm, rms_norm
 from adapterserve.kernels.stacked import STACKED_MAX_TOKENS, StackedWeight, stacked_gemm
+from adapterserve.layers.base_gemm import (
+    ACTIVATION_QUANTIZING,
+    QuantizedRows,
+    base_linear,
+    resolve_fp8_gemm,
+)
+from adapterserve.layers.context import get_context
 
 
 class AdapterLinear(torch.nn.Module):
@@ -52,7 +57,7 @@ class AdapterLinear(torch.nn.Module):
             if fp8
             else None
         )
-        self.fp8_gemm = "auto"  # which FP8 kernel runs the base product (engine.base_gemm)
+        self.fp8_gemm = "auto"  # which FP8 kernel runs the base product (layers.base_gemm)
         self.fuse_input_quant = True  # FP8: may take its input quantized by the op that made it
         self.bias = (
             torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)

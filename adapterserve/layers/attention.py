@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from adapterserve.engine.context import get_context
 from adapterserve.kernels import paged_decode_attention, paged_prefill_attention
+from adapterserve.layers.context import get_context
 
 
 class PagedAttention(torch.nn.Module):

@@ -24,9 +24,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adapterserve.adapters_store.formats.types import BOTTLENECK_POSITIONS, BottleneckAdapter, BottleneckModule
-from adapterserve.engine.context import get_context
-from adapterserve.kernels import AdapterBatchMeta, bottleneck_adapter, build_adapter_meta
+from adapterserve.adapters_store.formats.types import (
+    BOTTLENECK_POSITIONS,
+    BottleneckAdapter,
+    BottleneckModule,
+)
+from adapterserve.kernels import (
+    AdapterBatchMeta,
+    bottleneck_adapter,
+    build_adapter_meta,
+)
+from adapterserve.layers.context import get_context
 
 # Canonical activation names of the bottleneck op; one op call per name in use.
 BOTTLENECK_ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu", "tanh")
