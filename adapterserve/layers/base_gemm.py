@@ -52,8 +52,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0])
     if not x.is_cuda:  # an activation-quantizing kernel asked for on CPU
-        q, x_scale = quantized if quantized is not None else _quantize(x)
-        return fp8_a8_emulated(q, x_scale, weight, weight_scale, x.dtype)
+        return fp8_a8_emulated(*_quantized(x, quantized), weight, weight_scale, x.dtype)
     if kernel == "scaled_mm":
         return fp8_scaled_mm(x, weight, weight_scale, quantized)
     if kernel == "w8a8_triton":
@@ -65,8 +64,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """Dequantize (weight * scale, rounded once to x's dtype) and run F.linear."""
-    dequantized = (weight.float() * weight_scale.float()[:, None]).to(x.dtype)
-    return F.linear(x, dequantized)
+    return F.linear(x, _dequantized(weight, weight_scale).to(x.dtype))
 
 
 def fp8_linear_oracle(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, kernel: str
@@ -76,16 +74,15 @@ def fp8_linear_oracle(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     if kernel in ACTIVATION_QUANTIZING:
         from adapterserve.kernels.fp8 import quantize_rows_reference
 
-        q, x_scale = quantize_rows_reference(x)
-        x = q.float() * x_scale
-    return F.linear(x.float(), weight.float() * weight_scale.float()[:, None])
+        return fp8_a8_emulated(*quantize_rows_reference(x), weight, weight_scale, torch.float32)
+    return F.linear(x.float(), _dequantized(weight, weight_scale))
 
 
 def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                   quantized: QuantizedRows | None = None) -> torch.Tensor:
     """Per-token e4m3 activations (one Triton launch unless given) times the e4m3 weight,
     row-wise scales."""
-    q, x_scale = quantized if quantized is not None else _quantize(x)
+    q, x_scale = _quantized(x, quantized)
     return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
                             out_dtype=x.dtype)
 
@@ -96,21 +93,29 @@ def fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     Triton W8A8 GEMM."""
     from adapterserve.kernels.fp8_w8a8 import fp8_w8a8_linear
 
-    q, x_scale = quantized if quantized is not None else _quantize(x)
+    q, x_scale = _quantized(x, quantized)
     return fp8_w8a8_linear(q, x_scale, weight, weight_scale, x.dtype)
 
 
-def _quantize(x: torch.Tensor) -> QuantizedRows:
+def _quantized(x: torch.Tensor, quantized: QuantizedRows | None) -> QuantizedRows:
+    """x's per-token e4m3 rounding: ``quantized`` when the op before made it, else one launch now."""
+    if quantized is not None:
+        return quantized
     from adapterserve.kernels.fp8 import quantize_rows
 
     return quantize_rows(x)
+
+
+def _dequantized(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """[N, K] float32: the e4m3 weight times its per-channel scales."""
+    return weight.float() * weight_scale.float()[:, None]
 
 
 def fp8_a8_emulated(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     out_dtype: torch.dtype) -> torch.Tensor:
     """What scaled_mm / w8a8_triton compute, in float32 torch (CPU): the e4m3 activations
     times the dequantized weight, rounded once to out_dtype."""
-    return F.linear(q.float() * x_scale, weight.float() * weight_scale.float()[:, None]).to(out_dtype)
+    return F.linear(q.float() * x_scale, _dequantized(weight, weight_scale)).to(out_dtype)
 
 
 def resolve_fp8_gemm(fp8_gemm: str, device: torch.device, tokens: int = 1) -> str:
