@@ -9,6 +9,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 FP8 = "fp8"  # float8_e4m3fn linear weights (Llama-family decoders); see EngineConfig.dtype
 FP8_GEMMS = ("auto", "scaled_mm", "w8a8_triton", "weight_only", "reference")  # layers.base_gemm's kernels
 LORA_DECODES = ("kernels", "stacked")  # EngineConfig.lora_decode
+TP_LAUNCHES = ("auto", "ray", "local")  # EngineConfig.tensor_parallel_launch
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,8 @@ class EngineConfig:
     cuda_graphs:      replay decode steps as CUDA graphs (on CUDA devices)
     max_staged_adapters: adapters kept with ready-to-copy (pinned) host copies for fast loads
     max_staged_bytes: ... and at most this many bytes of such copies (the most recently added kept)
-    lora_side_stream: run each LoRA shrink on a second CUDA stream, beside the base GEMM (CUDA
-                      only; measured in BENCHMARKS.md)
+    lora_side_stream: run each LoRA shrink of a decode step on a second CUDA stream, beside the
+                      base GEMM (CUDA only; measured in BENCHMARKS.md)
     warmup:           compile every kernel variant and capture every decode graph the
                       configuration can reach before the engine is built (CUDA only; False for
                       development, "force" runs it on any device: tests)
@@ -45,6 +46,11 @@ class EngineConfig:
                       expand; not with fp8 weights)
     enable_prefix_caching: reuse the KV blocks of a prompt's prefix computed before under the
                       same KV identity (docs/prefix_caching.md)
+    tensor_parallel_size: ranks the backbone is split over, one device each (docs/tensor_parallel.md):
+                      rank 0 is this engine on `device`, the others workers started by
+                      tensor_parallel_launch
+    tensor_parallel_launch: "ray" (actors in a placement group; Ray must be initialized), "local"
+                      (spawned processes on cuda:index+1, ...), "auto": Ray when it is initialized
     """
 
     device: str = "cpu"
@@ -70,6 +76,8 @@ class EngineConfig:
     warmup: bool | str = True
     lora_decode: str = "kernels"
     enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    tensor_parallel_launch: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -86,6 +94,13 @@ class EngineConfig:
                      "max_num_batched_tokens", "max_queued_requests", "max_staged_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer of at least 1 (ranks, one device each), "
+                             f"got {size!r}")
+        if self.tensor_parallel_launch not in TP_LAUNCHES:
+            raise ValueError(f"tensor_parallel_launch must be one of {list(TP_LAUNCHES)}, "
+                             f"got {self.tensor_parallel_launch!r}")
         if self.warmup not in (True, False, "force"):
             raise ValueError(f"warmup must be true, false or 'force', got {self.warmup!r}")
         if self.lora_pool_rows is not None and self.lora_pool_rows < self.max_lora_rank:

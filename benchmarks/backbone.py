@@ -14,6 +14,8 @@ import torch
 from adapterserve.config import EngineConfig
 from adapterserve.engine.engine import Engine
 from adapterserve.models.decoder import DecoderModel
+from adapterserve.models.loader import load_decoder
+from benchmarks.checkpoints import SHAPES, ModelShape, scratch_dir, write_random_checkpoint
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
 
@@ -42,3 +44,12 @@ class Backbone:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def random_backbone(name: str, device: str, dtype: str) -> tuple[Backbone, ModelShape]:
+    """A random-weight checkpoint of the named shape, written once to scratch and loaded
+    (bfloat16 or float32) through the normal loader."""
+    shape = SHAPES[name]
+    ckpt = write_random_checkpoint(shape, scratch_dir(shape.checkpoint_bytes()) / "model", device)
+    model, _ = load_decoder(ckpt, torch.bfloat16 if dtype == "bfloat16" else torch.float32, device, max_positions=8192)
+    return Backbone(model), shape

@@ -1,6 +1,6 @@
 """The decode LoRA update of a whole Llama-8B stack: today's kernels against the stacked GEMM.
 
-    PYTHONPATH=. python benchmarks/fused_update.py            # H100/H200: one table, ~2 min
+    PYTHONPATH=. python benchmarks/fused_update.py            # H100/H200: ~3 min (--layers 16: half)
     PYTHONPATH=. python benchmarks/fused_update.py --smoke    # CPU, tiny shapes, seconds
     (with TRITON_INTERPRET=1 the smoke runs the Triton expands in the interpreter: minutes)
 
@@ -20,12 +20,23 @@ its capture), for:
   - stacked no-skip:     expand_tiles' tiles, no branch over unused row chunks (masked
                          loads), the row-chunk loop pipelined in 3 stages;
   - stacked-per-token:   the per-token expand (one program per token and 512 columns);
+  - stacked grouped:     the grouped expand (kernels/stacked_grouped.py: a program per tile
+                         of one adapter's tokens, as the segmented expand);
+  - stacked grouped g128: (the sweep only) the grouped expand with 128 columns per program
+                         (more programs for few adapters);
+  - stacked auto:        the expand choose_expand picks from the step's distinct adapters
+                         (tiled below GROUPED_MIN_ADAPTERS, grouped from it on): the engine;
   - stacked-pool:        the stacked variant's GEMM over every pool row (64 adapters resident);
   - stacked-gemm:        the stacked GEMM alone (what the expand adds is the difference).
 Tax: over base. Floor: the bytes of the base weights and of the distinct adapters' A and B
 rows at the copy bandwidth measured in the same run. Check: largest relative difference
 between a stacked variant's and the kernels' outputs of the last projection, over the
-stacked variants. Prints one table last.
+stacked variants.
+
+First a sweep over the count of distinct rank-16 adapters (1 to 64) of the tiled and the
+grouped expands, and the crossover: the fewest distinct adapters from
+which the grouped expand is faster at every count (what GROUPED_MIN_ADAPTERS should be).
+Prints the main table last.
 """
 from __future__ import annotations
 
@@ -38,25 +49,35 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from adapterserve.kernels import lora_expand, lora_shrink, reference
+from adapterserve.kernels import lora_expand, lora_shrink, reference, stacked_expand
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import build_adapter_meta
 from adapterserve.kernels.stacked import (
+    GROUPED_MIN_ADAPTERS,
     ExpandTiles,
+    GroupedTiles,
     RowsInUse,
+    expand_for_slots,
     expand_tiles,
+    grouped_tiles,
     row_bucket,
     stack_weight,
     stacked_gemm,
 )
+from adapterserve.kernels.stacked_grouped import stacked_expand_grouped
 from adapterserve.kernels.stacked_tiled import stacked_expand_tiled
-from adapterserve.kernels.stacked_triton import stacked_expand as stacked_expand_per_token
+from adapterserve.kernels.stacked_triton import (
+    stacked_expand as stacked_expand_per_token,
+)
 from benchmarks.checkpoints import SHAPES
 
 SLOTS = 64
-VARIANTS = ("base", "kernels", "kernels+side", "stacked", "stacked n64", "stacked n128", "stacked no-skip",
-            "stacked-per-token", "stacked-pool", "stacked-gemm")
-CHECKED = ("stacked", "stacked n64", "stacked n128", "stacked no-skip", "stacked-per-token", "stacked-pool")
+VARIANTS = ("base", "kernels", "kernels+side", "stacked", "stacked grouped", "stacked auto", "stacked n64",
+            "stacked n128", "stacked no-skip", "stacked-per-token", "stacked-pool", "stacked-gemm")
+CHECKED = ("stacked", "stacked grouped", "stacked auto", "stacked n64", "stacked n128", "stacked no-skip",
+           "stacked-per-token", "stacked-pool")
+SWEEP = (1, 2, 3, 4, 6, 8, 16, 32, 64)  # distinct rank-16 adapters of the crossover sweep
+SWEEP_VARIANTS = ("stacked", "stacked grouped", "stacked grouped g128")
 
 
 @dataclass(frozen=True)
@@ -111,6 +132,7 @@ class Stack:
         self.workspace = torch.empty(3, tokens, max(ranks), device=device, dtype=dtype)
         self.side = torch.cuda.Stream() if device == "cuda" else None
         self.pool_rows = sum(ranks)
+        self.num_slots = len(ranks)
 
     def run(self, variant: str, meta, rows: int) -> torch.Tensor:
         """Every projection of the stack as `variant` says; the last projection's output."""
@@ -132,6 +154,13 @@ class Stack:
                 reference.stacked_expand(out, p.lora_stacked, meta, y)  # smoke without the interpreter
             elif variant == "stacked-per-token":
                 stacked_expand_per_token(out, p.lora_stacked, meta, y)
+            elif variant == "stacked auto":  # the engine's dispatch, with the step's choice
+                stacked_expand(out, p.lora_stacked, meta, y, expand=meta.stacked_expand)
+            elif variant == "stacked grouped":
+                stacked_expand_grouped(out, p.lora_stacked, meta, y)
+            elif variant == "stacked grouped g128":
+                chosen = grouped_tiles(p.lora_stacked.max_rank)
+                stacked_expand_grouped(out, p.lora_stacked, meta, y, tiles=GroupedTiles(chosen.block_r, 128, 128))
             else:
                 stacked_expand_tiled(out, p.lora_stacked, meta, y, tiles=_tiles(variant, x.shape[0], p))
             return y
@@ -188,10 +217,15 @@ def bandwidth(device: str) -> float:
     return copy_bandwidth("cuda", 1 << 30)
 
 
-def measure(scenario: Scenario, shape, layers: int, tokens: int, device: str, dtype, bw: float) -> list[str]:
-    stack = Stack(shape, layers, tokens, scenario.ranks, device, dtype)
-    slots = (torch.arange(tokens, device=device) % scenario.adapters).to(torch.int32)
-    meta = build_adapter_meta(slots, len(scenario.ranks))
+def step_meta(tokens: int, adapters: int, num_slots: int, device: str):
+    """The step's metadata: tokens spread round-robin over slots 0..adapters-1, with the
+    expand the engine would choose for them."""
+    slots = (torch.arange(tokens) % adapters).to(torch.int32)
+    return build_adapter_meta(slots.to(device), num_slots, stacked_expand=expand_for_slots(slots.numpy()))
+
+
+def measure(stack: Stack, scenario: Scenario, tokens: int, device: str, bw: float) -> list[str]:
+    meta = step_meta(tokens, scenario.adapters, len(scenario.ranks), device)
     rows = row_bucket(sum(scenario.ranks[: scenario.adapters]), stack.pool_rows)
     ms = {v: time_ms(lambda v=v: stack.run(v, meta, rows), device) for v in VARIANTS}
     want = stack.run("kernels", meta, rows).float()
@@ -199,7 +233,68 @@ def measure(scenario: Scenario, shape, layers: int, tokens: int, device: str, dt
     floor = sum(p.floor_bytes(scenario.ranks, scenario.adapters) for p in stack.projections) / bw * 1e3
     base = ms["base"]
     cells = [f"{ms[v]:.3f}" + ("" if v == "base" else f" ({(ms[v] / base - 1) * 100:+.1f}%)") for v in VARIANTS]
-    return [scenario.name, str(rows), *cells, f"{floor:.3f}", f"{ms['stacked'] / floor:.2f}", f"{check:.1e}"]
+    return [scenario.name, str(rows), *cells, f"{floor:.3f}", f"{ms['stacked auto'] / floor:.2f}", f"{check:.1e}"]
+
+
+def sweep(stack: Stack, counts: list[int], tokens: int, device: str) -> list[tuple[int, dict[str, float]]]:
+    """ms of SWEEP_VARIANTS for each count of distinct adapters (rank 16, packed low)."""
+    out = []
+    for n in counts:
+        meta = step_meta(tokens, n, stack.num_slots, device)
+        rows = row_bucket(16 * n, stack.pool_rows)
+        out.append((n, {v: time_ms(lambda v=v, meta=meta, rows=rows: stack.run(v, meta, rows), device)
+                        for v in SWEEP_VARIANTS}))
+    return out
+
+
+def crossover(results: list[tuple[int, dict[str, float]]]) -> int | None:
+    """The fewest distinct adapters from which the grouped expand beats the tiled one at
+    every count measured (None: it never does at the largest)."""
+    best = None
+    for n, ms in reversed(results):
+        if ms["stacked grouped"] >= ms["stacked"]:
+            break
+        best = n
+    return best
+
+
+def print_table(header: list[str], rows: list[list[str]]) -> None:
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def run_all(shape, layers: int, tokens: int, slots: int, device: str, dtype, bw: float
+            ) -> tuple[list[list[str]], list[tuple[int, dict[str, float]]]]:
+    """The main table's rows and the sweep, one stack per set of pool ranks."""
+    rows, swept = [], []
+    by_ranks: dict[tuple[int, ...], list[Scenario]] = {}
+    for scenario in scenarios(slots):
+        by_ranks.setdefault(scenario.ranks, []).append(scenario)
+    for ranks, group in by_ranks.items():
+        stack = Stack(shape, layers, tokens, ranks, device, dtype)
+        if set(ranks) == {16}:
+            swept = sweep(stack, [n for n in SWEEP if n <= slots], tokens, device)
+        rows += [measure(stack, scenario, tokens, device, bw) for scenario in group]
+        del stack
+        if device == "cuda":
+            torch.cuda.empty_cache()  # the stack is gone: make room for the next
+    return rows, swept
+
+
+def report(setting: str, bw: float, rows: list[list[str]], swept: list[tuple[int, dict[str, float]]]) -> None:
+    print(f"\n{setting}; ms per step of q|k|v, o, gate|up, down by distinct rank-16 adapters:")
+    print_table(["adapters", *[f"{v} ms" for v in SWEEP_VARIANTS], "grouped / tiled", "auto picks"],
+                [[str(n), *[f"{ms[v]:.3f}" for v in SWEEP_VARIANTS], f"{ms['stacked grouped'] / ms['stacked']:.2f}",
+                  expand_for_slots(list(range(n)))] for n, ms in swept])
+    cross = crossover(swept)
+    verdict = (f"faster than the tiled one from {cross} distinct adapters on" if cross is not None
+               else "not faster than the tiled one at the largest count")
+    print(f"\ncrossover: the grouped expand is {verdict} (GROUPED_MIN_ADAPTERS = {GROUPED_MIN_ADAPTERS})")
+    print(f"\n{setting}; copy bandwidth {bw / 1e9:.0f} GB/s; ms per step of q|k|v, o, gate|up, down (tax over base):")
+    print_table(["adapters", "stacked rows", *[f"{v} ms" for v in VARIANTS], "floor ms", "auto / floor", "check"],
+                rows)
 
 
 def main() -> None:
@@ -215,19 +310,10 @@ def main() -> None:
         name = torch.cuda.get_device_name()
     torch.manual_seed(0)
     bw = bandwidth(device)
-    rows = []
-    for scenario in scenarios(slots):
-        rows.append(measure(scenario, shape, layers, tokens, device, dtype, bw))
-        if device == "cuda":
-            torch.cuda.empty_cache()  # the scenario's stack is gone: make room for the next
-    print(f"\n{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, {dtype}; "
-          f"copy bandwidth {bw / 1e9:.0f} GB/s; ms per step of q|k|v, o, gate|up, down (tax over base); "
-          + ("one CUDA graph replay per figure" if device == "cuda" else "eager, median of 3"))
-    header = ["adapters", "stacked rows", *[f"{v} ms" for v in VARIANTS], "floor ms", "stacked / floor", "check"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    rows, swept = run_all(shape, layers, tokens, slots, device, dtype, bw)
+    setting = (f"{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, {dtype}; "
+               + ("one CUDA graph replay per figure" if device == "cuda" else "eager, median of 3"))
+    report(setting, bw, rows, swept)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ the users stay in lock-step waves and each first token waits for the prefills of
 wave's cohort. Every case runs on a fresh engine after a warm-up of the same lengths on
 other prompts (so no hit comes from the warm-up, and no Triton compile from the timed run).
 TTFT: add_request to the step that returns the first token; tokens/s: generated tokens over
-the run's wall time; step ms: median wall time of a step call, which waits for the batch
-launched by the call before (decode: that batch had only decodes; mixed: it had prefill
-tokens too).
+the run's wall time. Per launched batch (decode: only decodes; mixed: prefill tokens too), the
+medians of its launch on the host (the runner's call) and of its span on the GPU (events
+before and after the launch: when the host is slower than the kernels, the GPU waits for
+each launch, and the span is the launch's).
 """
 from __future__ import annotations
 
@@ -32,10 +33,7 @@ import torch
 from adapterserve.config import EngineConfig
 from adapterserve.engine.engine import Engine
 from adapterserve.engine.sampling_params import SamplingParams
-from adapterserve.engine.stats import StatsSnapshot
-from adapterserve.models.loader import load_decoder
-from benchmarks.backbone import Backbone
-from benchmarks.checkpoints import SHAPES, scratch_dir, write_random_checkpoint
+from benchmarks.backbone import Backbone, random_backbone
 from benchmarks.measure import sync
 from benchmarks.random_adapters import AdapterFactory
 
@@ -64,8 +62,17 @@ class Result:
     wall: float
     prompt_tokens: int
     cached_tokens: int
-    decode_steps: list[float]  # seconds of step calls that waited for a decode-only batch
-    mixed_steps: list[float]  # ... for a batch with prefill tokens
+    launches: list[tuple[bool, float, object, object]]  # per batch: (mixed, host s, GPU start/end events)
+
+    def step_ms(self, mixed: bool) -> str:
+        """'host / GPU' median ms of the launches of one kind."""
+        mine = [(host, start, end) for m, host, start, end in self.launches if m == mixed]
+        if not mine:
+            return "-"
+        host = f"{1e3 * statistics.median(h for h, _, _ in mine):.2f}"
+        if mine[0][1] is None:  # CPU: no GPU span
+            return f"{host} / -"
+        return f"{host} / {statistics.median(s.elapsed_time(e) for _, s, e in mine):.2f}"
 
 
 class Conversations:
@@ -101,10 +108,12 @@ def run(engine: Engine, talk: Conversations, answer_tokens: int, burst: bool) ->
     """Each user sends its next prompt when its last answer ends; user i sends its first one
     before step i * answer_tokens / users (all before the first step if `burst`)."""
     params = SamplingParams(max_tokens=answer_tokens, temperature=0.0, ignore_eos=True)
-    result, owner, added = Result([], 0, 0.0, 0, 0, [], []), {}, {}
+    result, owner, added = Result([], 0, 0.0, 0, 0, []), {}, {}
     users = list(talk.left)
     starts = {u: 0 if burst else i * answer_tokens // len(users) for i, u in enumerate(users)}
-    start, steps, waited_mixed = time.perf_counter(), 0, None
+    start, steps = time.perf_counter(), 0
+    launch = engine.runner.run
+    engine.runner.run = lambda batch, generators: _timed(launch, batch, generators, result.launches)
 
     def send(user: int, answer: list[int]) -> None:
         nxt = talk.next(user, answer)
@@ -116,13 +125,8 @@ def run(engine: Engine, talk: Conversations, answer_tokens: int, burst: bool) ->
         for user in [u for u, s in starts.items() if s <= steps]:
             del starts[user]
             send(user, [])
-        before = engine.stats.snapshot()
-        called = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
-        if waited_mixed is not None:
-            (result.mixed_steps if waited_mixed else result.decode_steps).append(now - called)
-        waited_mixed = _launched_prefill(engine, before)
         steps += 1
         for out in outputs:
             if out.request_id in added and out.token_ids:
@@ -134,16 +138,23 @@ def run(engine: Engine, talk: Conversations, answer_tokens: int, burst: bool) ->
                 result.cached_tokens += request.cached_tokens or 0
                 send(user, list(request.output_ids))
     result.wall = time.perf_counter() - start
+    engine.runner.run = launch
     return result
 
 
-def _launched_prefill(engine: Engine, before: StatsSnapshot) -> bool | None:
-    """Whether the step just called launched prefill tokens (None: it launched nothing)."""
-    after = engine.stats.snapshot()
-    rows = after.batch_requests.minus(before.batch_requests)
-    if rows.count == 0:
-        return None
-    return after.batch_tokens.minus(before.batch_tokens).sum > rows.sum
+def _timed(launch, batch, generators, launches: list) -> object:
+    """The runner's launch of one batch, its host time and GPU events recorded."""
+    on_gpu = torch.cuda.is_available()
+    events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if on_gpu else (None, None)
+    if on_gpu:
+        events[0].record()
+    called = time.perf_counter()
+    launched = launch(batch, generators)
+    host = time.perf_counter() - called
+    if on_gpu:
+        events[1].record()
+    launches.append((batch.num_tokens > len(batch.requests), host, *events))
+    return launched
 
 
 def fresh_engine(backbone: Backbone, factory: AdapterFactory, work: Workload, caching: bool, device: str,
@@ -182,8 +193,8 @@ def print_table(rows: list[tuple[str, bool, Result]], card: str, model: str, wor
           f"{work.answer_tokens} tokens; {work.users} users x {work.requests_per_user} requests; "
           f"multi-turn: {work.chats} chats x {work.turns} turns")
     print("| workload | prefix caching | TTFT p50 ms | TTFT p99 ms | tokens/s | prompt tokens cached "
-          "| decode / mixed step ms | TTFT p50 off/on | tokens/s on/off |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| decode step ms, host / GPU | mixed step ms, host / GPU | TTFT p50 off/on | tokens/s on/off |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     off: dict[str, Result] = {}
     for name, caching, r in rows:
         p50, p99 = 1e3 * statistics.median(r.ttft), 1e3 * percentile(r.ttft, 0.99)
@@ -191,9 +202,8 @@ def print_table(rows: list[tuple[str, bool, Result]], card: str, model: str, wor
         base = off.setdefault(name, r)
         ratios = (f"{statistics.median(base.ttft) / statistics.median(r.ttft):.2f}x | "
                   f"{rate / (base.tokens / base.wall):.2f}x") if caching else "- | -"
-        steps = " / ".join(f"{1e3 * statistics.median(t):.2f}" if t else "-" for t in (r.decode_steps, r.mixed_steps))
         print(f"| {name} | {'on' if caching else 'off'} | {p50:.1f} | {p99:.1f} | {rate:.0f} "
-              f"| {100 * r.cached_tokens / r.prompt_tokens:.0f}% | {steps} | {ratios} |")
+              f"| {100 * r.cached_tokens / r.prompt_tokens:.0f}% | {r.step_ms(False)} | {r.step_ms(True)} | {ratios} |")
 
 
 def main() -> None:
@@ -203,12 +213,9 @@ def main() -> None:
     args = parser.parse_args()
     name, device, dtype = ("tiny", "cpu", "float32") if args.smoke else (args.model, "cuda", "bfloat16")
     work = SMOKE if args.smoke else FULL
-    shape = SHAPES[name]
-    tmp = scratch_dir(shape.checkpoint_bytes())
     started = time.perf_counter()
-    ckpt = write_random_checkpoint(shape, tmp / "model", device)
-    model, _ = load_decoder(ckpt, torch.bfloat16 if dtype == "bfloat16" else torch.float32, device, max_positions=8192)
-    backbone, factory = Backbone(model), AdapterFactory(shape, device)
+    backbone, shape = random_backbone(name, device, dtype)
+    factory = AdapterFactory(shape, device)
     workloads = (("shared system prompts", False, False), ("shared system prompts, burst", False, True),
                  ("multi-turn chat", True, False))
     rows = [(label, caching, case(backbone, factory, work, multi_turn, burst, caching, device, dtype, shape.vocab))

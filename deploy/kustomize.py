@@ -69,6 +69,15 @@ class DeployValues:
     gpus_per_worker: int
     min_workers: int
     max_workers: int
+    tensor_parallel_size: int = 1  # GPUs per engine replica (one TP group, inside one worker pod)
+
+    @property
+    def replicas_per_worker(self) -> int:
+        """Engine replicas one worker pod holds; ValueError when its GPUs do not split into TP groups."""
+        if self.tensor_parallel_size < 1 or self.gpus_per_worker % self.tensor_parallel_size:
+            raise ValueError(f"GPUS_PER_WORKER ({self.gpus_per_worker}) must be a multiple of TENSOR_PARALLEL_SIZE "
+                             f"({self.tensor_parallel_size}): a tensor-parallel group runs inside one worker pod")
+        return self.gpus_per_worker // self.tensor_parallel_size
 
     @classmethod
     def of(cls, rayservice: dict[str, Any]) -> DeployValues:
@@ -81,4 +90,5 @@ class DeployValues:
             gpus_per_worker=int(limits["nvidia.com/gpu"]),
             min_workers=int(group["minReplicas"]),
             max_workers=int(group["maxReplicas"]),
+            tensor_parallel_size=int(notes.get("adapterserve/tensor-parallel-size", 1)),
         )

@@ -6,8 +6,9 @@
 
 The base embeds serve_config.yaml byte for byte. An overlay embeds it with the
 overlay's own values (adapterserve-values in its kustomization.yaml): the model
-path, the store URL, and the engine replica bounds, one replica per GPU:
-min_replicas = MIN_WORKERS * GPUS_PER_WORKER, max_replicas = MAX_WORKERS * GPUS_PER_WORKER.
+path, the store URL, the engine's tensor_parallel_size (TENSOR_PARALLEL_SIZE; set only
+when not 1) and the engine replica bounds, one replica per TENSOR_PARALLEL_SIZE GPUs:
+min_replicas = MIN_WORKERS * GPUS_PER_WORKER / TENSOR_PARALLEL_SIZE, and max_replicas alike.
 Run it after changing serve_config.yaml or an overlay's values.
 """
 from __future__ import annotations
@@ -44,14 +45,17 @@ def deployment(app: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def with_values(config: dict[str, Any], values: DeployValues) -> dict[str, Any]:
-    """`config` with the model path, store URL and engine replica bounds of `values`."""
+    """`config` with the model path, store URL, tensor-parallel size and engine replica bounds
+    of `values` (one replica per TP group of GPUs)."""
     config = copy.deepcopy(config)
     app = application(config)
     app["args"]["model"] = values.model_path
     app["args"]["store"] = values.store_url
+    if values.tensor_parallel_size != 1 or "tensor_parallel_size" in app["args"]["engine"]:
+        app["args"]["engine"]["tensor_parallel_size"] = values.tensor_parallel_size  # the app places the group
     scaling = deployment(app, ENGINE)["autoscaling_config"]
-    scaling["min_replicas"] = values.min_workers * values.gpus_per_worker
-    scaling["max_replicas"] = values.max_workers * values.gpus_per_worker
+    scaling["min_replicas"] = values.min_workers * values.replicas_per_worker
+    scaling["max_replicas"] = values.max_workers * values.replicas_per_worker
     return config
 
 

@@ -24,6 +24,7 @@ from deploy.kustomize import K8S, WORKER_GROUP, container, example_dirs, kustomi
 from deploy.references import check_references
 from deploy.schemas import CRD_VERSION, CRDS, K8S_VERSION, RAY_KINDS, crd_validator, errors, k8s_definition, k8s_validator
 from deploy.serve_config_check import check_serve_config
+from deploy.tensor_parallel_check import ENGINE_DEPLOYMENT, check_tensor_parallel, replica_gpus, tensor_parallel_size
 
 EXAMPLES = [K8S / "secret.example.yaml"]
 POD_TEMPLATE = "io.k8s.api.core.v1.PodTemplateSpec"
@@ -128,16 +129,17 @@ def check_capacity(rayservice: dict[str, Any], serve: dict[str, Any], where: str
     problems = []
     for app in serve["applications"]:
         for dep in app.get("deployments", []):
-            need = (dep.get("ray_actor_options") or {}).get("num_gpus", 0)
+            tp_engine = dep["name"] == ENGINE_DEPLOYMENT and tensor_parallel_size(app) > 1
+            need = replica_gpus(dep, app["args"]["engine"] if tp_engine else None)
             most = (dep.get("autoscaling_config") or {}).get("max_replicas", dep.get("num_replicas"))
             if need and isinstance(most, int) and most * need > group["maxReplicas"] * gpus:
-                problems.append(f"{where}: {dep['name']} may want {most * need} GPUs, {group['name']} have at most "
+                problems.append(f"{where}: {dep['name']} may want {most * need:g} GPUs, {group['name']} have at most "
                                 f"{group['maxReplicas']} x {gpus}")
         for key in ("model", "api_keys_file"):
             path = (app.get("args") or {}).get(key)
             if path and path.startswith("/") and not any(path.startswith(m.rstrip("/") + "/") for m in mounts):
                 problems.append(f"{where}: args.{key} {path} is on no volume of the worker pods ({', '.join(mounts)})")
-    return problems
+    return problems + check_tensor_parallel(group["template"], gpus, serve, where)
 
 
 def engine_group(rayservice: dict[str, Any]) -> dict[str, Any]:

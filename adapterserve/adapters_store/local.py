@@ -20,9 +20,8 @@ from adapterserve.errors import AdapterNotFound
 
 
 class LocalStore(AdapterStore):
-    def __init__(self, root_dir: str | os.PathLike, *, limits: StoreLimits | None = None,
-                 resolve_ttl_s: float = 0.0) -> None:
-        super().__init__(limits, resolve_ttl_s)
+    def __init__(self, root_dir: str | os.PathLike, *, limits: StoreLimits | None = None) -> None:
+        super().__init__(limits)
         self.root = Path(root_dir).expanduser().absolute()
         self._tmp = self.root / ".tmp"
         self._tmp.mkdir(parents=True, exist_ok=True)

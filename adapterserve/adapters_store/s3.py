@@ -49,10 +49,9 @@ class S3Store(AdapterStore):
         cache_bytes: int = 8 << 30,
         cache_grace_s: float = 60.0,
         limits: StoreLimits | None = None,
-        resolve_ttl_s: float = 0.0,
         client: Any = None,
     ) -> None:
-        super().__init__(limits, resolve_ttl_s)
+        super().__init__(limits)
         if cache_bytes < 1 or cache_grace_s < 0:
             raise ValueError(f"S3 cache_bytes must be positive and cache_grace_s >= 0, got {cache_bytes}, "
                              f"{cache_grace_s}")

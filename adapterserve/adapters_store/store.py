@@ -40,10 +40,9 @@ everything, and names it creates have no owner, so once keys are configured
 tenants see those only if they are public. `publish(quotas=...)` refuses a version
 over the tenant's quotas (usage.py) before anything is stored.
 
-Resolving a bare `name` lists `meta/<name>/`; with `resolve_ttl_s` > 0 the result
-is kept that long (this store object's own publishes and deletes drop it at once;
-other servers' show within the TTL). `name@N` reads its manifest and tombstone
-directly, so a request never lists the store. A manifest that cannot be read is
+Resolving a bare `name` lists `meta/<name>/` (the ingress caches resolutions:
+server/resolutions.py); `name@N` reads its manifest and tombstone directly, so no
+resolution lists the whole store. A manifest that cannot be read is
 logged and skipped: the other adapters stay usable. A store fault (read-only or
 full disk, unreachable bucket) raises StoreUnavailable naming no paths; the
 server log has the details.
@@ -58,7 +57,6 @@ import json
 import logging
 import os
 import tempfile
-import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import replace
@@ -137,15 +135,10 @@ class AdapterStore(ABC):
 
     _io_faults: tuple[type[BaseException], ...] = (OSError,)  # backend errors that mean "store unavailable"
 
-    def __init__(self, limits: StoreLimits | None = None, resolve_ttl_s: float = 0.0) -> None:
-        if resolve_ttl_s < 0:
-            raise ValueError(f"resolve_ttl_s must be >= 0, got {resolve_ttl_s}")
+    def __init__(self, limits: StoreLimits | None = None) -> None:
         self.limits = limits or StoreLimits()
-        self.resolve_ttl_s = resolve_ttl_s
         self._manifests: dict[str, AdapterVersion] = {}  # manifests never change: cache them
         self._unreadable: set[str] = set()  # manifests already reported as unreadable
-        self._resolved: dict[str, tuple[float, list[Record]]] = {}  # name -> (expiry, records)
-        self._resolved_lock = threading.Lock()
 
     # --- backend primitives -------------------------------------------------
 
@@ -214,10 +207,7 @@ class AdapterStore(ABC):
             info = _run_validator(validator, Path(tmp))
             for f in staged:
                 self._store_file(_data_prefix(name, digest) + f.path, Path(tmp) / f.path)
-            try:
-                return self._commit(_draft(name, tenant, public, digest, staged, info))
-            finally:
-                self._forget(name)
+            return self._commit(_draft(name, tenant, public, digest, staged, info))
 
     @_faults_unavailable
     def resolve(self, ref: str, *, tenant: str | None) -> AdapterVersion:
@@ -226,7 +216,7 @@ class AdapterStore(ABC):
         record = self._record(name, number) if number is not None else None
         if record and record.deleted_at is None and can_use(record.version, tenant):
             return record.version
-        records = _usable(self._records(name) if number is not None else self._recent_records(name), tenant)
+        records = _usable(self._records(name), tenant)
         if not records:
             raise AdapterNotFound(f"no adapter named {name!r}; {self._names_hint(tenant)}")
         if number is None:
@@ -255,11 +245,8 @@ class AdapterStore(ABC):
         if not targets:
             raise AdapterNotFound(f"adapter {name!r} has no live versions left to delete")
         stamp = json.dumps({"deleted_at": datetime.now(timezone.utc).isoformat(), "by": tenant}).encode()
-        try:
-            for v in targets:
-                self._put(_meta_key(name, v.version, "deleted"), stamp)
-        finally:
-            self._forget(name)
+        for v in targets:
+            self._put(_meta_key(name, v.version, "deleted"), stamp)
         return targets
 
     @_faults_unavailable
@@ -326,24 +313,6 @@ class AdapterStore(ABC):
 
     def _records(self, name: str) -> list[Record]:
         return self._scan(f"meta/{name}/").get(name, [])
-
-    def _recent_records(self, name: str) -> list[Record]:
-        """`_records(name)`, listed at most once per `resolve_ttl_s`."""
-        if self.resolve_ttl_s <= 0:
-            return self._records(name)
-        now = time.monotonic()
-        with self._resolved_lock:
-            if (hit := self._resolved.get(name)) and hit[0] > now:
-                return hit[1]
-        records = self._records(name)
-        if records:  # a name not found yet is listed again next time: its first publish shows at once
-            with self._resolved_lock:
-                self._resolved[name] = (now + self.resolve_ttl_s, records)
-        return records
-
-    def _forget(self, name: str) -> None:
-        with self._resolved_lock:
-            self._resolved.pop(name, None)
 
     def _record(self, name: str, number: int) -> Record | None:
         """Version `number` of `name` from its manifest and tombstone (no listing); None if absent."""

@@ -105,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "fp8"], help="engine dtype; fp8: "
                    "float8 linear weights of a Llama-family decoder, per-channel scales, bfloat16 elsewhere")
     p.add_argument("--max-lora-rank", type=int)
+    p.add_argument("--tensor-parallel-size", type=int, metavar="N", help="split the backbone over N GPUs, one "
+                   "engine replica driving N-1 workers placed by Ray on the replica's node (default 1; "
+                   "docs/tensor_parallel.md)")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling every kernel variant at engine start "
                    "(development: the first requests then wait for the compiler)")
     p.add_argument("--chat-template", metavar="FILE", help="Jinja chat template for /v1/chat/completions "
@@ -152,6 +155,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--presence-penalty", type=float, help="[-2, 2]: less likely to repeat any generated token")
     p.add_argument("--frequency-penalty", type=float, help="[-2, 2]: less likely the more a token was generated")
     p.add_argument("--repetition-penalty", type=float, help="> 0, 1 = off: tokens of the prompt and output")
+    p.add_argument("--n", type=int, help="completions of the prompt, each printed on a line of its own once done "
+                                         "(with --json: all under \"choices\")")
     p.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text, finish_reason")
     p.set_defaults(run=_generate)
 
@@ -225,7 +230,8 @@ def serve_config(args: argparse.Namespace) -> dict:
     """The config overrides `serve`'s flags ask for (a --config file first, flags on top)."""
     config: dict = _read_config_file(args.config) if args.config else {}
     engine = dict(config.get("engine", {}))
-    for flag, key in (("device", "device"), ("dtype", "dtype"), ("max_lora_rank", "max_lora_rank")):
+    for flag, key in (("device", "device"), ("dtype", "dtype"), ("max_lora_rank", "max_lora_rank"),
+                      ("tensor_parallel_size", "tensor_parallel_size")):
         if getattr(args, flag) is not None:
             engine[key] = getattr(args, flag)
     if getattr(args, "no_warmup", False):
@@ -357,10 +363,15 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = {"adapter": args.adapter, "max_tokens": args.max_tokens, "temperature": args.temperature,
                 "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "stop": args.stop,
                 "ignore_eos": args.ignore_eos, "presence_penalty": args.presence_penalty,
-                "frequency_penalty": args.frequency_penalty, "repetition_penalty": args.repetition_penalty}
+                "frequency_penalty": args.frequency_penalty, "repetition_penalty": args.repetition_penalty,
+                "n": args.n}
     with _client(args) as client:
         if args.json:
             print(json.dumps(client.generate(prompt, **sampling).to_json()))
+            return 0
+        if (args.n or 1) > 1:
+            for choice in client.generate(prompt, **sampling).choices:
+                print(choice.text)
             return 0
         for chunk in client.stream(prompt, **sampling):
             sys.stdout.write(chunk.text)

@@ -87,11 +87,13 @@ def generate_request(
     frequency_penalty: float | None = None,
     repetition_penalty: float | None = None,
     logit_bias: Mapping[int, float] | None = None,
+    n: int | None = None,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest; unset sampling fields take the server's defaults."""
+    """A GenerateRequest; unset sampling fields take the server's defaults. `n`: completions of
+    the prompt (chunks carry their choice's index; generate's Completion lists them in `choices`)."""
     optional = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
                 "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
-                "repetition_penalty": repetition_penalty}
+                "repetition_penalty": repetition_penalty, "n": n}
     sampling = pb.SamplingParams(
         top_k=top_k, stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
         logit_bias=dict(logit_bias or {}), **{k: v for k, v in optional.items() if v is not None},

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -36,11 +36,12 @@ class Chunk:
     prompt_tokens: int  # first chunk only
     request_id: str
     cached_tokens: int = 0  # prompt tokens found in the server's prefix cache (first chunk only)
+    index: int = 0  # the choice (of n) the tokens belong to; each choice's last chunk has its finish_reason
 
     @classmethod
     def from_proto(cls, m: pb.GenerateResponse) -> Chunk:
         return cls(list(m.token_ids), m.text, m.finish_reason or None, m.adapter, m.prompt_tokens, m.request_id,
-                   m.cached_tokens)
+                   m.cached_tokens, m.index)
 
 
 @dataclass(frozen=True)
@@ -54,25 +55,41 @@ class Completion:
     prompt_tokens: int
     request_id: str
     cached_tokens: int = 0  # prompt tokens found in the server's prefix cache
+    index: int = 0  # which choice this is
+    choices: list[Completion] = field(default_factory=list)  # n > 1: every choice in index order (this is choice 0)
 
     @classmethod
     def from_chunks(cls, chunks: Sequence[Chunk]) -> Completion:
+        """Choice 0 put together; with n > 1 every choice in `choices` (prompt counts from the first chunk)."""
         if not chunks:
             raise ClientError(grpc.StatusCode.UNKNOWN, "the server sent no tokens")
+        by_index: dict[int, list[Chunk]] = {}
+        for c in chunks:
+            by_index.setdefault(c.index, []).append(c)
+        choices = [cls._choice(chunks[0], by_index[i], i) for i in sorted(by_index)]
+        return choices[0] if len(choices) == 1 else replace(choices[0], choices=choices)
+
+    @classmethod
+    def _choice(cls, head: Chunk, chunks: list[Chunk], index: int) -> Completion:
         return cls(
             token_ids=[t for c in chunks for t in c.token_ids],
             text="".join(c.text for c in chunks),
             finish_reason=chunks[-1].finish_reason,
-            adapter=chunks[0].adapter,
-            prompt_tokens=chunks[0].prompt_tokens,
-            request_id=chunks[0].request_id,
-            cached_tokens=chunks[0].cached_tokens,
+            adapter=head.adapter,
+            prompt_tokens=head.prompt_tokens,
+            request_id=head.request_id,
+            cached_tokens=head.cached_tokens,
+            index=index,
         )
 
     def to_json(self) -> dict:
-        return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
+        body = {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
                 "adapter": self.adapter or None, "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": self.cached_tokens}
+        if self.choices:
+            body["choices"] = [{"index": c.index, "token_ids": c.token_ids, "text": c.text,
+                                "finish_reason": c.finish_reason} for c in self.choices]
+        return body
 
 
 @dataclass(frozen=True)

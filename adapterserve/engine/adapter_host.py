@@ -192,6 +192,9 @@ class AdapterHost:
     def list_adapters(self) -> list[str]:
         return sorted(self.adapters)
 
+    def close(self) -> None:
+        """Release what the engine holds outside this process (tensor-parallel workers); nothing here."""
+
     def _acquire_slot(self, adapter_id: str, keep: Collection[str] = ()) -> int | None:
         """The adapter's slot (placed if needed); ``keep``: adapter ids not to evict for it.
         AdapterNotFound if it was unloaded while its request waited."""

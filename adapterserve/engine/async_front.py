@@ -36,8 +36,10 @@ class AsyncFront:
         request_id: str | None = None, times: RequestTimes | None = None, cache_salt: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Yield new tokens and text as steps produce them; the last chunk has finish_reason.
-        Steps that finished while the consumer was busy arrive merged in one chunk, so a
-        slow consumer (a server relaying each chunk) pays per chunk, not per token.
+        With sampling.n > 1 each chunk is one choice's (its `index`), and each choice ends with
+        its own finish_reason; the stream ends after the last. Steps that finished while the
+        consumer was busy arrive merged in one chunk per choice, so a slow consumer (a server
+        relaying each chunk) pays per chunk, not per token.
         Closing the iterator early (or cancelling its task) aborts the request. A request
         that fails raises its error here. `times`, if given, gets the request's stage times
         (before each chunk that reaches a stage is yielded). `cache_salt`: as for add_request."""
@@ -48,16 +50,16 @@ class AsyncFront:
         self._streams[request.request_id] = queue
         self._ensure_loop()
         try:
-            while True:
-                chunk = merge_chunks([await queue.get()], queue)
-                if times is not None:
-                    _stamp(times, chunk)
-                yield chunk
-                if chunk.finished:
-                    return
+            unfinished = request.sampling.n
+            while unfinished:
+                for chunk in merge_chunks([await queue.get()], queue):
+                    unfinished -= chunk.finished
+                    if times is not None:
+                        _stamp(times, chunk, unfinished == 0)
+                    yield chunk
         finally:
             self._streams.pop(request.request_id, None)
-            if not request.finished:
+            if not request.done:
                 self.abort(request.request_id)
 
     async def classify_async(self, texts: Sequence[Prompt], adapter_ids: Sequence[str] | str) -> list[ClassifyOutput]:
@@ -139,30 +141,39 @@ class AsyncFront:
                 future.set_exception(exc)
 
 
-def _stamp(times: RequestTimes, chunk: RequestOutput) -> None:
+def _stamp(times: RequestTimes, chunk: RequestOutput, last: bool) -> None:
     """The first token's time (at the first chunk) and the end's (at the last)."""
     now = time.time_ns()
     if not times.first_token_ns:
         times.first_token_ns = now
-    if chunk.finished:
+    if last:
         times.finished_ns = now
 
 
-def merge_chunks(chunks: list, queue: asyncio.Queue) -> RequestOutput:
-    """One chunk from the first and every chunk already waiting; an error (an exception
-    put in the queue, or a chunk that carries one) raises."""
-    while not queue.empty() and not getattr(chunks[-1], "finished", False):
+def merge_chunks(chunks: list, queue: asyncio.Queue) -> list[RequestOutput]:
+    """The first chunk and every chunk already waiting, merged into one per choice (in the
+    order the choices first appear); an error (an exception put in the queue, or a chunk
+    that carries one) raises."""
+    while not queue.empty():
         chunks.append(queue.get_nowait())
+    by_choice: dict[int, list[RequestOutput]] = {}
     for c in chunks:
         if isinstance(c, BaseException):
             raise c
         if c.error is not None:
             raise c.error
+        by_choice.setdefault(c.index, []).append(c)
+    return [_merged(run) for run in by_choice.values()]
+
+
+def _merged(chunks: list[RequestOutput]) -> RequestOutput:
+    """Consecutive chunks of one choice as one."""
     if len(chunks) == 1:
         return chunks[0]
     last = chunks[-1]
     return RequestOutput(last.request_id, [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
-                         last.finish_reason, last.adapter_id, last.prompt_token_ids, cached_tokens=last.cached_tokens)
+                         last.finish_reason, last.adapter_id, last.prompt_token_ids, cached_tokens=last.cached_tokens,
+                         index=last.index)
 
 
 def per_prompt(value, n: int, name: str) -> list:

@@ -19,23 +19,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from adapterserve.adapters_store.formats.types import BackboneSpec
+from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.adapters_store.formats.types import BackboneSpec, LoraAdapter
 from adapterserve.config import EngineConfig
 from adapterserve.engine.adapter_host import AdapterHost
-from adapterserve.engine.async_front import AsyncFront, Prompt, per_prompt
+from adapterserve.engine.async_front import AsyncFront, Prompt
 from adapterserve.engine.detokenizer import Detokenizer
 from adapterserve.engine.graphs import decode_graph_limits
 from adapterserve.engine.kv_cache import BlockManager
-from adapterserve.engine.pools.bottleneck import BottleneckPools
-from adapterserve.engine.pools.head import HeadPool
-from adapterserve.engine.pools.ia3 import Ia3Pool
-from adapterserve.engine.pools.lora import LoraPool
-from adapterserve.engine.pools.prefix import PrefixPool
-from adapterserve.engine.pools.prompt import PromptPool
+from adapterserve.engine.pool_set import build_pools
 from adapterserve.engine.prefix_cache import BASE, KvIdentities, PrefixCache, chain_root
 from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput, RequestTimes
 from adapterserve.engine.runner import ModelRunner, StepResult
@@ -43,19 +40,25 @@ from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.engine.scheduler import Scheduler
 from adapterserve.engine.slots import AdapterSlots
 from adapterserve.engine.stats import EngineStats
+from adapterserve.engine.sync_front import SyncFront, final_output
 from adapterserve.engine.stopping import check_stop_token, stream_delta, update_text
+from adapterserve.engine.tp.launch import RayPlacement, start_group
+from adapterserve.engine.tp.lockstep import Lockstep
+from adapterserve.engine.tp.worker import ModelBuilder, checkpoint_shard
 from adapterserve.engine.warmup import WarmupReport, should_warm_up, warm_up
 from adapterserve.errors import AdapterNotFound, EngineBroken, Overloaded, RequestError
-from adapterserve.models.decoder import DecoderModel
-from adapterserve.models.decoder_config import DecoderConfig
+from adapterserve.layers.parallel import SINGLE
+from adapterserve.models.decoder import DecoderModel, check_shardable
+from adapterserve.models.decoder_config import DecoderConfig, read_decoder_config
 from adapterserve.models.encoder_config import SUPPORTED_MODEL_TYPES as ENCODER_TYPES
-from adapterserve.models.loader import load_decoder
-
-_SYNC_IDLE_S = 0.001  # generate()'s pause when a step had nothing to run
 
 
-class Engine(AdapterHost, AsyncFront):
-    def __init__(self, model: DecoderModel, tokenizer, config: EngineConfig) -> None:
+
+
+class Engine(AdapterHost, AsyncFront, SyncFront):
+    def __init__(self, model: DecoderModel, tokenizer, config: EngineConfig, lockstep: Lockstep | None = None) -> None:
+        """``lockstep``: the other ranks of a tensor-parallel group (model is rank 0's shard);
+        None for one device."""
         super().__init__()
         self._init_async_front()
         self.model = model
@@ -70,12 +73,19 @@ class Engine(AdapterHost, AsyncFront):
             cache_tokens,
         )
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
+        self.lockstep = lockstep
         self.runner = ModelRunner(
-            model, self.blocks, config.max_loras, config.max_lora_rank, config.max_num_batched_tokens, config.seed
+            model, self.blocks, config.max_loras, config.max_lora_rank, config.max_num_batched_tokens, config.seed,
+            lockstep,
         )
         on_gpu = torch.device(config.device).type == "cuda"
         copy_stream = torch.cuda.Stream(device=config.device) if on_gpu else None
-        self.slots = AdapterSlots(config.max_loras, self._pools(), copy_stream=copy_stream)
+        pools = build_pools(config, model, self.blocks)
+        self.lora_pool, self.bottleneck_pools, self.head_pool = pools.lora, pools.bottleneck, pools.head
+        self.prefix_pool = pools.prefix
+        self.slots = AdapterSlots(config.max_loras, pools.all(), copy_stream=copy_stream, mirror=lockstep)
+        if lockstep is not None:
+            lockstep.prefix_pages = lambda slot: self.prefix_pool.pages.get(slot, [])
         self.runner.families_of = self._families_of
         self.runner.prefix_pages = self.prefix_pool.pages.__getitem__
         if config.lora_side_stream and on_gpu:
@@ -91,7 +101,7 @@ class Engine(AdapterHost, AsyncFront):
         self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release, self.prefix_cache)
         self.requests: dict[str, Request] = {}
         self._in_flight: StepResult | None = None  # launched, results not yet handled
-        self.broken: str | None = None  # why a failed step broke the engine; None while it serves
+        self._broken: str | None = None  # why a failed step broke the engine; None while it serves
         self._last_progress = time.monotonic()  # when the step loop last moved a request
         self.stats = EngineStats()  # steps, batch sizes, queue times (metrics)
         # every kernel variant and decode graph compiled now, before anyone sends a request
@@ -104,49 +114,89 @@ class Engine(AdapterHost, AsyncFront):
         device: str = "cpu",
         dtype: str = "float32",
         max_lora_rank: int = 64,
+        placement: RayPlacement | None = None,
         **overrides,
     ) -> "Engine":
         """Load a Hugging Face checkpoint directory (safetensors) and its tokenizer.
-        A BERT-family checkpoint gives an EncoderEngine (classify and embed)."""
+        A BERT-family checkpoint gives an EncoderEngine (classify and embed).
+        ``placement``: with tensor_parallel_size > 1, the Ray placement group whose bundles
+        1..N-1 take the workers, when this process is not the Ray actor holding it."""
         if _model_type(model_dir) in ENCODER_TYPES:
+            if overrides.get("tensor_parallel_size", 1) != 1:
+                raise ValueError("tensor_parallel_size > 1 splits decoders (Llama family); a BERT-family encoder "
+                                 "runs on one device: use tensor_parallel_size 1 (and replicas to scale out)")
             from adapterserve.engine.encoder_engine import EncoderEngine
 
             return EncoderEngine.from_pretrained(model_dir, device, dtype, max_lora_rank, **overrides)
         config = EngineConfig(device=device, dtype=dtype, max_lora_rank=max_lora_rank, **overrides)
-        model, _ = load_decoder(model_dir, config.torch_dtype, device, fp8_gemm=config.fp8_gemm if config.fp8 else None)
-        return cls(model, _load_tokenizer(model_dir), config)
+        build = partial(checkpoint_shard, str(model_dir), config.torch_dtype, config.fp8_gemm if config.fp8 else None)
+        return cls.from_model(build, read_decoder_config(Path(model_dir)), _load_tokenizer(model_dir), config,
+                              placement)
 
-    def _pools(self) -> list:
-        cfg, model = self.config, self.model
-        linears = list(model.adapter_linears())
-        dtype, device = cfg.torch_dtype, cfg.device
-        prompt = PromptPool(cfg.max_loras, cfg.max_virtual_tokens, self.model_config.hidden_size, dtype, device)
-        model.prompt_embeddings = prompt.embeddings
-        self.prefix_pool = PrefixPool(self.blocks, model.attention_layers())
-        self.head_pool = HeadPool(cfg.max_loras, cfg.max_labels, cfg.max_head_layers, self.model_config.hidden_size,
-                                  ("last",), dtype, device)
-        self.lora_pool = LoraPool(linears, cfg.max_loras, cfg.pool_rows, cfg.max_lora_rank, dtype, device,
-                                  stacked=cfg.lora_decode == "stacked")
-        self.bottleneck_pools = BottleneckPools(list(model.layers), self.model_config.hidden_size, cfg.max_loras,
-                                                cfg.max_bottleneck_rank, cfg.max_num_batched_tokens, dtype, device)
-        return [
-            self.lora_pool,
-            self.bottleneck_pools,
-            self.head_pool,
-            Ia3Pool(linears, cfg.max_loras, dtype, device),
-            prompt,
-            self.prefix_pool,
-        ]
+    @classmethod
+    def from_model(cls, build_model: ModelBuilder, model_config: DecoderConfig, tokenizer, config: EngineConfig,
+                   placement: RayPlacement | None = None) -> "Engine":
+        """An engine whose backbone ``build_model(tp, device)`` makes (a picklable callable: with
+        tensor_parallel_size N > 1 every rank calls it for its shard, rank 0 here, ranks 1..N-1
+        in their workers, engine/tp/launch.py)."""
+        if config.tensor_parallel_size == 1:
+            return cls(build_model(SINGLE, config.device), tokenizer, config)
+        check_shardable(model_config, config.tensor_parallel_size)
+        lockstep = start_group(build_model, config, placement)
+        try:
+            model = build_model(lockstep.tp, config.device)
+            lockstep.wait_ready()
+            return cls(model, tokenizer, config, lockstep)
+        except BaseException:
+            lockstep.close()
+            raise
+
+    @property
+    def broken(self) -> str | None:
+        """Why the engine serves no more requests (a failed step, a tensor-parallel worker gone,
+        even while idle: health reads this); None while it serves."""
+        if self._broken is None and self.lockstep is not None:
+            try:
+                self.lockstep.check()
+            except EngineBroken as exc:
+                self._broken = str(exc)
+        return self._broken
+
+    @broken.setter
+    def broken(self, reason: str | None) -> None:
+        self._broken = reason
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one device); the engine serves no more."""
+        if self.lockstep is not None:
+            with self._lock:
+                self.lockstep.close()
+                self.broken = self.broken or "closed"
 
     # adapters
 
     def add_adapter(self, adapter_id: str, adapter, pinned: bool = False) -> None:
         """AdapterHost.add_adapter, and the adapter's KV identity (prefix cache) computed now,
-        not on its first request."""
-        super().add_adapter(adapter_id, adapter, pinned)
+        not on its first request. With tensor-parallel workers, its tensors go to them now."""
+        if isinstance(adapter, LoraAdapter):
+            adapter = Adapter("lora", lora=adapter, config=adapter.config)
+        if self.lockstep is not None:
+            self.check_servable(adapter, adapter_id)  # nothing refused is sent
+            self.lockstep.share(adapter)
+        try:
+            super().add_adapter(adapter_id, adapter, pinned)
+        except BaseException:
+            if self.lockstep is not None:
+                self.lockstep.forget(adapter)
+            raise
         registered = self.adapters.get(adapter_id)
         if registered is not None:
             self.kv_identities.of(adapter_id, registered, self.adapters)
+
+    def _unstage(self, adapter_id: str, adapter: Adapter) -> None:
+        super()._unstage(adapter_id, adapter)
+        if self.lockstep is not None:
+            self.lockstep.forget(adapter)
 
     @property
     def backbone_spec(self) -> BackboneSpec:
@@ -196,8 +246,8 @@ class Engine(AdapterHost, AsyncFront):
             self._check_queue()
             if not self.has_unfinished():
                 self._last_progress = time.monotonic()  # an idle engine's stall clock starts now
+            self.scheduler.add(request)  # first: it refuses an n it cannot run (n > 1: the choices' hook)
             self.requests[request.request_id] = request
-            self.scheduler.add(request)
         return request
 
     def _check_serving(self) -> None:
@@ -263,7 +313,7 @@ class Engine(AdapterHost, AsyncFront):
         """Stop a request now and free its KV blocks; False if it is unknown or done."""
         with self._lock:
             request = self.requests.get(request_id)
-            if request is None or request.finished:
+            if request is None or request.done:  # done: every choice of it (n > 1: the choices' hook)
                 return False
             self._finish(request, "abort")
             return True
@@ -316,6 +366,9 @@ class Engine(AdapterHost, AsyncFront):
                 request.final_launched = self._reaches_length(request, request.num_outputs, request.num_tokens)
         for request in batch.requests:
             self.prefix_cache.remember(request)
+        sources, copies = self.scheduler.fork(batch.requests)  # n > 1: the choices' hook
+        if copies:
+            self.runner.copy_blocks(sources, copies)
         return result
 
     def _reaches_length(self, request: Request, outputs: int, tokens: int) -> bool:
@@ -378,17 +431,23 @@ class Engine(AdapterHost, AsyncFront):
 
     def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.finish(request, reason)
-        self.requests.pop(request.request_id, None)
+        if request.done:  # its last choice (n > 1: the choices' hook)
+            self.requests.pop(request.request_id, None)
 
     def _fail(self, request: Request, error: Exception) -> RequestOutput:
         """End one request with `error` (its KV blocks and slot freed); its final output."""
         request.error = error
         self._finish(request, "error")
-        return _final(request)
+        return final_output(request)
 
     def _break(self, cause: Exception) -> EngineBroken:
         """A step failed as a whole: fail every request and refuse all later calls."""
         self.broken = f"{type(cause).__name__}: {cause}"
+        if self.lockstep is not None and not isinstance(cause, EngineBroken):
+            worker = self.lockstep.failed_worker()  # a dead rank shows as its peers' failed collective
+            self.broken = f"{worker}; {self.broken}" if worker else self.broken
+        if self.lockstep is not None:
+            self.lockstep.close(wait_s=0.0, abort=True)  # no rank may wait in a collective for ever
         error = EngineBroken(f"the engine failed a step and serves no more requests ({self.broken}); "
                              "retry: its replica is being replaced")
         self._in_flight = None
@@ -399,72 +458,7 @@ class Engine(AdapterHost, AsyncFront):
     def _chunk(self, request: Request) -> RequestOutput:
         ids, text = stream_delta(request)
         return RequestOutput(request.request_id, ids, text, request.finish_reason, request.adapter_id,
-                             request.prompt_ids, cached_tokens=request.cached_tokens or 0)
-
-    # synchronous and streaming front ends
-
-    def generate(
-        self,
-        prompts: Sequence[Prompt],
-        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-        adapter_ids: Sequence[str | None] | None = None,
-    ) -> list[RequestOutput]:
-        """Run all prompts to completion in shared batches; outputs in prompt order."""
-        if isinstance(prompts, str):
-            raise RequestError("generate takes a list of prompts; use [prompt] for one")
-        n = len(prompts)
-        params = per_prompt(sampling or SamplingParams(), n, "sampling")
-        adapters = per_prompt(adapter_ids, n, "adapter_ids") if adapter_ids is not None else [None] * n
-        requests = self._add_all([(p, s, a, "generate") for p, s, a in zip(prompts, params, adapters)])
-        self._run_to_completion(requests)
-        return [_final(r) for r in requests]
-
-    def classify(self, texts: Sequence[Prompt], adapter_ids: Sequence[str] | str) -> list[ClassifyOutput]:
-        """Label each text with its adapter's classification head, in shared batches."""
-        return self._pool(texts, adapter_ids, "classify")
-
-    def embed(self, texts: Sequence[Prompt], adapter_ids: Sequence[str | None] | str | None = None) -> list[EmbedOutput]:
-        """Pooled hidden state of each text (last token, after the final norm)."""
-        return self._pool(texts, adapter_ids, "embed")
-
-    def _pool(self, texts, adapter_ids, task: str) -> list:
-        if isinstance(texts, str):
-            raise RequestError(f"{task} takes a list of texts; use [text] for one")
-        ids = per_prompt(adapter_ids, len(texts), "adapter_ids")
-        requests = self._add_all([(t, SamplingParams(max_tokens=1), a, task) for t, a in zip(texts, ids)])
-        self._run_to_completion(requests)
-        errors = [r.error for r in requests if r.error is not None]
-        if errors:
-            raise errors[0]
-        return [r.result for r in requests]
-
-    def _add_all(self, specs: list[tuple]) -> list[Request]:
-        """add_request for each (prompt, sampling, adapter_id, task); all or none."""
-        requests: list[Request] = []
-        try:
-            for prompt, sampling, adapter_id, task in specs:
-                requests.append(self.add_request(prompt, sampling, adapter_id, task=task))
-        except BaseException:
-            for r in requests:
-                self.abort(r.request_id)
-            raise
-        return requests
-
-    def _run_to_completion(self, requests: list[Request]) -> None:
-        """Step until every request has finished (aborting them if stepping raises)."""
-        try:
-            while any(not r.finished for r in requests):
-                if not self.step() and self._in_flight is None:  # nothing could run yet (adapter copies)
-                    time.sleep(_SYNC_IDLE_S)
-        finally:
-            for r in requests:
-                if not r.finished:
-                    self.abort(r.request_id)
-
-
-def _final(request: Request) -> RequestOutput:
-    return RequestOutput(request.request_id, list(request.output_ids), request.text, request.finish_reason,
-                         request.adapter_id, request.prompt_ids, request.error, request.cached_tokens or 0)
+                             request.prompt_ids, cached_tokens=request.cached_tokens or 0, index=request.index)
 
 
 def _token_ids(prompt: Sequence[int]) -> list[int]:

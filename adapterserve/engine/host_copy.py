@@ -7,6 +7,9 @@ host allocator keeps each staging buffer alive until its copy has run.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 
@@ -27,3 +30,19 @@ def copy_into(buffer: torch.Tensor, values: np.ndarray) -> None:
     if buffer.is_cuda:
         host = host.pin_memory()
     buffer.copy_(host, non_blocking=True)
+
+
+@contextmanager
+def on_copy_stream(copy_stream: torch.cuda.Stream | None, landed: list[torch.cuda.Event]) -> Iterator[None]:
+    """Device writes inside run on ``copy_stream``, behind the work the current stream has queued;
+    the event of their completion is appended to ``landed`` (for the step that must wait for
+    them). Without a copy stream (CPU) they run in place."""
+    if copy_stream is None:
+        yield
+        return
+    copy_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(copy_stream):
+        yield
+    event = torch.cuda.Event()
+    event.record(copy_stream)
+    landed.append(event)

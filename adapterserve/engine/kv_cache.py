@@ -2,7 +2,8 @@
 for reuse by the prefix cache (no torch).
 
 A block is held by the requests (or prefix-tuning pages) whose tables list it; its
-reference count says by how many. A full block whose KV is known by its key (a hash
+reference count says by how many. The n choices of one request share the blocks of its
+prompt (`share`); each writes only to blocks of its own. A full block whose KV is known by its key (a hash
 chain of its tokens: engine/prefix_cache.py) is *cached*: when its last holder lets it
 go it is not freed but kept, least recently used first out, and handed to a request
 with the same key. Cached blocks nobody holds count as free: they are reclaimed, oldest
@@ -52,6 +53,17 @@ class BlockManager:
             block = self._free.popleft() if self._free else self._reclaim()
             self._refs[block] = 1
             blocks.append(block)
+
+    def share(self, blocks: list[int]) -> list[int]:
+        """A new table holding the same blocks, each now held once more (a request's choices
+        share its prompt's blocks)."""
+        for block in blocks:
+            self._refs[block] += 1
+        return list(blocks)
+
+    def holders(self, block: int) -> int:
+        """How many tables hold the block now."""
+        return self._refs[block]
 
     def release(self, blocks: list[int]) -> None:
         """Let a table's blocks go: a block nobody holds any more is freed, or kept idle if cached."""

@@ -64,6 +64,9 @@ class Request:
     times: RequestTimes | None = None  # stage times, kept only when the request brings one
     arrived_at: float = field(default_factory=time.monotonic)  # when it was queued (metrics)
     scheduled_at: float | None = None  # when a step first ran it: its queue time ends (metrics)
+    index: int = 0  # which of its request's n choices (sampling.n) it is
+    choices: list[Request] | None = None  # all n choices, in index order (shared list); None when n == 1
+    to_fork: list[Request] = field(default_factory=list)  # choice 0 only: choices to fork once its prompt is in
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Ids of the request's own KV entries [start, end) (virtual tokens as 0); a pending
@@ -92,6 +95,32 @@ class Request:
     def pooling(self) -> bool:
         return self.task != "generate"
 
+    @property
+    def all_choices(self) -> list[Request]:
+        return self.choices if self.choices is not None else [self]
+
+    @property
+    def done(self) -> bool:
+        """Whether every choice of the request has finished."""
+        return all(c.finished for c in self.all_choices)
+
+    def add_choices(self) -> None:
+        """Make choices 1 .. n-1 of a request of n > 1 choices (this one is choice 0). They wait
+        in `to_fork` until this one has computed the prompt, then share its KV blocks."""
+        n = self.sampling.n
+        if n == 1:
+            return
+        self.choices = [self]
+        for index in range(1, n):
+            other = Request(self.prompt_ids, self.sampling, self.adapter_id, self.request_id, task=self.task,
+                            num_virtual=self.num_virtual, prefix_len=self.prefix_len, cache_root=self.cache_root,
+                            index=index, choices=self.choices)
+            seed = self.sampling.choice_seed(index)
+            if seed is not None and self.generator is not None:
+                other.generator = type(self.generator)(device=self.generator.device).manual_seed(seed)  # torch's
+            self.choices.append(other)
+        self.to_fork = self.choices[1:]
+
 
 @dataclass(frozen=True)
 class RequestOutput:
@@ -105,6 +134,7 @@ class RequestOutput:
     prompt_token_ids: list[int] = field(default_factory=list)
     error: Exception | None = None  # set with finish_reason "error": why this request alone failed
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    index: int = 0  # the choice (of the request's sampling.n) these tokens belong to
 
     @property
     def finished(self) -> bool:

@@ -1,4 +1,6 @@
-"""Runs one step on the device: builds the BatchContext, runs the backbone, samples.
+"""Runs one step: its host inputs built from the scheduled requests, the device part
+(engine/step_device.py: BatchContext, backbone, logits; on every tensor-parallel rank),
+then sampling.
 
 ``run`` launches the step and returns at once: the sampled ids stay on the device
 (where the next step reads them as its input) and reach the host through a pinned
@@ -7,28 +9,25 @@ runs step n.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from adapterserve.engine.adapter_host import TOKEN_FAMILIES, family_slots
-from adapterserve.engine.attention_meta import SequenceLayout, build_attention_meta
-from adapterserve.engine.host_copy import to_device
+from adapterserve.engine.adapter_host import family_slots
+from adapterserve.engine.attention_meta import SequenceLayout
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.penalties import PenaltyState
 from adapterserve.engine.request import Request
 from adapterserve.engine.sampler import sample
 from adapterserve.engine.scheduler import ScheduledBatch
-from adapterserve.kernels import build_adapter_meta
-from adapterserve.layers.context import BatchContext, VirtualTokens, set_context
+from adapterserve.engine.step_device import StepDevice, StepInputs, with_sampled_ids  # noqa: F401 (re-exported)
+from adapterserve.layers.parallel import SINGLE
 from adapterserve.models.decoder import DecoderModel
 
-
-def with_sampled_ids(ids: torch.Tensor, sources: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
-    """Input ids from the host, each row whose source is >= 0 taking the id the step
-    before sampled into that row of ``sampled`` (a token not yet on the host)."""
-    return torch.where(sources >= 0, sampled[sources.clamp(min=0)], ids)
+if TYPE_CHECKING:
+    from adapterserve.engine.tp.lockstep import Lockstep
 
 
 def _completes(request: Request, num_new_tokens: int) -> bool:
@@ -45,62 +44,62 @@ class StepResult:
     tokens: torch.Tensor | None  # [G] long, generating requests in batch order
     ready: torch.cuda.Event | None
     pooled: list[torch.Tensor | None]  # per request: float32 hidden state of a pooling request
+    wait: Callable[[torch.cuda.Event], None] | None = None  # how to wait for `ready` (None: synchronize)
 
     def token_ids(self) -> list[int]:
         """Waits for the GPU to finish the step."""
         if self.ready is not None:
-            self.ready.synchronize()
+            self.wait(self.ready) if self.wait is not None else self.ready.synchronize()
         return [] if self.tokens is None else self.tokens.tolist()
 
 
-@dataclass
-class _HostBatch:
-    """The step's token-level lists, built on the host before one copy each."""
-
-    ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    layouts: list[SequenceLayout] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    last_rows: list[int] = field(default_factory=list)
-    sources: list[int] = field(default_factory=list)  # per token: row of `sampled` holding its id, or -1
-    virtual: tuple[list[int], list[int], list[int]] = field(default_factory=lambda: ([], [], []))
-
-
 class ModelRunner:
-    def __init__(
-        self,
-        model: DecoderModel,
-        blocks: BlockManager,
-        num_slots: int,
-        max_rank: int,
-        max_tokens: int,
-        seed: int,
-    ) -> None:
+    """Rank 0's step: the host inputs built from the scheduled requests, the device part
+    (``StepDevice``, on every rank: ``lockstep`` hands the inputs to the other ranks
+    first), then sampling."""
+
+    def __init__(self, model: DecoderModel, blocks: BlockManager, num_slots: int, max_rank: int, max_tokens: int,
+                 seed: int, lockstep: Lockstep | None = None) -> None:
         self.model = model
         self.blocks = blocks
         self.num_slots = num_slots
-        param = model.embed_tokens.weight
-        self.device, self.dtype = param.device, param.dtype
-        cfg = model.cfg
+        self.lockstep = lockstep  # the other tensor-parallel ranks (None: this rank alone)
+        tp = lockstep.tp if lockstep is not None else SINGLE
         num_cache_slots = blocks.num_blocks * blocks.block_size + 1  # the last: trash for padding rows
-        for attn in model.attention_layers():
-            attn.k_cache = torch.zeros(num_cache_slots, cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros_like(attn.k_cache)
-        self.lora_workspace = torch.empty(3, max_tokens, max(max_rank, 1), dtype=self.dtype, device=self.device)
-        self.sampled = torch.zeros(max_tokens, dtype=torch.long, device=self.device)  # last step's token ids
+        self.device_part = StepDevice(model, num_cache_slots, blocks.block_size, num_slots, max_rank, max_tokens, tp)
+        self.device = self.device_part.device
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.penalties = PenaltyState(model.cfg.vocab_size, self.device)
         self.families_of = lambda slot: frozenset()  # slot -> families it holds; bound by the engine
         self.prefix_pages = lambda slot: []  # slot -> KV blocks of its prefix; bound by the engine
-        self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs
         self.graph_signature = lambda: ()  # host state a captured graph depends on; bound by the engine
 
-    def enable_cuda_graphs(self, max_batch: int, max_pages: int) -> None:
-        from adapterserve.engine.graphs import DecodeGraphs
+    @property
+    def graphs(self):
+        """DecodeGraphs (None without CUDA graphs)."""
+        return self.device_part.graphs
 
-        trash = self.blocks.num_blocks * self.blocks.block_size
-        self.graphs = DecodeGraphs(self, max_batch, max_pages, trash)
+    @property
+    def sampled(self) -> torch.Tensor:
+        return self.device_part.sampled
+
+    @property
+    def lora_workspace(self) -> torch.Tensor:
+        return self.device_part.lora_workspace
+
+    def enable_cuda_graphs(self, max_batch: int, max_pages: int) -> None:
+        self.device_part.enable_cuda_graphs(max_batch, max_pages)
+        if self.lockstep is not None:
+            self.lockstep.enable_cuda_graphs(max_batch, max_pages)
+
+    def capture_graph(self, bucket: int, families: tuple[bool, ...], stacked_rows: int = 0) -> None:
+        """Capture a decode graph ahead (warm-up) on every rank, with the stacked GEMMs
+        covering `stacked_rows` pool rows (0: as they are)."""
+        signature = self.graph_signature()
+        if self.lockstep is not None:
+            self.lockstep.capture(bucket, families, signature, stacked_rows)
+        self.graphs.capture(bucket, families, signature)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, generators: list[torch.Generator | None]) -> StepResult:
@@ -108,94 +107,74 @@ class ModelRunner:
         completes gets a result: a generating one samples its next token, a pooling one
         (classify, embed) gets its pooled hidden state; a prompt chunk short of the end
         of its request only fills the KV cache."""
-        host = self._host_batch(batch)
         requests = batch.requests
         done = [i for i, (r, n) in enumerate(zip(requests, batch.num_new_tokens)) if _completes(r, n)]
-        generating = [i for i in done if not requests[i].pooling]
-        pooled: list[torch.Tensor | None] = [None] * len(done)
-        if self._graph_ready(host, batch, len(done)):
-            slots = self._family_slots(host.slots)
-            families = tuple(bool((row >= 0).any()) for row in slots)
-            logits = self.graphs.run(host, slots, families, self.graph_signature())
-        else:
-            last = self._forward_eager(host)
-            for k, i in enumerate(done):
-                if requests[i].pooling:
-                    pooled[k] = last[i].float()
-            logits = self.model.compute_logits(last[generating]) if generating else None
+        inputs = self._host_batch(batch)
+        inputs.generating = [i for i in done if not requests[i].pooling]
+        inputs.graph = self._graph_ready(inputs, batch, len(done))
+        if inputs.graph:
+            inputs.signature = self.graph_signature()
+        if self.lockstep is not None:
+            self.lockstep.step(inputs)
+        logits, last = self.device_part.forward(inputs)
         self.last_logits = logits
+        pooled = [last[i].float() if requests[i].pooling else None for i in done] if last is not None \
+            else [None] * len(done)
         finished = [requests[i] for i in done]
-        if not generating:
-            return StepResult(finished, None, None, pooled)
-        rows = [requests[i] for i in generating]  # in the order of the logits' rows
+        if not inputs.generating:
+            return self._publish(finished, None, pooled)
+        rows = [requests[i] for i in inputs.generating]  # in the order of the logits' rows
         penalties = self.penalties.prepare(rows)
-        tokens = sample(logits, [r.sampling for r in rows], [generators[i] for i in generating],
+        tokens = sample(logits, [r.sampling for r in rows], [generators[i] for i in inputs.generating],
                         self.generator, penalties)
         self.penalties.record(penalties, tokens)
-        for row, i in enumerate(generating):
+        for row, i in enumerate(inputs.generating):
             requests[i].pending_row = row
         return self._publish(finished, tokens, pooled)
+
+    def copy_blocks(self, sources: list[int], copies: list[int]) -> None:
+        """KV block sources[i] copied into copies[i] in every layer, on every rank (the choices
+        of a request of n > 1 fork from its first)."""
+        if self.lockstep is not None:
+            self.lockstep.copy_blocks(sources, copies)
+        self.device_part.copy_blocks(sources, copies)
 
     @staticmethod
     def completing(batch: ScheduledBatch) -> list[Request]:
         """The batch's requests whose tokens this step completes (they get a result)."""
         return [r for r, n in zip(batch.requests, batch.num_new_tokens) if _completes(r, n)]
 
-    def _forward_eager(self, host: _HostBatch) -> torch.Tensor:
-        """The backbone outside a CUDA graph; hidden states of each request's last row [B, D]."""
-        input_ids, positions, ctx = self._device_batch(host)
-        set_context(ctx)
-        try:
-            return self.model(input_ids, positions)[ctx.logits_rows]
-        finally:
-            set_context(None)
-
-    def _publish(self, requests: list[Request], tokens: torch.Tensor, pooled: list) -> StepResult:
-        """Keep the ids on the device for the next step's input; start their copy to the host."""
-        self.sampled[: tokens.shape[0]].copy_(tokens)
-        if not tokens.is_cuda:
-            return StepResult(requests, tokens.clone(), None, pooled)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+    def _publish(self, requests: list[Request], tokens: torch.Tensor | None, pooled: list) -> StepResult:
+        """Keep the ids on the device (every rank) for the next step's input; start their copy
+        to the host. With other ranks, the host later waits for the step through `lockstep`
+        (watching the workers), pooled results included."""
+        if tokens is not None:
+            self.device_part.keep_sampled(tokens, tokens.shape[0])
+        waiter = self.lockstep.wait if self.lockstep is not None else None
+        if self.device.type != "cuda" or (tokens is None and waiter is None):
+            return StepResult(requests, None if tokens is None else tokens.clone(), None, pooled)
+        host = None
+        if tokens is not None:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return StepResult(requests, host, ready, pooled)
+        return StepResult(requests, host, ready, pooled, waiter)
 
-    def _graph_ready(self, host: _HostBatch, batch: ScheduledBatch, num_done: int) -> bool:
+    def _graph_ready(self, inputs: StepInputs, batch: ScheduledBatch, num_done: int) -> bool:
         return (self.graphs is not None and num_done == len(batch.requests)
                 and all(n == 1 for n in batch.num_new_tokens)
-                and not host.virtual[0] and not any(r.pooling for r in batch.requests)
-                and self.graphs.fits(len(batch.requests), max(len(s.pages) for s in host.layouts)))
+                and not inputs.virtual[0] and not any(r.pooling for r in batch.requests)
+                and self.graphs.fits(len(batch.requests), max(len(s.pages) for s in inputs.layouts)))
 
-    def _family_slots(self, slots: list[int]) -> np.ndarray:
-        """[3, T] each token's slot per family (lora, ia3, bottleneck); -1 where unused."""
-        return family_slots(slots, self.families_of)
-
-    def _host_batch(self, batch: ScheduledBatch) -> _HostBatch:
-        host = _HostBatch()
+    def _host_batch(self, batch: ScheduledBatch) -> StepInputs:
+        inputs = StepInputs()
         for request, n in zip(batch.requests, batch.num_new_tokens):
-            self._add_request(host, request, n)
-        return host
+            self._add_request(inputs, request, n)
+        inputs.family_slots = family_slots(inputs.slots, self.families_of)
+        return inputs
 
-    def _device_batch(self, host: _HostBatch) -> tuple[torch.Tensor, torch.Tensor, BatchContext]:
-        dev = self.device
-        ctx = BatchContext(
-            attention=build_attention_meta(host.layouts, self.blocks.block_size, torch.device(dev)),
-            lora=None,
-            lora_workspace=self.lora_workspace,
-            logits_rows=to_device(host.last_rows, dev, torch.long),
-            virtual=self._virtual(host),
-        )
-        for family, slots in zip(TOKEN_FAMILIES, self._family_slots(host.slots)):
-            if (slots >= 0).any():
-                setattr(ctx, family, build_adapter_meta(to_device(slots, dev), self.num_slots))
-        return self._input_ids(host), to_device(host.positions, dev, torch.long), ctx
-
-    def _input_ids(self, host: _HostBatch) -> torch.Tensor:
-        ids, sources = (to_device(v, self.device, torch.long) for v in (host.ids, host.sources))
-        return with_sampled_ids(ids, sources, self.sampled)
-
-    def _add_request(self, host: _HostBatch, request: Request, n: int) -> None:
+    def _add_request(self, host: StepInputs, request: Request, n: int) -> None:
         """The request's next n tokens (from its first not yet computed): a whole prompt,
         a chunk of one, or a decode's one token."""
         start, end = request.num_computed, request.num_computed + n
@@ -216,10 +195,3 @@ class ModelRunner:
             host.virtual[0].append(first_row + i - start)
             host.virtual[1].append(request.slot)
             host.virtual[2].append(i)
-
-    def _virtual(self, host: _HostBatch) -> VirtualTokens | None:
-        if not host.virtual[0]:
-            return None
-        rows, slots, index = (to_device(v, self.device, torch.long) for v in host.virtual)
-        return VirtualTokens(rows, slots, index)
-

@@ -22,6 +22,7 @@ MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (Open
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)  # > 0; the ends keep penalised float32 logits finite
 MAX_LOGIT_BIAS = 100.0  # each bias lies in [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_N = 128  # choices of one request (the engine also holds n to its max_num_seqs)
 _DECIMAL = re.compile(r"[0-9]{1,10}")  # a token id written as a JSON object key
 
 
@@ -48,6 +49,9 @@ class SamplingParams:
     - logit_bias: up to 300 token ids, each with a bias in [-100, 100] added to its logit;
       given as a mapping (keys: ints, or decimal strings as in JSON) or as (id, bias) pairs,
       held as (id, bias) pairs sorted by id. The engine checks the ids against its vocabulary.
+    - n: int in [1, 128]: how many completions (choices) of the prompt to generate; the
+      engine also needs n <= its max_num_seqs. Each choice samples on its own, choice i with
+      seed + i (mod 2**64, as vLLM) when a seed is given.
 
     Order on the logits: logit_bias, repetition_penalty, frequency and presence penalties,
     then temperature, top_k, top_p.
@@ -65,6 +69,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1 = off
     logit_bias: tuple[tuple[int, float], ...] = ()
+    n: int = 1
 
     def __post_init__(self) -> None:
         self._set("max_tokens", check.integer("max_tokens", self.max_tokens, 1, MAX_TOKENS))
@@ -82,6 +87,7 @@ class SamplingParams:
         self._set("repetition_penalty", check.number("repetition_penalty", self.repetition_penalty,
                                                      *REPETITION_PENALTY_RANGE))
         self._set("logit_bias", _logit_bias(self.logit_bias))
+        self._set("n", check.integer("n", self.n, 1, MAX_N))
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # frozen: normalise in place once, at construction
@@ -89,6 +95,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def choice_seed(self, index: int) -> int | None:
+        """The seed of choice `index` (0 <= index < n): seed + index mod 2**64 (a torch.Generator
+        takes seed s and s mod 2**64 alike, so choice 0 draws as the request without n would)."""
+        if self.seed is None:
+            return None
+        return (self.seed + index) % 2**64
 
     @property
     def penalised(self) -> bool:

@@ -21,6 +21,11 @@ A running request whose launched step gives its last result is not scheduled aga
 A request that cannot be served at all (its adapter is gone, or it needs more KV
 blocks than the cache has) is set aside in `failed` with its error, for the engine
 to end alone.
+
+A request of n > 1 choices waits for n seats (max_num_seqs) and room for its prompt plus
+one block per other choice; choice 0 computes the prompt, and once the step that completes
+it is launched the others fork from it (`fork`: the prompt's blocks shared, the block of its
+last token copied), then run as requests of their own. An abort or an error ends them all.
 """
 from __future__ import annotations
 
@@ -33,7 +38,9 @@ from adapterserve.config import EngineConfig
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.prefix_cache import PrefixCache
 from adapterserve.engine.request import Request, RequestStatus
-from adapterserve.errors import AdapterError, AdapterNotFound, CapacityError
+from adapterserve.errors import AdapterError, AdapterNotFound, CapacityError, RequestError
+
+_ENDS_ALL = ("abort", "error")  # finish reasons that end every choice of a request
 
 # acquire(adapter_id, keep: adapter ids not to evict for it) -> slot, or None (no room, or
 # the adapter's copies into its slot have not landed yet); release(slot)
@@ -69,6 +76,15 @@ class Scheduler:
         self.preemptions = 0  # running requests sent back to wait (KV cache full), so far (metrics)
 
     def add(self, request: Request) -> None:
+        """Queue a request; one of n > 1 choices (RequestError if n is over max_num_seqs) queues
+        as its choice 0 alone, the others forked from it once it has computed the prompt."""
+        n, most = request.sampling.n, self.config.max_num_seqs
+        if n > 1 and request.pooling:
+            raise RequestError(f"'n' must be 1 for {request.task}, got {n}")
+        if n > most:
+            raise RequestError(f"'n' is {n}, but this engine runs at most {most} sequences at once "
+                               f"(max_num_seqs): ask for n <= {most}")
+        request.add_choices()
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -132,6 +148,9 @@ class Scheduler:
             if request.pending:  # preempted while its last token was in flight: admit once it lands
                 passed_over.append(request)
                 continue
+            if len(self.running) + 1 + len(request.to_fork) > self.config.max_num_seqs:  # seats for its choices
+                self.waiting.appendleft(request)
+                break
             self.prefix_cache.match(request)
             n = min(request.num_tokens - request.num_computed, budget)
             if not self._admissible(request, n):
@@ -166,7 +185,8 @@ class Scheduler:
     def _admissible(self, request: Request, n: int) -> bool:
         """Room for the whole request (its later chunks too), or, with nothing running,
         for this chunk (a request that fits nowhere else runs alone)."""
-        if self.blocks.can_allocate(request.blocks, request.num_tokens):
+        forks = len(request.to_fork)  # a block each, the copy of the prompt's last block
+        if self.blocks.can_allocate(request.blocks, request.num_tokens + forks * self.blocks.block_size):
             return True
         return not self.running and self.blocks.can_allocate(request.blocks, request.num_computed + n)
 
@@ -206,7 +226,60 @@ class Scheduler:
         self._free(request)
 
     def finish(self, request: Request, reason: str) -> None:
-        """Take a request out of the queues and free its KV blocks and slot at once."""
-        self._take_out(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
+        """Take a request out of the queues and free its KV blocks and slot at once. An abort
+        or an error ends every unfinished choice of the request (with the same error)."""
+        ending = [c for c in request.all_choices if not c.finished] if reason in _ENDS_ALL else [request]
+        for choice in ending:
+            if choice is not request:
+                choice.error = request.error
+            self._take_out(choice)
+            choice.status = RequestStatus.FINISHED
+            choice.finish_reason = reason
+        if reason in _ENDS_ALL:
+            request.all_choices[0].to_fork = []
+
+    # the choices of a request of n > 1
+
+    def fork(self, requests: list[Request]) -> tuple[list[int], list[int]]:
+        """Give the choices waiting on each of `requests` whose prompt a launched step has just
+        completed the prompt's blocks: every full block shared, and a copy of the block that
+        holds the prompt's last token, which each choice computes again for its own first
+        token. Returns the copies to make on the device, (source blocks, destination blocks).
+        A choice that finds no free block or seat waits to be admitted on its own."""
+        sources: list[int] = []
+        copies: list[int] = []
+        for first in requests:
+            if not first.to_fork or first.num_outputs == 0 or first.finished:
+                continue
+            for choice in first.to_fork:
+                if self.blocks.num_free == 0 or len(self.running) >= self.config.max_num_seqs \
+                        or not self._seat(choice, first):
+                    self.waiting.appendleft(choice)
+                    continue
+                choice.blocks = self.blocks.share(first.blocks[:-1])
+                self.blocks.grow(choice.blocks, len(first.blocks) * self.blocks.block_size)  # one block more
+                sources.append(first.blocks[-1])
+                copies.append(choice.blocks[-1])
+                self._start_fork(choice, first)
+            first.to_fork = []
+        return sources, copies
+
+    def _seat(self, choice: Request, first: Request) -> bool:
+        """The adapter slot of the first choice, held by `choice` too (False if not placed)."""
+        if first.slot < 0:
+            return True
+        slot = self.acquire(first.adapter_id, ())
+        if slot is None:
+            return False
+        choice.slot = slot
+        return True
+
+    def _start_fork(self, choice: Request, first: Request) -> None:
+        choice.num_computed = first.num_computed - 1  # its first token comes from the prompt's last again
+        shared = len(first.blocks) - 1
+        choice.block_keys = first.block_keys[:shared]
+        choice.num_remembered = min(first.num_remembered, shared)
+        choice.cached_tokens = first.cached_tokens
+        choice.scheduled_at = first.scheduled_at or time.monotonic()  # queued as one request: counted once
+        choice.status = RequestStatus.RUNNING
+        self.running.append(choice)

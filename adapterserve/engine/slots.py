@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.engine.host_copy import on_copy_stream
 from adapterserve.errors import CapacityError
 
 _RETIRED = "\0retired:"  # prefix of slots whose adapter was unloaded while in use
@@ -48,11 +49,20 @@ class Pool(Protocol):
         ...
 
 
+class SlotMirror(Protocol):
+    """The other tensor-parallel ranks' pools: told of every placement and clear, in order."""
+
+    def place(self, slot: int, adapter: Adapter) -> None: ...
+
+    def clear(self, slot: int) -> None: ...
+
+
 class AdapterSlots:
     def __init__(self, num_slots: int, pools: list[Pool], half_life: float | None = None,
-                 copy_stream: torch.cuda.Stream | None = None) -> None:
+                 copy_stream: torch.cuda.Stream | None = None, mirror: SlotMirror | None = None) -> None:
         self.num_slots = num_slots
         self.pools = pools
+        self.mirror = mirror  # placements and clears repeated on the other ranks (None: one rank)
         self.copy_stream = copy_stream  # placements copy on it (None: on the current stream, at once)
         self._landing: dict[int, torch.cuda.Event] = {}  # slot -> event of its placement's copies
         self.half_life = HALF_LIFE_PER_SLOT * num_slots if half_life is None else half_life  # in acquires
@@ -204,20 +214,18 @@ class AdapterSlots:
                         done.clear(slot)
                     return False
                 placed.append(pool)
+        if self.mirror is not None:
+            self.mirror.place(slot, adapter)
         return True
 
     @contextmanager
     def _copying(self, slot: int) -> Iterator[None]:
-        """Pool writes inside run on the copy stream, behind the compute stream's queued work."""
-        if self.copy_stream is None:
+        """Pool writes inside run on the copy stream; the slot's requests wait for their event."""
+        landed: list[torch.cuda.Event] = []
+        with on_copy_stream(self.copy_stream, landed):
             yield
-            return
-        self.copy_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.copy_stream):
-            yield
-        event = torch.cuda.Event()
-        event.record(self.copy_stream)
-        self._landing[slot] = event
+        if landed:
+            self._landing[slot] = landed[0]
 
     def _clear(self, slot: int) -> None:
         self._idle.pop(slot, None)
@@ -225,4 +233,6 @@ class AdapterSlots:
         del self.adapter_in[slot]
         for pool in self.pools:
             pool.clear(slot)
+        if self.mirror is not None:
+            self.mirror.clear(slot)
         self._free_slots.append(slot)

@@ -5,8 +5,11 @@ engine exists for anyone else, so the first request after ready runs compiled co
 Throwaway requests run through the real step path: adapters of every family with
 zero weights (scratch ids, unloaded afterwards), prompts whose token counts land in
 each kernel class, a decode row beside a prompt, every penalty combination, seeded
-sampling. Decode graphs are captured directly for every key the engine's DecodeGraphs
-can replay (its buckets x family mixes x, with stacked LoRA, the GEMM's row buckets).
+sampling, and with stacked LoRA a step of as many distinct adapters as make it run the
+grouped expand. A step's adapters are placed (their copies landed) before its requests
+are added, so the scheduler admits them together and the step has the planned size.
+Decode graphs are captured directly for every key the engine's DecodeGraphs can replay
+(its buckets x family mixes x, with stacked LoRA, the GEMM's row buckets and expands).
 Afterwards no request, adapter, KV block, prefix-cache entry or slot of the warm-up
 remains, and the engine's counters (stats, prefix-cache hits, slot loads) start from zero.
 
@@ -51,8 +54,10 @@ from adapterserve.engine.warmup_variants import (
     decode_attention,
     graph_plan,
     reachable,
+    runs_stacked,
     segment_variants,
 )
+from adapterserve.kernels.stacked import GROUPED_MIN_ADAPTERS, STACKED_MAX_TOKENS
 from adapterserve.layers.bottleneck import BOTTLENECK_ACTIVATIONS
 from adapterserve.layers.context import get_context
 
@@ -129,6 +134,7 @@ def _tasks(engine, shape: EngineShape, reached: set[Variant]) -> list[tuple[str,
     else:
         tasks += _eager_decode_tasks(run, shape)
     tasks += _prefill_tasks(run, shape, scratch)
+    tasks += _grouped_tasks(run, shape, scratch)
     tasks += _mixed_tasks(run, shape)
     for use in PENALTY_USES:
         tasks.append((f"penalties {use}", lambda use=use: (run.penalties(use), reached.add(("penalties", use)))))
@@ -160,23 +166,37 @@ def _capture(engine, buckets: list[int], families: frozenset[str], rows: int) ->
     flags = tuple(f in families for f in TOKEN_FAMILIES)
     with engine.lora_pool.covering(rows) if rows else nullcontext():
         for bucket in buckets:
-            engine.runner.graphs.capture(bucket, flags, engine.runner.graph_signature())
+            engine.runner.capture_graph(bucket, flags, rows)  # on every tensor-parallel rank
 
 
 def _rows(rows: int) -> str:
     return f" (stacked rows {rows})" if rows else ""
 
 
+def _acquire(engine, adapter_id: str, adapter: Adapter) -> int | None:
+    """The adapter's slot, referenced once, its placement copies landed; None: no room."""
+    for _ in range(100):
+        slot = engine.slots.acquire(adapter_id, adapter)
+        if slot is not None or torch.device(engine.config.device).type != "cuda":
+            return slot
+        torch.cuda.synchronize()
+    return None
+
+
+def _place(engine, adapter_id: str, adapter: Adapter) -> None:
+    """Leave the adapter resident (idle) with its copies landed, where there is room:
+    requests added for it next are admitted at once, in the step the plan counts them in
+    (else they wait for room, and the report names what that leaves unreached)."""
+    slot = _acquire(engine, adapter_id, adapter)
+    if slot is not None:
+        engine.slots.release(slot)
+
+
 def _with_resident(engine, adapter_id: str, adapter: Adapter, work: Callable[[], object]) -> None:
     """Place a scratch adapter in a slot for `work` (its copies landed), then unload it."""
     engine.add_adapter(adapter_id, adapter)
     try:
-        slot = None
-        for _ in range(100):
-            slot = engine.slots.acquire(adapter_id, adapter)
-            if slot is not None:
-                break
-            torch.cuda.synchronize()
+        slot = _acquire(engine, adapter_id, adapter)
         if slot is None:
             raise RuntimeError("warm-up could not place its scratch adapter in a slot")
         try:
@@ -230,11 +250,26 @@ def _prefill_tasks(run: "_Runner", shape: EngineShape, scratch: dict[str, Adapte
 
 
 def class_sizes(shape: EngineShape, minimum: int) -> list[int]:
-    """The smallest step size >= minimum of each combination of segment-kernel classes."""
+    """The smallest step size >= minimum of each combination of segment-kernel classes
+    (a step of one LoRA adapter: the tiled stacked expand)."""
     sizes: dict[frozenset, int] = {}
     for tokens in range(max(2, minimum), shape.max_tokens + 1):
-        sizes.setdefault(frozenset(segment_variants(shape, tokens, SEGMENT_FAMILIES)), tokens)
+        sizes.setdefault(frozenset(segment_variants(shape, tokens, SEGMENT_FAMILIES, ("tiled",))), tokens)
     return sorted(sizes.values())
+
+
+def _grouped_tasks(run: _Runner, shape: EngineShape, scratch: dict[str, Adapter]) -> list:
+    """Stacked LoRA: one prompt step of GROUPED_MIN_ADAPTERS distinct scratch LoRA adapters
+    (the grouped expand), where a step can hold that many."""
+    tokens = min(shape.max_tokens, STACKED_MAX_TOKENS)
+    if not runs_stacked(shape, tokens) or "grouped" not in shape.expands(tokens) \
+            or GROUPED_MIN_ADAPTERS > shape.max_num_seqs:
+        return []
+    lora = scratch[f"{SCRATCH}lora"]
+    group = {f"{SCRATCH}lora-{i}": Adapter("lora", lora=lora.lora) for i in range(GROUPED_MIN_ADAPTERS)}
+    once = SamplingParams(max_tokens=1, ignore_eos=True)
+    return [(f"prompts of {GROUPED_MIN_ADAPTERS} LoRA adapters (the grouped stacked expand)",
+             lambda: run.with_adapters(group, lambda: run.wave([(run.prompt(1), once, a) for a in group])))]
 
 
 def _mixed_tasks(run: "_Runner", shape: EngineShape) -> list:
@@ -311,9 +346,12 @@ class _Runner:
             raise RuntimeError(f"a warm-up request failed: {failed[0]}") from failed[0]
 
     def with_adapters(self, adapters: dict[str, Adapter], work: Callable[[], None]) -> None:
+        """`work` with the adapters added and resident (see _place), then unloaded."""
         for adapter_id, adapter in adapters.items():
             self.engine.add_adapter(adapter_id, adapter)
         try:
+            for adapter_id, adapter in adapters.items():
+                _place(self.engine, adapter_id, adapter)
             work()
         finally:
             for adapter_id in adapters:

@@ -6,12 +6,13 @@ variant is named by the same choosers the kernels call at run time, from host in
 only, so warm-up (engine/warmup.py) and the real path cannot disagree:
 
     ("segment", family, "gemv" | "dot16" | "dot32")      LoRA / bottleneck shrink+expand
-    ("stacked", tiles)                                   the stacked layout's expand (lora_decode="stacked")
+    ("stacked", "tiled" | "grouped", tiles)              the stacked layout's expands (lora_decode="stacked")
     ("ia3",)                                             the (IA)^3 scale
     ("decode_attention", splits, block_n, width)         paged decode (split-KV choice)
     ("prefill_attention", "single" | "multi", width)     paged prefill, its two launches
-    ("graph", bucket, families, rows)                    a captured decode step (rows: the stacked
-                                                         GEMM's row bucket, 0 unless stacked LoRA)
+    ("graph", bucket, families, rows, expand)            a captured decode step (rows: the stacked
+                                                         GEMM's row bucket, 0 unless stacked LoRA;
+                                                         expand: its stacked expand, else None)
     ("penalties", (repetition, frequency, presence))     the sampler's penalty pass
 
 ``width`` is the class Triton specialises a block table's row stride on ("1", "16k":
@@ -27,7 +28,12 @@ from itertools import combinations, product
 from adapterserve.kernels.attention import decode_blocks
 from adapterserve.kernels.metadata import default_block_m
 from adapterserve.kernels.segment_ops import use_gemv
-from adapterserve.kernels.stacked import STACKED_MAX_TOKENS, expand_tiles
+from adapterserve.kernels.stacked import (
+    STACKED_MAX_TOKENS,
+    expand_tiles,
+    grouped_tiles,
+    reachable_expands,
+)
 from adapterserve.layers.context import BatchContext
 
 Variant = tuple
@@ -51,6 +57,7 @@ class EngineShape:
     graph_pages: int = 0  # the decode graphs' block-table width
     row_buckets: tuple[int, ...] = ()  # stacked LoRA: the GEMM row buckets adapters can make
     stacked_widths: tuple[int, ...] = ()  # stacked LoRA: output widths of the stacked linears
+    lora_slots: int = 0  # adapter slots (max_loras): a step's distinct adapters are at most these
 
     @classmethod
     def of(cls, engine) -> "EngineShape":
@@ -64,7 +71,7 @@ class EngineShape:
                    cfg.max_lora_rank, cfg.max_bottleneck_rank, families,
                    tuple(graphs.buckets) if graphs is not None else None,
                    graphs.max_pages if graphs is not None else 0,
-                   tuple(engine.lora_pool.row_buckets()), tuple(widths))
+                   tuple(engine.lora_pool.row_buckets()), tuple(widths), cfg.max_loras)
 
     def rank(self, family: str) -> int:
         return self.lora_rank if family == "lora" else self.bottleneck_rank
@@ -75,6 +82,10 @@ class EngineShape:
     def graph_rows(self, families: frozenset[str]) -> tuple[int, ...]:
         """The stacked row buckets a decode graph of these families can be replayed with."""
         return self.row_buckets if "lora" in families and self.row_buckets else (0,)
+
+    def expands(self, num_tokens: int) -> tuple[str, ...]:
+        """The stacked expands a step of num_tokens rows can choose (its distinct adapters)."""
+        return reachable_expands(num_tokens, self.lora_slots)
 
 
 def width_class(width: int) -> str:
@@ -87,20 +98,29 @@ def segment_class(num_tokens: int, max_rank: int) -> str:
     return "gemv" if use_gemv(num_tokens, max_rank) else f"dot{default_block_m(num_tokens)}"
 
 
-def stacked_class(shape: EngineShape, num_tokens: int) -> tuple | None:
-    """The stacked expand's tiles for a step of num_tokens (None: the segment kernels run)."""
-    if not shape.stacked_widths or num_tokens > STACKED_MAX_TOKENS:
-        return None
-    return tuple(sorted({expand_tiles(num_tokens, n) for n in shape.stacked_widths}, key=repr))
+def runs_stacked(shape: EngineShape, num_tokens: int) -> bool:
+    """Whether a step of num_tokens runs LoRA's stacked layout (else the segment kernels)."""
+    return bool(shape.stacked_widths) and num_tokens <= STACKED_MAX_TOKENS
 
 
-def segment_variants(shape: EngineShape, num_tokens: int, families: Iterable[str]) -> set[Variant]:
+def stacked_class(shape: EngineShape, num_tokens: int, expand: str) -> tuple:
+    """The stacked expand's variant for a step of num_tokens: its tiles per linear width."""
+    if expand == "grouped":
+        return ("stacked", expand, grouped_tiles(shape.lora_rank))
+    return ("stacked", expand, tuple(sorted({expand_tiles(num_tokens, n) for n in shape.stacked_widths}, key=repr)))
+
+
+def segment_variants(shape: EngineShape, num_tokens: int, families: Iterable[str],
+                     expands: tuple[str, ...] | None = None) -> set[Variant]:
+    """The adapter kernels' variants of a step; expands: the stacked expands it may run
+    (None: every one num_tokens rows can choose)."""
     families = tuple(families)
-    stacked = stacked_class(shape, num_tokens) if "lora" in families else None
+    stacked = "lora" in families and runs_stacked(shape, num_tokens)
     out: set[Variant] = {("segment", f, segment_class(num_tokens, shape.rank(f)))
                          for f in families if f in SEGMENT_FAMILIES and not (f == "lora" and stacked)}
     if stacked:
-        out.add(("stacked", stacked))
+        out |= {stacked_class(shape, num_tokens, e) for e in (shape.expands(num_tokens) if expands is None
+                                                              else expands)}
     if "ia3" in families:
         out.add(("ia3",))
     return out
@@ -111,35 +131,40 @@ def decode_attention(shape: EngineShape, batch: int, width: int) -> Variant:
     return ("decode_attention", splits, block_n, width_class(width))
 
 
-def decode_variants(shape: EngineShape, batch: int, width: int, families: frozenset[str], rows: int = 0
-                    ) -> set[Variant]:
+def decode_variants(shape: EngineShape, batch: int, width: int, families: frozenset[str], rows: int = 0,
+                    expands: tuple[str, ...] | None = None) -> set[Variant]:
     """A step of `batch` one-token rows: a graph replay of its bucket, or an eager launch.
-    rows: the stacked GEMM's row bucket at the step (0 unless stacked LoRA)."""
+    rows: the stacked GEMM's row bucket at the step (0 unless stacked LoRA); expands: the
+    stacked expands it may run (None: every one it can choose)."""
     if shape.buckets is not None:
         bucket = shape.bucket(batch)
-        graph_rows = rows if "lora" in families and shape.row_buckets else 0
-        return {("graph", bucket, families, graph_rows), decode_attention(shape, bucket, shape.graph_pages),
-                *segment_variants(shape, bucket, families)}
-    return {decode_attention(shape, batch, width), *segment_variants(shape, batch, families)}
+        stacked = "lora" in families and bool(shape.row_buckets)
+        graph_rows = rows if stacked else 0
+        graph_expands = (expands or shape.expands(bucket)) if stacked else (None,)
+        return {*(("graph", bucket, families, graph_rows, e) for e in graph_expands),
+                decode_attention(shape, bucket, shape.graph_pages), *segment_variants(shape, bucket, families, expands)}
+    return {decode_attention(shape, batch, width), *segment_variants(shape, batch, families, expands)}
 
 
 def prefill_variants(shape: EngineShape, num_tokens: int, width: int, single: bool, multi: bool,
-                     families: frozenset[str]) -> set[Variant]:
+                     families: frozenset[str], expands: tuple[str, ...] | None = None) -> set[Variant]:
     launches = [name for name, used in (("single", single), ("multi", multi)) if used]
     return {*(("prefill_attention", name, width_class(width)) for name in launches),
-            *segment_variants(shape, num_tokens, families)}
+            *segment_variants(shape, num_tokens, families, expands)}
 
 
 def context_variants(shape: EngineShape, ctx: BatchContext, num_tokens: int, rows: int = 0) -> set[Variant]:
     """The variants a forward pass over this step's context launches (as on a GPU);
     rows: the stacked GEMM's row bucket at the step."""
     families = frozenset(f for f in ("lora", "ia3", "bottleneck") if getattr(ctx, f) is not None)
+    expands = (ctx.lora.stacked_expand,) if ctx.lora is not None else ()
     meta = ctx.attention
     width = int(meta.block_tables.shape[1])
     if meta.decode:
-        return decode_variants(shape, num_tokens, width, families, rows)
+        return decode_variants(shape, num_tokens, width, families, rows, expands)
     tiles = meta.tiles
-    return prefill_variants(shape, num_tokens, width, tiles.single.shape[0] > 0, tiles.multi.shape[0] > 0, families)
+    return prefill_variants(shape, num_tokens, width, tiles.single.shape[0] > 0, tiles.multi.shape[0] > 0, families,
+                            expands)
 
 
 def family_sets(families: Iterable[str]) -> list[frozenset[str]]:

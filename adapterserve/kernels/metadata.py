@@ -32,6 +32,8 @@ class AdapterBatchMeta:
     tile_slots:    [max_tiles] int32, slot of each tile; -1 past the last tile
     tile_starts:   [max_tiles] int32, first position of the tile in sorted_tokens
     tile_ends:     [max_tiles] int32, one past its last position
+    stacked_expand: LoRA's stacked layout: the expand the step runs ("tiled" or
+                   "grouped"), a host choice from its distinct adapters (stacked.choose_expand)
     """
 
     token_slots: torch.Tensor
@@ -44,6 +46,7 @@ class AdapterBatchMeta:
     tile_slots: torch.Tensor | None = None
     tile_starts: torch.Tensor | None = None
     tile_ends: torch.Tensor | None = None
+    stacked_expand: str = "tiled"
 
     @property
     def max_tiles(self) -> int:
@@ -89,11 +92,12 @@ def build_tiles(
 
 
 def build_adapter_meta(
-    token_slots: torch.Tensor, num_slots: int, block_m: int | None = None
+    token_slots: torch.Tensor, num_slots: int, block_m: int | None = None, stacked_expand: str = "tiled"
 ) -> AdapterBatchMeta:
     """Group tokens by slot without a host sync. token_slots: [T] int, -1 = none.
 
-    block_m: tokens per kernel tile (default: ``default_block_m(T)``).
+    block_m: tokens per kernel tile (default: ``default_block_m(T)``); stacked_expand: the
+    step's stacked LoRA expand (AdapterBatchMeta.stacked_expand).
     """
     if token_slots.dim() != 1:
         raise ValueError(f"token_slots must be 1-D, got shape {tuple(token_slots.shape)}")
@@ -121,4 +125,5 @@ def build_adapter_meta(
         tile_slots=tile_slots,
         tile_starts=tile_starts,
         tile_ends=tile_ends,
+        stacked_expand=stacked_expand,
     )

@@ -6,6 +6,7 @@ import torch
 from adapterserve.kernels import reference
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
+from adapterserve.kernels.stacked import EXPANDS
 
 
 def _on_gpu(t: torch.Tensor) -> bool:
@@ -33,14 +34,21 @@ def lora_expand(v: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, y: to
 
 
 def stacked_expand(out: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, y: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> None:
-    """See reference.stacked_expand (on a GPU the tiled kernel)."""
-    if _on_gpu(out):
+                   bias: torch.Tensor | None = None, expand: str = "tiled") -> None:
+    """See reference.stacked_expand (on a GPU the tiled or the grouped kernel, as ``expand``
+    says: stacked.choose_expand's choice for the step)."""
+    if expand not in EXPANDS:
+        raise ValueError(f"expand must be one of {EXPANDS}, got {expand!r}")
+    if not _on_gpu(out):
+        reference.stacked_expand(out, lora, meta, y, bias)
+    elif expand == "grouped":
+        from adapterserve.kernels.stacked_grouped import stacked_expand_grouped
+
+        stacked_expand_grouped(out, lora, meta, y, bias)
+    else:
         from adapterserve.kernels.stacked_tiled import stacked_expand_tiled
 
         stacked_expand_tiled(out, lora, meta, y, bias)
-    else:
-        reference.stacked_expand(out, lora, meta, y, bias)
 
 
 def bottleneck_adapter(h, down, down_bias, up, up_bias, rank, activation, meta, workspace, out) -> None:

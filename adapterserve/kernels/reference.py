@@ -75,7 +75,8 @@ def lora_expand(v: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, y: to
 
 def stacked_expand(out: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, y: torch.Tensor,
                    bias: torch.Tensor | None = None) -> None:
-    """The layer output from a stacked GEMM's output (see kernels/stacked.py).
+    """The layer output from a stacked GEMM's output (see kernels/stacked.py): the twin of
+    both Triton expands, the tiled and the grouped one (same semantics).
 
     out: [T, N + rows * n_slices]; y: [T, N] written whole; bias: [N] or None.
     Semantics: y[t, off_s : off_s1] = out[t, off_s : off_s1] + bias + sum over j < r of

@@ -6,16 +6,22 @@ slot, pool row by pool row, slices interleaved: pool row r of slice s is buffer 
 N + r * n_slices + s. The first ``rows`` pool rows of all slices are then one
 contiguous range, so a single GEMM over ``buffer[: N + rows * n_slices]`` yields the
 base output and every adapter's shrink at once (``stacked_gemm``); the expand reads
-each token's own columns of that output (``ops.stacked_expand``; its tiles from
-``expand_tiles``, a host-only chooser warm-up calls too).
+each token's own columns of that output (``ops.stacked_expand``). Two expands, chosen per
+step from the step's distinct adapters (``choose_expand``, a host int): the tiled one
+(kernels/stacked_tiled.py: a token tile walks the rows its tokens use, best with few
+adapters) and the grouped one (kernels/stacked_grouped.py: a program per adapter's
+tokens, best with many). Their tiles come from ``expand_tiles`` / ``grouped_tiles``,
+host-only choosers warm-up calls too.
 
 ``rows`` is a host int from a few sizes (``row_bucket``): a CUDA graph captures one
 GEMM shape per size, and adapters placed in the low rows keep the GEMM short.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +31,10 @@ from adapterserve.kernels.metadata import AdapterBatchMeta
 MIN_ROW_BUCKET = 16
 STACKED_MAX_TOKENS = 256  # larger batches (prefill) keep the segmented kernels
 MAX_SLICES = 4  # as segment_common.MAX_SLICES: slices one expand launch covers
+# a step whose tokens use at least this many distinct adapters runs the grouped expand, fewer the
+# tiled one (benchmarks/fused_update.py prints the crossover)
+GROUPED_MIN_ADAPTERS = 4
+EXPANDS = ("tiled", "grouped")
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,40 @@ def expand_tiles(num_tokens: int, n_out: int) -> ExpandTiles:
     block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 32 else 64
     block_n = 128 if n_out >= 16384 else 64
     return ExpandTiles(block_m, block_n, 8 if block_m * block_n >= 8192 else 4)
+
+
+@dataclass(frozen=True)
+class GroupedTiles:
+    """Constexprs of one grouped stacked-expand launch (a Triton compile variant; its token
+    tile is the meta's block_m)."""
+
+    block_r: int  # rank rows per dot (larger ranks loop)
+    block_n: int  # output columns per dot
+    group_n: int  # output columns per program, block_n at a time
+    warps: int = 4
+
+
+def grouped_tiles(max_rank: int) -> GroupedTiles:
+    """The grouped expand's tiles for a pool of ranks up to max_rank: one dot covers the
+    ranks up to 64, 128 columns at a time, 512 per program."""
+    return GroupedTiles(min(64, max(16, 1 << max(max_rank - 1, 0).bit_length())), 128, 512)
+
+
+def choose_expand(distinct_adapters: int) -> str:
+    """The expand a step runs ("tiled" or "grouped") from its count of distinct adapters."""
+    return "grouped" if distinct_adapters >= GROUPED_MIN_ADAPTERS else "tiled"
+
+
+def expand_for_slots(slots: Sequence[int] | np.ndarray) -> str:
+    """choose_expand for a step's per-token adapter slots (host values, -1: none)."""
+    values = np.asarray(slots)
+    return choose_expand(len(np.unique(values[values >= 0])))
+
+
+def reachable_expands(num_tokens: int, num_slots: int) -> tuple[str, ...]:
+    """The expands a step of num_tokens rows over num_slots adapter slots can choose."""
+    chosen = {choose_expand(n) for n in range(1, min(num_tokens, num_slots) + 1)}
+    return tuple(e for e in EXPANDS if e in chosen)
 
 
 @dataclass

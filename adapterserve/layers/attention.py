@@ -5,6 +5,7 @@ import torch
 
 from adapterserve.kernels import paged_decode_attention, paged_prefill_attention
 from adapterserve.layers.context import get_context
+from adapterserve.layers.parallel import SINGLE, TensorParallel
 
 
 class PagedAttention(torch.nn.Module):
@@ -14,16 +15,26 @@ class PagedAttention(torch.nn.Module):
     Both paths read the cache in place: decode-only steps through the paged decode
     op, steps with prefills through the paged prefill op (Triton on a GPU, the
     float32 twins on the CPU).
+
+    Head counts are the model's; over ``tp``'s ranks each holds its contiguous share of
+    the query heads and the KV heads they read (TensorParallel.kv_heads: a share, or one
+    replicated head when there are fewer KV heads than ranks); num_heads and num_kv_heads
+    become this rank's, and its caches hold only its KV heads.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
+        self.num_heads = tp.span(num_heads, "num_attention_heads")[1]
+        self.first_kv_head, self.num_kv_heads = tp.kv_heads(num_kv_heads)
         self.head_dim = head_dim
         self.window = window
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+
+    def shard_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's KV heads of t [..., num_kv_heads (all), head_dim] (e.g. a prefix's keys)."""
+        return t.narrow(-2, self.first_kv_head, self.num_kv_heads)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None
                 ) -> torch.Tensor:

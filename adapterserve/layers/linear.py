@@ -1,5 +1,19 @@
 """Adapter-aware layers: the frozen base output for the whole batch, plus each
-row's own adapter update through the kernels in adapterserve.kernels."""
+row's own adapter update through the kernels in adapterserve.kernels.
+
+Tensor parallelism (``parallel``, Megatron style, over ``tp``'s ranks):
+  column  each rank holds its rows of every fused slice (its heads, its intermediate
+          columns); the input is replicated, the output is this rank's part. LoRA: A
+          whole, B's output rows split. (IA)^3: output scales split.
+  row     each rank holds its input columns; the output is summed over the ranks by one
+          all-reduce, then the bias is added (once) and (IA)^3 output scales applied.
+          LoRA: A's input columns split, B whole, and no all-reduce of the shrink: the
+          update is linear in it, sum_r (x_r A_r^T) B^T = (x A^T) B^T, so each rank adds
+          its partial update to its partial base output and the layer's one all-reduce
+          sums both. (IA)^3: input scales split.
+Pools hand these layers full (unsharded) adapter tensors through ``shard_input`` and
+``shard_output``, which keep this rank's part.
+"""
 from __future__ import annotations
 
 import torch
@@ -21,6 +35,9 @@ from adapterserve.layers.base_gemm import (
     resolve_fp8_gemm,
 )
 from adapterserve.layers.context import get_context
+from adapterserve.layers.parallel import SINGLE, TensorParallel
+
+PARALLEL_MODES = (None, "column", "row")
 
 
 class AdapterLinear(torch.nn.Module):
@@ -31,6 +48,10 @@ class AdapterLinear(torch.nn.Module):
     ``lora`` holds the pooled weights of every slot; the slot manager fills it.
     With ``fp8``, ``weight`` is float8_e4m3fn with a float32 ``weight_scale`` per output
     channel (bias, adapters and activations stay in ``dtype``).
+    Sizes are the unsharded ones; with ``parallel`` over several ranks, ``in_features`` and
+    ``slice_widths`` become this rank's (see the module docstring). A column-parallel layer
+    splits each slice evenly unless ``output_spans`` gives each slice's (start, length)
+    (replicated KV heads).
     """
 
     def __init__(
@@ -42,8 +63,26 @@ class AdapterLinear(torch.nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         fp8: bool = False,
+        parallel: str | None = None,
+        tp: TensorParallel = SINGLE,
+        output_spans: tuple[tuple[int, int], ...] | None = None,
     ) -> None:
         super().__init__()
+        if parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {parallel!r}")
+        self.parallel = parallel if tp.world_size > 1 else None
+        self.tp = tp
+        self.full_in_features, self.full_slice_widths = in_features, slice_widths
+        # this rank's (start, length) of the full input, and of each slice's full output
+        self.input_span = (0, in_features)
+        self.output_spans = tuple((0, w) for w in slice_widths)
+        if self.parallel == "row":
+            self.input_span = tp.span(in_features, f"the input of {'|'.join(slice_kinds)}")
+        elif self.parallel == "column":
+            self.output_spans = output_spans or tuple(
+                tp.span(w, f"the output of {kind}") for w, kind in zip(slice_widths, slice_kinds))
+        in_features = self.input_span[1]
+        slice_widths = tuple(length for _, length in self.output_spans)
         out_features = sum(slice_widths)
         self.in_features = in_features
         self.slice_widths = slice_widths
@@ -83,9 +122,23 @@ class AdapterLinear(torch.nn.Module):
             y = self._with_lora(x, ctx, quantized)
         else:
             y = self.base_product(x, quantized)
+        if self.parallel == "row":  # partial sums (base and LoRA) -> the full output, then the bias once
+            self.tp.all_reduce_(y)
+            if self.bias is not None:
+                y.add_(self.bias)
         if ia3 is not None:
             ia3_scale(y, self.ia3_out, ia3)
         return y
+
+    def shard_input(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's part of a tensor indexed by the full input features along dim
+        (LoRA A's columns, (IA)^3 input scales): split on a row-parallel layer."""
+        return t.narrow(dim, *self.input_span) if self.parallel == "row" else t
+
+    def shard_output(self, t: torch.Tensor, dim: int, slice_index: int) -> torch.Tensor:
+        """This rank's part of a tensor indexed by one slice's full output width along dim
+        (LoRA B's rows, (IA)^3 output scales): split on a column-parallel layer."""
+        return t.narrow(dim, *self.output_spans[slice_index]) if self.parallel == "column" else t
 
     def takes_quantized_input(self, tokens: int) -> bool:
         """Whether this batch's input should come quantized with it (one fused launch in the
@@ -98,16 +151,23 @@ class AdapterLinear(torch.nn.Module):
         return resolve_fp8_gemm(self.fp8_gemm, self.weight.device, tokens) in ACTIVATION_QUANTIZING
 
     def base_product(self, x: torch.Tensor, quantized: QuantizedRows | None = None) -> torch.Tensor:
-        """The frozen base output x W^T + b, whatever the weights' storage."""
-        return base_linear(x, self.weight, self.weight_scale, self.bias, self.fp8_gemm, quantized)
+        """The frozen base output x W^T + b, whatever the weights' storage (row-parallel over
+        several ranks: this rank's partial product, without the bias)."""
+        return base_linear(x, self.weight, self.weight_scale, self._local_bias(), self.fp8_gemm, quantized)
+
+    def _local_bias(self) -> torch.Tensor | None:
+        """The bias this rank adds before any all-reduce: none on a row-parallel layer."""
+        return None if self.parallel == "row" else self.bias
 
     def _with_lora(self, x: torch.Tensor, ctx, quantized: QuantizedRows | None = None) -> torch.Tensor:
-        """Base output plus each row's LoRA update. With a side stream, the shrink (small,
-        latency-bound) runs concurrently with the base GEMM; the expand adds into its output."""
+        """Base output plus each row's LoRA update. With a side stream (decode steps), the shrink
+        (small, latency-bound) runs concurrently with the base GEMM; the expand adds into its output."""
         if self.stacked is not None and x.shape[0] <= STACKED_MAX_TOKENS:
             return self._stacked_lora(x, ctx)
         workspace = ctx.lora_workspace[: self.lora.num_slices, : x.shape[0]]
-        if self.side_stream is None:
+        # the side stream only in decode steps (CUDA graphs: free at replay); an eager step with
+        # prefills is bound by the host's launches, which the stream switches would add to
+        if self.side_stream is None or ctx.attention is None or not ctx.attention.decode:
             y = self.base_product(x, quantized)
             lora_shrink(x, self.lora, ctx.lora, workspace)
         else:
@@ -122,10 +182,10 @@ class AdapterLinear(torch.nn.Module):
 
     def _stacked_lora(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """One GEMM over [W; A rows in use] gives the base output and every slot's shrink;
-        one launch writes base + bias + each token's own expand."""
+        one launch (the expand the step chose) writes base + bias + each token's own expand."""
         out = stacked_gemm(x, self.stacked, self.stacked.rows_in_use.rows)
         y = torch.empty(x.shape[0], self.stacked.n_out, dtype=x.dtype, device=x.device)
-        stacked_expand(out, self.lora, ctx.lora, y, self.bias)
+        stacked_expand(out, self.lora, ctx.lora, y, self._local_bias(), ctx.lora.stacked_expand)
         return y
 
 

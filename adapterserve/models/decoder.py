@@ -3,6 +3,13 @@
 RMSNorm, RoPE (Llama-3 scaling), grouped-query attention over a paged KV cache,
 SwiGLU, optional q/k/v bias (Qwen2) and q/k norm (Qwen3). q/k/v and gate/up are
 fused at load; adapters reach the projections through AdapterLinear slices.
+
+Tensor parallel over ``tp``'s ranks (layers/parallel.py): q|k|v and gate|up column-parallel,
+o and down row-parallel (one all-reduce each), each rank its query heads and the KV heads
+they read (and their KV cache; one KV head replicated on several ranks when there are
+fewer KV heads than ranks), the embedding and lm_head split by vocabulary rows. The
+residual stream, norms, bottleneck adapters and prompt embeddings are replicated; logits
+are gathered whole on every rank.
 """
 from __future__ import annotations
 
@@ -21,31 +28,34 @@ from adapterserve.layers.bottleneck import (
 )
 from adapterserve.layers.context import get_context
 from adapterserve.layers.linear import AdapterLinear, QuantizedRows, RMSNorm
+from adapterserve.layers.parallel import SINGLE, TensorParallel
 from adapterserve.models.decoder_config import DecoderConfig
 from adapterserve.models.rope import RotaryEmbedding
 
 
 class DecoderLayer(torch.nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_idx: int, rope: RotaryEmbedding, dtype, device,
-                 fp8: bool = False) -> None:
+                 fp8: bool = False, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
         self.rope = rope
         h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        first_kv, kv_heads = tp.kv_heads(cfg.num_kv_heads)
+        kv_span = (first_kv * cfg.head_dim, kv_heads * cfg.head_dim)
         self.qkv_proj = AdapterLinear(h, (q, kv, kv), ("q_proj", "k_proj", "v_proj"), cfg.qkv_bias, dtype, device,
-                                      fp8)
-        self.o_proj = AdapterLinear(q, (h,), ("o_proj",), cfg.o_bias, dtype, device, fp8)
+                                      fp8, "column", tp, (tp.span(q, "q_proj's output"), kv_span, kv_span))
+        self.o_proj = AdapterLinear(q, (h,), ("o_proj",), cfg.o_bias, dtype, device, fp8, "row", tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
         window = cfg.sliding_windows[layer_idx]
-        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, window)
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, window, tp)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         inter = cfg.intermediate_size
         self.gate_up_proj = AdapterLinear(h, (inter, inter), ("gate_proj", "up_proj"), cfg.mlp_bias, dtype, device,
-                                          fp8)
-        self.down_proj = AdapterLinear(inter, (h,), ("down_proj",), cfg.mlp_bias, dtype, device, fp8)
+                                          fp8, "column", tp)
+        self.down_proj = AdapterLinear(inter, (h,), ("down_proj",), cfg.mlp_bias, dtype, device, fp8, "row", tp)
         # bottleneck adapters after attention and after the MLP (pools bound by the engine)
         self.bottleneck_mh: BottleneckPool | None = None
         self.bottleneck_output: BottleneckPool | None = None
@@ -68,12 +78,12 @@ class DecoderLayer(torch.nn.Module):
         return mlp_out, residual
 
     def _attention(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
+        cfg, attn = self.cfg, self.attn  # attn's head counts: this rank's
         tokens = qkv.shape[0]
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.reshape(tokens, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = qkv.split(list(self.qkv_proj.slice_widths), dim=-1)
+        q = q.reshape(tokens, attn.num_heads, cfg.head_dim)
+        k = k.reshape(tokens, attn.num_kv_heads, cfg.head_dim)
+        v = v.reshape(tokens, attn.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if q.is_cuda:  # RoPE and the KV-cache write in one launch, on the views of qkv
@@ -109,18 +119,35 @@ class DecoderLayer(torch.nn.Module):
         return silu_mul(gate_up), None
 
 
+def check_shardable(cfg: DecoderConfig, world_size: int) -> None:
+    """ValueError naming every size of cfg that a tensor-parallel world size does not divide."""
+    n = world_size
+    sizes = {"num_attention_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size,
+             "vocab_size": cfg.vocab_size}
+    bad = [f"{name}={size} must divide by {n}" for name, size in sizes.items() if size % n]
+    if cfg.num_kv_heads % n and n % cfg.num_kv_heads:
+        bad.append(f"num_key_value_heads={cfg.num_kv_heads} must divide by {n} or divide it (replicated KV heads)")
+    if bad:
+        raise ValueError(f"a {cfg.model_type} decoder cannot be split over {n} tensor parallel ranks: "
+                         f"{'; '.join(bad)}")
+
+
 class DecoderModel(torch.nn.Module):
-    def __init__(self, cfg: DecoderConfig, max_positions: int, dtype: torch.dtype, device, fp8: bool = False
-                 ) -> None:
-        """fp8: the layers' linear weights in float8_e4m3fn with per-channel scales; the rest in dtype."""
+    def __init__(self, cfg: DecoderConfig, max_positions: int, dtype: torch.dtype, device, fp8: bool = False,
+                 tp: TensorParallel = SINGLE) -> None:
+        """fp8: the layers' linear weights in float8_e4m3fn with per-channel scales; the rest in dtype.
+        tp: this rank's place in a tensor-parallel group; parameters are then this rank's shards."""
         super().__init__()
+        check_shardable(cfg, tp.world_size)
         self.cfg = cfg
+        self.tp = tp
         h = cfg.hidden_size
-        self.embed_tokens = torch.nn.Embedding(cfg.vocab_size, h, dtype=dtype, device=device)
+        self.vocab_start, vocab_local = tp.span(cfg.vocab_size, "vocab_size")
+        self.embed_tokens = torch.nn.Embedding(vocab_local, h, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         rope = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, device=device)
         self.layers = torch.nn.ModuleList(
-            DecoderLayer(cfg, i, rope, dtype, device, fp8) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, i, rope, dtype, device, fp8, tp) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         self.prompt_embeddings: torch.Tensor | None = None  # [S, P, D], bound by the prompt pool
@@ -128,15 +155,26 @@ class DecoderModel(torch.nn.Module):
             self.lm_head_weight = self.embed_tokens.weight
         else:
             self.lm_head_weight = torch.nn.Parameter(
-                torch.empty(cfg.vocab_size, h, dtype=dtype, device=device), requires_grad=False
+                torch.empty(vocab_local, h, dtype=dtype, device=device), requires_grad=False
             )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = self._embed_tokens(input_ids)
         virtual = get_context().virtual
         if virtual is not None:  # prompt tuning: virtual tokens come from the adapter
             hidden[virtual.rows] = self.prompt_embeddings[virtual.slots, virtual.index]
         return hidden
+
+    def _embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, D]; split by vocabulary: each rank looks up the ids in its
+        rows (zeros for the others) and one all-reduce sums them."""
+        if self.tp.world_size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        hidden = self.embed_tokens(torch.where(mine, local, 0))
+        hidden.mul_(mine.unsqueeze(-1).to(hidden.dtype))
+        return self.tp.all_reduce_(hidden)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, D]
@@ -146,8 +184,9 @@ class DecoderModel(torch.nn.Module):
         return self.norm(residual) if pending is None else self.norm.add(pending, residual)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        # hidden: [B, D] -> float32 logits [B, V] (written into `out` when given)
-        logits = F.linear(hidden, self.lm_head_weight)
+        # hidden: [B, D] -> float32 logits [B, V] over the whole vocabulary on every rank
+        # (written into `out` when given); split by vocabulary, each rank's rows gathered
+        logits = self.tp.all_gather(F.linear(hidden, self.lm_head_weight), dim=-1)
         return logits.float() if out is None else out.copy_(logits)
 
     def adapter_linears(self) -> Iterator[tuple[int, AdapterLinear]]:

@@ -9,6 +9,11 @@ channel, [N] or [N, 1]) or ``<module>.weight_scale_inv`` (one per [bn, bk] block
 real weight is ``float(weight) * scale``. Static activation scales (``input_scale``)
 and KV-cache scales are ignored: activations are quantized per token, the KV cache
 stays in the activations' dtype.
+
+A tensor-parallel rank reads a part of each weight (``origin``: where it starts in the
+whole); its scales are the part's rows of the stored per-channel scales, or its blocks'
+scales. Quantizing at load, a row-parallel layer's ranks agree on each row's absmax (one
+all-reduce), so every rank holds exactly its columns of the TP=1 weights and scales.
 """
 from __future__ import annotations
 
@@ -28,10 +33,13 @@ IGNORED_SUFFIXES = (".input_scale", ".input_scale_ub", ".k_scale", ".v_scale")
 QUANT_METHODS = ("compressed-tensors", "fbgemm_fp8", "fp8")
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight: [N, K] -> (q [N, K] float8_e4m3fn, scale [N] float32), scale = row absmax / 448."""
+def quantize_per_channel(weight: torch.Tensor, absmax: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight: [N, K] -> (q [N, K] float8_e4m3fn, scale [N] float32), scale = row absmax / 448.
+    absmax: [N] float32, each row's absmax when weight holds only part of its rows' columns."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)
+    absmax = w.abs().amax(dim=1) if absmax is None else absmax
+    scale = (absmax / FP8_MAX).clamp(min=_MIN_SCALE)
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -82,11 +90,13 @@ def _check_compressed_tensors(model_dir: Path, qc: dict) -> None:
 
 
 def read_weight(
-    name: str, tensor: torch.Tensor, get: Callable[[str], torch.Tensor | None], block: tuple[int, int] | None
+    name: str, tensor: torch.Tensor, get: Callable[[str], torch.Tensor | None], block: tuple[int, int] | None,
+    full_shape: tuple[int, ...] | None = None, origin: tuple[int, int] = (0, 0),
 ) -> tuple[torch.Tensor, torch.Tensor | None, str | None]:
-    """A checkpoint tensor as (values, per-channel scale or None, scale tensor's name or None).
-    Float8 weights come with their float32 [N] scale; block-scaled ones are dequantized to
-    float32 (no scale). Anything else passes through."""
+    """A checkpoint tensor (or the part of it at ``origin`` in a tensor of ``full_shape``) as
+    (values, per-channel scale or None, scale tensor's name or None). Float8 weights come with
+    their float32 scale for the part's rows; block-scaled ones are dequantized to float32 (no
+    scale). Anything else passes through."""
     if tensor.dtype not in _FLOAT8:
         return tensor, None, None
     if tensor.dtype != FP8:
@@ -94,12 +104,15 @@ def read_weight(
     if not name.endswith(".weight") or tensor.dim() != 2:
         raise ValueError(f"checkpoint tensor {name!r} is float8 with shape {tuple(tensor.shape)}; "
                          "only 2-D linear weights may be float8")
+    full_shape = tuple(tensor.shape) if full_shape is None else tuple(full_shape)
     scale = get(name + "_scale")
     if scale is not None:
-        return tensor, channel_scale(name + "_scale", scale, tensor.shape[0]), name + "_scale"
+        rows = channel_scale(name + "_scale", scale, full_shape[0])
+        return tensor, rows[origin[0] : origin[0] + tensor.shape[0]].contiguous(), name + "_scale"
     scale_inv = get(name + "_scale_inv")
     if scale_inv is not None:
-        return dequantize_blocks(name + "_scale_inv", tensor, scale_inv, block), None, name + "_scale_inv"
+        values = dequantize_blocks(name + "_scale_inv", tensor, scale_inv, block, full_shape, origin)
+        return values, None, name + "_scale_inv"
     raise ValueError(f"checkpoint tensor {name!r} is float8_e4m3fn but has no {name + '_scale'!r} "
                      f"(or {name + '_scale_inv'!r}): its scale is missing")
 
@@ -115,20 +128,22 @@ def channel_scale(name: str, scale: torch.Tensor, rows: int) -> torch.Tensor:
     return values.contiguous()
 
 
-def dequantize_blocks(name: str, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None
-                      ) -> torch.Tensor:
-    """q: [N, K] float8 with one scale per [bn, bk] block -> float32 [N, K]."""
+def dequantize_blocks(name: str, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None,
+                      full_shape: tuple[int, ...] | None = None, origin: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """q: [n, k] float8, the part at ``origin`` of a [N, K] weight with one scale per [bn, bk]
+    block -> float32 [n, k]."""
     if block is None:
         raise ValueError(f"checkpoint tensor {name!r} holds block scales but config.json's quantization_config "
                          "has no weight_block_size")
-    (n, k), (bn, bk) = q.shape, block
+    (n, k), (bn, bk) = full_shape or q.shape, block
     want = (math.ceil(n / bn), math.ceil(k / bk))
     if tuple(scale_inv.shape) != want:
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(scale_inv.shape)}; blocks of {bn}x{bk} over "
                          f"a [{n}, {k}] weight need {list(want)}")
     _check_finite_positive(name, scale_inv.float())
     full = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return q.float() * full
+    (row, col), (rows, cols) = origin, q.shape
+    return q.float() * full[row : row + rows, col : col + cols]
 
 
 def _check_finite_positive(name: str, values: torch.Tensor) -> None:

@@ -80,7 +80,7 @@ class AdapterServeServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams the generated tokens and text; the last message has finish_reason.
+        """Streams the generated tokens and text; the last message of each choice has finish_reason.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -18,12 +18,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from adapterserve.config import EngineConfig
+from adapterserve.server.engine_process.placement import replica_placement
 from adapterserve.server.ingress import Ingress
 from adapterserve.server.limits import check_server_limits, engine_max_ongoing
 from adapterserve.server.metrics.hub import MetricsHub, hub_options
 from adapterserve.server.replica import EngineReplica
+from adapterserve.server.routing import AdapterAffinityRouter
+from adapterserve.server.routing_settings import Routing, routing_of
 from adapterserve.server.settings import merge_config, replica_actor_options, resolve_paths
 
 
@@ -33,7 +37,8 @@ def build_app(config: Mapping[str, Any] | None = None) -> Application:
     engine = EngineConfig(**cfg["engine"])  # refuse bad engine settings here, not in every replica
     check_server_limits(cfg)
     drain = _drain_options(cfg)
-    options = {**_replica_options(cfg, "replica"), "max_ongoing_requests": engine_max_ongoing(cfg, engine)}
+    options = {**_replica_options(cfg, "replica"), "max_ongoing_requests": engine_max_ongoing(cfg, engine),
+               **_router_options(routing_of(cfg["routing"], engine.max_num_seqs))}
     hub = MetricsHub.options(**hub_options()).bind(cfg)  # every replica reports to it; scrapes read it
     replica = EngineReplica.options(name="EngineReplica", **options, **drain).bind(cfg, "model", hub)
     encoder = None
@@ -57,6 +62,15 @@ def _drain_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {"graceful_shutdown_timeout_s": float(grace), "graceful_shutdown_wait_loop_s": 0.5}
 
 
+def _router_options(routing: Routing) -> dict[str, Any]:
+    """The generation deployment's request router: adapter affinity, or Serve's default (pow2)."""
+    if not routing.by_adapter:
+        return {}
+    router = RequestRouterConfig(request_router_class=AdapterAffinityRouter,
+                                 request_router_kwargs={"spill_queue_depth": routing.spill_queue_depth})
+    return {"request_router_config": router}
+
+
 def _replica_options(cfg: Mapping[str, Any], key: str) -> dict[str, Any]:
     opts = {k: v for k, v in cfg[key].items() if k != "ray_actor_options"}
     if opts.get("autoscaling_config"):
@@ -64,4 +78,5 @@ def _replica_options(cfg: Mapping[str, Any], key: str) -> dict[str, Any]:
     else:
         opts.pop("autoscaling_config", None)
     actor = replica_actor_options(cfg) if key == "replica" else dict(cfg[key]["ray_actor_options"] or {})
-    return {**opts, "ray_actor_options": actor}
+    placement = replica_placement(cfg["engine"], actor) if key == "replica" else {}  # tensor parallel: N bundles
+    return {**opts, "ray_actor_options": actor, **placement}

@@ -6,7 +6,8 @@ tokens_per_minute) and one at the replica (admission.py: beyond `max_in_flight` 
 shed with RESOURCE_EXHAUSTED / 429 and retry advice), validate, resolve the adapter name
 to an immutable version, tokenize and length-check the prompt
 (prompts.py: the engine gets token ids), then forward to an engine replica with the
-version's content hash as `multiplexed_model_id`, so replicas that hold it are preferred.
+version's content hash as `multiplexed_model_id`, so replicas that hold it are preferred
+(routing.py; routing mode "pow2" sends none: Serve's power of two choices).
 Generate goes to the generation backbone, Classify and Embed to the encoder
 (backends.py picks the deployment; an adapter goes where it was validated).
 Errors become gRPC status codes (see status.py; a failed call ends with its status and
@@ -45,6 +46,7 @@ from adapterserve.server.prompts import limits_of, load_tokenizer, prompt_token_
 from adapterserve.server.quotas import TenantGate, count_refusal
 from adapterserve.server.replies import raise_if_error
 from adapterserve.server.resolutions import Resolutions
+from adapterserve.server.routing_settings import routes_by_adapter
 from adapterserve.server.status import grpc_error, status_of
 from adapterserve.server.store_fit import (
     alive_nodes,
@@ -80,6 +82,8 @@ class Ingress(HealthRpc, OpenAIRoutes):
         self.max_texts = config["max_texts_per_request"]
         self.max_request_bytes = config["max_request_bytes"]
         self.backbone_id = config["model_id"]
+        # adapter affinity: the version's content hash routes (routing.py); pow2: Serve's default, no id
+        self.route_by_adapter = routes_by_adapter(config["routing"])
         self.limits = StoreLimits(max_total_bytes=config["max_upload_bytes"], max_files=config["max_upload_files"])
         # resolutions are cached here, on the loop (resolutions.py), not in the store as well
         self.store = open_store(config["store"], limits=self.limits, **config["store_options"])
@@ -104,9 +108,10 @@ class Ingress(HealthRpc, OpenAIRoutes):
             counted.tenant = caller.tenant
             caller.require("Generate")
             refuse_undecodable(request)
-            with self.admission.admit(self.gate.enter(caller, "Generate")):
-                chunks = self._generate(messages.prompt_of(request), messages.sampling_of(request.sampling),
-                                        messages.adapter_ref_of(request.adapter), caller, call)
+            with self.admission.admit(self.gate.enter(caller, "Generate")) as place:
+                prompt, sampling = messages.prompt_of(request), messages.sampling_of(request.sampling)
+                place.widen(sampling.n)  # each of n choices holds a place
+                chunks = self._generate(prompt, sampling, messages.adapter_ref_of(request.adapter), caller, call)
                 async with aclosing(self._measured(chunks, counted)) as relayed:  # closed at once if the caller goes
                     async for chunk in relayed:
                         yield messages.chunk_message(chunk)
@@ -135,7 +140,7 @@ class Ingress(HealthRpc, OpenAIRoutes):
         version = adapter
         call.resolved(version)
         self.metrics.uses(version)
-        routing = {"multiplexed_model_id": version.content_hash} if version else {}
+        routing = {"multiplexed_model_id": version.content_hash} if version and self.route_by_adapter else {}
         handle = (await self.backends.for_call("generate", version)).options(stream=True, **routing)
         with call.span("tokenize"):
             ids = await self._token_ids(prompt, sampling, version)

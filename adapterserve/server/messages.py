@@ -33,7 +33,7 @@ def sampling_of(p: pb.SamplingParams) -> SamplingParams:
         "ignore_eos": p.ignore_eos,
     }
     for name in ("max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty"):
+                 "repetition_penalty", "n"):
         if p.HasField(name):
             fields[name] = getattr(p, name)
     if p.logit_bias:
@@ -122,4 +122,5 @@ def chunk_message(chunk: Mapping[str, Any]) -> pb.GenerateResponse:
         prompt_tokens=chunk.get("prompt_tokens", 0),
         request_id=chunk["request_id"],
         cached_tokens=chunk.get("cached_tokens", 0),
+        index=chunk.get("index", 0),
     )

@@ -176,16 +176,23 @@ def _options(body: Mapping[str, Any]) -> ChatOptions:
 
 
 def chat_body(call: ChatCall, chunks: Sequence[Mapping[str, Any]], prompt_ids: Sequence[int]) -> dict[str, Any]:
-    """The whole (non-streamed) response from every chunk the replica sent."""
-    token_ids = [t for c in chunks for t in c["token_ids"]]
-    choice = {"index": 0, "message": {"role": "assistant", "content": "".join(c["text"] for c in chunks)},
-              "logprobs": None, "finish_reason": common.finish(chunks[-1]["finish_reason"])}
-    reply = {**_envelope(call, "chat.completion"), "choices": [choice],
-             "usage": common.generation_usage(chunks, len(token_ids))}
+    """The whole (non-streamed) response from every chunk the replica sent: one choice per index."""
+    choices = [_choice(run, call.return_token_ids) for run in common.by_choice(chunks)]
+    generated = sum(len(c["token_ids"]) for c in chunks)
+    reply = {**_envelope(call, "chat.completion"), "choices": choices,
+             "usage": common.generation_usage(chunks, generated)}
     if call.return_token_ids:
-        choice["token_ids"] = token_ids
         reply["prompt_token_ids"] = list(prompt_ids)
     return reply
+
+
+def _choice(chunks: Sequence[Mapping[str, Any]], return_token_ids: bool) -> dict[str, Any]:
+    """One choice from its chunks."""
+    choice = {"index": chunks[0].get("index", 0), "message": {"role": "assistant", "content": "".join(c["text"] for c in chunks)},
+              "logprobs": None, "finish_reason": common.finish(chunks[-1]["finish_reason"])}
+    if return_token_ids:
+        choice["token_ids"] = [t for c in chunks for t in c["token_ids"]]
+    return choice
 
 
 def sse_events(call: ChatCall, chunks: AsyncIterator[Mapping[str, Any]]) -> AsyncIterator[str]:

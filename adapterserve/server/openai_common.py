@@ -20,7 +20,7 @@ from adapterserve.server.openai_errors import error_body
 
 MAX_MODEL_CHARS = 1024
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n")
 _SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads pairs valid ones: those left are lone
 Neutral = dict[str, tuple[str, Callable[[Any], bool]]]  # field -> (its neutral values, in words; test)
 
@@ -39,7 +39,6 @@ def never(value: Any) -> bool:
 
 # Sampling fields every generation route refuses unless neutral (or null).
 NEUTRAL_SAMPLING: Neutral = {
-    "n": ("1 or null", exactly(1)),
     "min_p": ("0 or null", number_equal(0)),  # vLLM extensions
     "min_tokens": ("0 or null", number_equal(0)),
 }
@@ -110,6 +109,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
     return block
 
 
+def by_choice(chunks: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+    """The chunks of each choice (n > 1: chunks carry their choice's `index`), in index order."""
+    runs: dict[int, list[Mapping[str, Any]]] = {}
+    for c in chunks:
+        runs.setdefault(c.get("index", 0), []).append(c)
+    return [runs[i] for i in sorted(runs)]
+
+
 def generation_usage(chunks: Sequence[Mapping[str, Any]], completion_tokens: int) -> dict[str, Any]:
     """The usage block of a generation from its chunks (the first carries the prompt's counts)."""
     first = chunks[0] if chunks else {}
@@ -126,18 +133,20 @@ def event(payload: Mapping[str, Any]) -> str:
 
 async def sse(chunks: AsyncIterator[Mapping[str, Any]], envelope: Mapping[str, Any],
               choice_of: Callable[[Mapping[str, Any], bool], dict[str, Any]], with_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: `envelope` + one choice per chunk (`choice_of(chunk, first)`), a usage
-    event if asked, then `data: [DONE]`. An error after the headers went is reported in the stream."""
+    """Server-sent events: `envelope` + one choice per chunk (`choice_of(chunk, first of its
+    choice)`, with the chunk's `index`), a usage event if asked (the prompt once, every choice's
+    tokens), then `data: [DONE]`. An error after the headers went is reported in the stream."""
     head: dict[str, Any] = {}  # the prompt's counts, from the first chunk
     generated = 0
-    first = True
+    started: set[int] = set()  # choices that have sent a chunk
     try:
         async for c in chunks:
-            if first:
+            if not started:
                 head = {k: c[k] for k in ("prompt_tokens", "cached_tokens") if k in c}
             generated += len(c["token_ids"])
-            yield event({**envelope, "choices": [choice_of(c, first)]})
-            first = False
+            index = c.get("index", 0)
+            yield event({**envelope, "choices": [{**choice_of(c, index not in started), "index": index}]})
+            started.add(index)
     except Exception as exc:
         yield event(error_body(exc))
         return

@@ -73,14 +73,19 @@ def _prompt(prompt: Any) -> str | list[int]:
 
 
 def completion_body(call: CompletionCall, chunks: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """The whole (non-streamed) response from every chunk the replica sent."""
-    token_ids = [t for c in chunks for t in c["token_ids"]]
-    choice = {"index": 0, "text": "".join(c["text"] for c in chunks), "logprobs": None,
+    """The whole (non-streamed) response from every chunk the replica sent: one choice per index."""
+    choices = [_choice(run, call.return_token_ids) for run in common.by_choice(chunks)]
+    generated = sum(len(c["token_ids"]) for c in chunks)
+    return {**_envelope(call), "choices": choices, "usage": common.generation_usage(chunks, generated)}
+
+
+def _choice(chunks: list[Mapping[str, Any]], return_token_ids: bool) -> dict[str, Any]:
+    """One choice from its chunks."""
+    choice = {"index": chunks[0].get("index", 0), "text": "".join(c["text"] for c in chunks), "logprobs": None,
               "finish_reason": common.finish(chunks[-1]["finish_reason"])}
-    if call.return_token_ids:
-        choice["token_ids"] = token_ids
-    return {**_envelope(call), "choices": [choice],
-            "usage": common.generation_usage(chunks, len(token_ids))}
+    if return_token_ids:
+        choice["token_ids"] = [t for c in chunks for t in c["token_ids"]]
+    return choice
 
 
 def sse_events(call: CompletionCall, chunks: AsyncIterator[Mapping[str, Any]]) -> AsyncIterator[str]:

@@ -191,6 +191,7 @@ class OpenAIRoutes:
 
     async def _complete(self, request: Request, caller: Caller, place: Place, counted: Call) -> Response:
         call = openai_http.parse_completion(await self._body(request), self.backbone_id)
+        place.widen(call.sampling.n)  # each of n choices holds a place
         with _trace(request).span("resolve"):
             version = await self._generation_version(call.model, caller)
         generated = self._generate(call.prompt, call.sampling, version, caller, _trace(request))
@@ -209,6 +210,7 @@ class OpenAIRoutes:
 
     async def _chat(self, request: Request, caller: Caller, place: Place, counted: Call) -> Response:
         call = openai_chat.parse_chat(await self._body(request), self.backbone_id)
+        place.widen(call.sampling.n)  # each of n choices holds a place
         with _trace(request).span("resolve"):
             version = await self._generation_version(call.model, caller)
         limits = limits_of(await self.backends.static(self.backends.model_id), self.max_prompt_chars)

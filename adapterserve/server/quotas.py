@@ -1,7 +1,8 @@
 """Per-tenant concurrent requests and tokens per minute, counted at one ingress replica.
 
 `enter(caller, call)` takes a place for one call of a tenant, or raises QuotaExceeded
-(RESOURCE_EXHAUSTED / 429) naming the quota, its limit, the usage and when to retry.
+(RESOURCE_EXHAUSTED / 429) naming the quota, its limit, the usage and when to retry. A
+generation of n > 1 choices widens its hold to n places (each choice is a sequence).
 tokens_per_minute is a sliding window over the last 60 s, kept in one-second buckets:
 prompt and generated tokens of generation calls count as they stream; a call is
 refused while the window holds the limit or more (the call that crosses it finishes).
@@ -18,21 +19,30 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from adapterserve.adapters_store.tenants import TOKEN_CALLS, Caller
-from adapterserve.errors import QuotaExceeded
+from adapterserve.errors import QuotaExceeded, RequestError
 from adapterserve.server.metrics import series
 
 WINDOW_S = 60
 
 
 class Hold:
-    """One call's place in its tenant's concurrent_requests; released once."""
+    """One call's places in its tenant's concurrent_requests (one, or n for n choices); released once."""
 
-    def __init__(self, gate: TenantGate | None, tenant: str | None) -> None:
-        self._gate, self._tenant = gate, tenant
+    def __init__(self, gate: TenantGate | None, tenant: str | None, quota: int | None = None) -> None:
+        self._gate, self._tenant, self._quota = gate, tenant, quota
+        self._places = 1
+
+    def widen(self, places: int) -> None:
+        """Hold `places` places in all (a generation of n choices: n); RequestError if the quota can
+        never hold that many, QuotaExceeded if it cannot now (holding what it held)."""
+        if self._gate is None or places <= self._places:
+            return
+        self._gate._widen(self._tenant, self._quota, places - self._places, places)
+        self._places = places
 
     def release(self) -> None:
         if self._gate is not None:
-            self._gate._leave(self._tenant)
+            self._gate._leave(self._tenant, self._places)
             self._gate = None
 
 
@@ -98,7 +108,7 @@ class TenantGate:
                                     f"reached ({state.in_flight} in flight{self._where(share)}); retry when one "
                                     "ends", "concurrent_requests", retry_after_s=1.0)
         state.in_flight += 1
-        return Hold(self, caller.tenant)
+        return Hold(self, caller.tenant, quotas.concurrent_requests)
 
     def count_tokens(self, tenant: str | None, tokens: int) -> None:
         if tenant is not None and tokens > 0:
@@ -129,9 +139,23 @@ class TenantGate:
             self._tenants[tenant] = _TenantState(0, TokenWindow(self._clock))
         return self._tenants[tenant]
 
-    def _leave(self, tenant: str | None) -> None:
+    def _widen(self, tenant: str, quota: int | None, extra: int, places: int) -> None:
+        state = self._state(tenant)
+        if quota is not None:
+            share = self.share(quota)
+            if places > share:
+                raise RequestError(f"'n' is {places}, but tenant {tenant} may run {share} requests at once "
+                                   f"(concurrent_requests {quota}{self._where(share)}), each choice one: ask for "
+                                   f"n <= {share}")
+            if state.in_flight + extra > share:
+                raise QuotaExceeded(f"tenant {tenant}: concurrent_requests {quota} reached ({state.in_flight} in "
+                                    f"flight{self._where(share)}, {places} more wanted for n={places}); retry when "
+                                    "some end", "concurrent_requests", retry_after_s=1.0)
+        state.in_flight += extra
+
+    def _leave(self, tenant: str | None, places: int = 1) -> None:
         if tenant is not None and tenant in self._tenants:
-            self._tenants[tenant].in_flight -= 1
+            self._tenants[tenant].in_flight -= places
 
 
 def count_refusal(metrics, tenant: str | None, exc: BaseException) -> None:

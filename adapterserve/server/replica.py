@@ -204,7 +204,7 @@ class EngineReplica:
         first = True
         async for out in stream:
             chunk = {"request_id": out.request_id, "token_ids": out.token_ids, "text": out.text,
-                     "finish_reason": out.finish_reason}
+                     "finish_reason": out.finish_reason, "index": out.index}
             if first:
                 chunk.update(adapter=version.ref if version else "", prompt_tokens=len(out.prompt_token_ids),
                              cached_tokens=out.cached_tokens)

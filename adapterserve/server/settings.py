@@ -103,6 +103,10 @@ DEFAULTS: dict[str, Any] = {
         "otlp_protocol": None,  # "grpc" or "http/protobuf"; None: $OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else grpc
         "service_name": None,  # None: $OTEL_SERVICE_NAME, else "adapterserve"
     },
+    # how the ingress picks a generation replica (server/routing_settings.py, docs/scaling.md): "adapter"
+    # (a replica holding the request's adapter, spilling past replicas whose queue depth reaches
+    # spill_queue_depth; null: the engine's max_num_seqs) or "pow2" (Serve's power of two choices)
+    "routing": {"mode": "adapter", "spill_queue_depth": None},
     "replica": {  # Ray Serve options of the engine deployment
         "num_replicas": 1,
         # None: the engine's max_num_seqs + max_queued_requests + a few health and adapter calls,

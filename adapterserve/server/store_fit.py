@@ -27,7 +27,7 @@ def check_store_fits(store: AdapterStore, nodes: int) -> None:
         raise ValueError(
             f"the adapter store {str(store.root)!r} is a local directory, but this Ray cluster has {nodes} "
             "nodes: replicas on other nodes would not find its adapters. Use an S3 store shared by every "
-            "node (--store s3://bucket/prefix; docs/tenancy.md, 'Stores')"
+            "node (--store s3://bucket/prefix; docs/scaling.md, 'Stores')"
         )
 
 

@@ -63,20 +63,5 @@ def test_a_deleted_version_is_refused_when_read_directly(make_store, adapter_dir
         store.resolve("a@1", tenant=None)
 
 
-def test_a_bare_name_is_listed_once_per_ttl_and_own_changes_show_at_once(make_store, adapter_dir):
-    store = make_store()
-    store.resolve_ttl_s = 3600.0
-    store.publish("a", adapter_dir(0), tenant=None)
-    assert store.resolve("a", tenant=None).version == 1
-    listing = store._list
-    store._list = _refuse_listing
-    assert store.resolve("a", tenant=None).version == 1  # from the cache
-    store._list = listing
-    assert store.publish("a", adapter_dir(1), tenant=None).version == 2
-    assert store.resolve("a", tenant=None).version == 2  # its own publish dropped the cache
-    store.delete("a", 2, tenant=None)
-    assert store.resolve("a", tenant=None).version == 1  # and its own delete
-
-
 def _refuse_listing(prefix: str):
     raise AssertionError(f"the store was listed ({prefix!r})")

@@ -1,7 +1,7 @@
 """lora_decode="stacked": LoRA A rows under the base weight, one GEMM for base output and
 shrink. A mixed batch against PEFT + transformers one request at a time (float32, CPU);
-adapters placed and evicted while others decode, against the segmented kernels' engine;
-every family in one batch."""
+adapters placed and evicted while others decode, and the per-step choice of expand,
+against the segmented kernels' engine; every family in one batch."""
 from itertools import product
 
 import pytest
@@ -95,6 +95,54 @@ def test_stacked_places_and_evicts_while_others_decode(setup, device):
     assert len(rows_seen - {0}) > 1, rows_seen
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_stacked_expand_follows_the_step_s_distinct_adapters(setup, device):
+    """Eight adapters decoding together, then fewer as requests end: each step runs the
+    grouped expand from GROUPED_MIN_ADAPTERS distinct adapters on, the tiled one below
+    (on a GPU a decode graph per choice); every request gets the segmented kernels'
+    engine's tokens (float32)."""
+    from adapterserve.kernels.stacked import GROUPED_MIN_ADAPTERS, choose_expand
+    from adapterserve.layers.context import get_context
+
+    model_dir, adapter_dirs = setup
+    stacked = Engine.from_pretrained(model_dir, device, max_lora_rank=64, max_loras=8, lora_decode="stacked")
+    kernels = Engine.from_pretrained(model_dir, device, max_lora_rank=64, max_loras=8)
+    for engine in (stacked, kernels):
+        for name, path in adapter_dirs.items():
+            engine.load_adapter(name, path)
+    ids = list(adapter_dirs) + [None] + list(adapter_dirs)[:3]
+    assert len(set(ids) - {None}) >= GROUPED_MIN_ADAPTERS
+    prompts = _prompts(stacked.model_config.vocab_size, len(ids), torch.Generator().manual_seed(6))
+    params = [SamplingParams(max_tokens=2 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(len(ids))]
+
+    steps: list[tuple[int, str]] = []  # (distinct adapters, expand) of each eager forward with LoRA rows
+
+    def record(_module, _args):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # a decode graph captured lazily: reading the slots would sync inside the capture
+        meta = get_context().lora
+        if meta is not None:
+            slots = meta.token_slots
+            steps.append((len(set(slots[slots >= 0].tolist())), meta.stacked_expand))
+
+    handle = stacked.model.register_forward_pre_hook(record)
+    got_logits, want_logits = record_logits(stacked), record_logits(kernels)
+    try:
+        got = stacked.generate(prompts, params, adapter_ids=ids)
+    finally:
+        handle.remove()
+    want = kernels.generate(prompts, params, adapter_ids=ids)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got, want):
+        last = len(a.token_ids) - 1
+        g, w = got_logits[a.request_id][last], want_logits[b.request_id][last]
+        assert (g - w).norm() / w.norm() < LOGIT_TOLERANCE[device], a.adapter_id
+    assert all(expand == choose_expand(distinct) for distinct, expand in steps), steps
+    graphs = stacked.runner.graphs
+    chosen = {expand for _, expand in steps} | ({key[3] for key in graphs._graphs} if graphs is not None else set())
+    assert {"tiled", "grouped"} <= chosen, steps
+
+
 def test_decode_graph_keys_follow_the_stacked_row_bucket(setup):
     """A captured decode graph holds the stacked GEMMs' shape: the row bucket is in the key of
     every graph with LoRA rows and of no other; the kernels layout adds nothing to any key
@@ -118,6 +166,10 @@ def test_decode_graph_keys_follow_the_stacked_row_bucket(setup):
     assert pool.stacked_rows() == 0
     for mix in mixes:
         assert len({keys[rows][mix] for rows in keys}) == (len(keys) if mix[0] else 1), mix
+    with pool.covering(16):  # the stacked expand: in the key of graphs with LoRA rows only
+        signature = stacked.runner.graph_signature()
+        for mix in mixes:
+            assert (_key(8, mix, signature, "tiled") != _key(8, mix, signature, "grouped")) == mix[0], mix
     with pytest.raises(ValueError, match="row buckets"), pool.covering(48):
         pass
 
@@ -125,6 +177,7 @@ def test_decode_graph_keys_follow_the_stacked_row_bucket(setup):
     assert kernels.lora_pool.row_buckets() == []
     for mix in mixes:
         assert _key(8, mix, kernels.runner.graph_signature()) == _key(8, mix, ()), mix
+        assert _key(8, mix, kernels.runner.graph_signature(), "grouped") == _key(8, mix, ()), mix
 
 
 def test_stacked_refuses_a_foreign_weight_dtype(tmp_path):

@@ -16,6 +16,7 @@ from adapterserve.engine.warmup_variants import (
     graph_plan,
     reachable,
 )
+from adapterserve.kernels.stacked import GROUPED_MIN_ADAPTERS
 from adapterserve.layers.context import get_context
 from tests.helpers.families import family_configs, make_peft_adapter
 from tests.helpers.lora import make_peft_lora
@@ -149,7 +150,8 @@ def test_stacked_lora_warm_up_covers_its_row_buckets_and_expand_tiles(llama_dir,
     config = dict(ENGINE, lora_decode="stacked")
     engine = Engine.from_pretrained(llama_dir, warmup="force", **config)
     assert engine.warmup.missing == set(), sorted(map(str, engine.warmup.missing))
-    assert any(v[0] == "stacked" for v in engine.warmup.reached)
+    grouped = {"grouped"} if GROUPED_MIN_ADAPTERS <= ENGINE["max_loras"] else set()
+    assert {v[1] for v in engine.warmup.reached if v[0] == "stacked"} == {"tiled"} | grouped
     seen, handle = _record(engine)
     try:
         outputs = _mixed_run(engine, adapters, seed=5)
@@ -164,6 +166,35 @@ def test_stacked_lora_warm_up_covers_its_row_buckets_and_expand_tiles(llama_dir,
     plan = graph_plan(shape)
     assert {rows for _, families, rows in plan if "lora" in families} == {16, 32, 64}
     assert {rows for _, families, rows in plan if "lora" not in families} == {0}
+    # a graph per stacked expand a bucket's rows can choose (the grouped one from 4 distinct adapters)
+    graphs = {(v[1], v[4]) for v in reachable(shape) if v[0] == "graph" and "lora" in v[2]}
+    assert graphs == {(b, e) for b in (1, 2, 4) for e in ("tiled", "grouped")
+                      if e == "tiled" or b >= GROUPED_MIN_ADAPTERS}
+    assert {v[4] for v in reachable(shape) if v[0] == "graph" and "lora" not in v[2]} == {None}
+
+
+def test_warm_up_steps_find_their_adapters_resident(llama_dir):
+    """A slot's copies land asynchronously on a GPU and the scheduler admits an adapter's
+    requests only once they have: the warm-up places (and waits for) a step's adapters
+    before adding its requests, so the prompts of a kernel class run in one step of the
+    planned size with every family in it."""
+    from adapterserve.engine.warmup import _Runner, class_sizes, scratch_adapters
+
+    engine = Engine.from_pretrained(llama_dir, warmup=False, **ENGINE)
+    run, scratch = _Runner(engine), scratch_adapters(engine)
+    group = {i: scratch[i] for i in list(scratch)[:3]}  # lora, ia3, prompt: with the base row, max_num_seqs
+    resident, steps = {}, []
+    handle = engine.model.register_forward_pre_hook(lambda _m, args: steps.append(
+        (args[0].shape[0], frozenset(f for f in ("lora", "ia3") if getattr(get_context(), f) is not None))))
+    tokens = class_sizes(EngineShape.of(engine), 8)[-1]
+    try:
+        run.with_adapters(group, lambda: (resident.update({i: engine.slots.is_resident(i) for i in group}),
+                                          run.family_step(group, tokens)))
+    finally:
+        handle.remove()
+    assert resident and all(resident.values()), resident
+    assert steps == [(tokens, frozenset({"lora", "ia3"}))]
+    assert engine.slots.num_used == 0
 
 
 @pytest.mark.parametrize("penalised, biased", [(1, 0), (2, 0), (3, 1), (2, 1), (1, 2)])

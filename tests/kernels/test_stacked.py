@@ -1,17 +1,19 @@
 """The stacked LoRA path ([W; A] GEMM, then the stacked expand) against the float32
-base GEMM plus the reference shrink/expand: both Triton expands (the tiled one the engine
-runs, the per-token one), on the interpreter and a GPU, and the twin."""
+base GEMM plus the reference shrink/expand: the Triton expands (the tiled and the grouped
+one the engine chooses between per step, the per-token one), on the interpreter and a
+GPU, and the twin."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from adapterserve.kernels import reference
+from adapterserve.kernels import reference, stacked_expand
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import build_adapter_meta
 from adapterserve.kernels.stacked import (
     ExpandTiles,
+    GroupedTiles,
     RowsInUse,
     expand_tiles,
     row_bucket,
@@ -141,7 +143,22 @@ def _tiled_no_skip(out, lora, meta, y, bias):
                                                                skip_unused=False, stages=3))
 
 
-IMPLS = {"tiled": _tiled, "tiled_no_skip": _tiled_no_skip, "per_token": _per_token}
+def _grouped(out, lora, meta, y, bias):
+    from adapterserve.kernels.stacked_grouped import stacked_expand_grouped
+
+    stacked_expand_grouped(out, lora, meta, y, bias)
+
+
+def _grouped_as(tiles: GroupedTiles):
+    def run(out, lora, meta, y, bias):
+        from adapterserve.kernels.stacked_grouped import stacked_expand_grouped
+
+        stacked_expand_grouped(out, lora, meta, y, bias, tiles)
+
+    return run
+
+
+IMPLS = {"tiled": _tiled, "tiled_no_skip": _tiled_no_skip, "per_token": _per_token, "grouped": _grouped}
 
 
 @interpreted
@@ -159,6 +176,17 @@ def test_tiled_other_tiles_interpreted(tiles):
     """Tiles the chooser does not pick for these shapes (benchmarks compare them): many
     token tiles of 16, column tiles wider than a slice, every chunk loaded (masked)."""
     _run(("uniform", 40, 5, 24, (40, 24), "mixed", 0.2, True, "bucket"), torch.float32, "cpu", _tiled_as(tiles))
+
+
+@interpreted
+@pytest.mark.parametrize("tiles", [GroupedTiles(16, 16, 48), GroupedTiles(32, 32, 32, warps=2)], ids=str)
+@pytest.mark.parametrize("case", [("skewed", 40, 6, 24, (40, 24), "mixed", 0.2, True, "bucket"),
+                                  ("zipf", 33, 5, 20, (50, 9), 16, 0.5, False, "all")], ids=str)
+def test_grouped_other_tiles_interpreted(case, tiles):
+    """Tiles the chooser does not pick: ranks above one dot's rows (the rank loop), a
+    program's columns not a multiple of a dot's, several tiles of one slot and of the
+    tokens without adapter."""
+    _run(case, torch.float32, "cpu", _grouped_as(tiles))
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=str)
@@ -181,6 +209,34 @@ def test_expand_tiles_by_token_count():
     assert [expand_tiles(t, 6144).block_m for t in (1, 16, 17, 32, 33, 64, 256)] == [16, 16, 32, 32, 64, 64, 64]
     assert expand_tiles(64, 6144).block_n == 64 and expand_tiles(64, 28672).block_n == 128
     assert all(t.block_m >= 16 and t.block_n >= 16 for t in (expand_tiles(n, 10) for n in range(1, 300)))
+
+
+def test_expand_choice_by_distinct_adapters():
+    """Few distinct adapters: the tiled expand; from GROUPED_MIN_ADAPTERS on, the grouped
+    one. A step can choose only what its rows and the slots allow."""
+    from adapterserve.kernels.stacked import (
+        GROUPED_MIN_ADAPTERS,
+        choose_expand,
+        expand_for_slots,
+        reachable_expands,
+    )
+
+    n = GROUPED_MIN_ADAPTERS
+    assert choose_expand(n - 1) == "tiled" and choose_expand(n) == "grouped" and choose_expand(10 * n) == "grouped"
+    assert expand_for_slots([-1] * 5 + [0] * 9) == "tiled"  # tokens without adapter count for nothing
+    assert expand_for_slots(list(range(n)) * 2 + [-1]) == "grouped"
+    assert expand_for_slots(list(range(n - 1)) * 3) == "tiled"
+    assert reachable_expands(64, 64) == ("tiled", "grouped")
+    assert reachable_expands(n - 1, 64) == ("tiled",) == reachable_expands(64, n - 1)
+    assert reachable_expands(n, n) == ("tiled", "grouped")
+
+
+def test_grouped_tiles_by_rank():
+    """One dot covers ranks up to 64 (rounded up to a power of two, at least 16)."""
+    from adapterserve.kernels.stacked import grouped_tiles
+
+    assert [grouped_tiles(r).block_r for r in (1, 8, 16, 17, 64, 128)] == [16, 16, 16, 32, 64, 64]
+    assert all(t.block_n >= 16 and t.group_n % t.block_n == 0 for t in map(grouped_tiles, range(1, 200)))
 
 
 def test_layout_views_share_the_buffer():
@@ -221,15 +277,28 @@ def test_bad_shapes():
         reference.stacked_expand(out, lora, meta, y, torch.zeros(3))
     with pytest.raises(ValueError, match="rows must be"):
         stacked_gemm(x, stacked, stacked.pool_rows + 1)
+    with pytest.raises(ValueError, match="expand must be one of"):
+        stacked_expand(out, lora, meta, y, expand="fused")
 
 
 @interpreted
-def test_tiled_refuses_b_of_another_dtype():
-    from adapterserve.kernels.stacked_tiled import stacked_expand_tiled
-
+@pytest.mark.parametrize("impl", ["tiled", "grouped"])
+def test_triton_expands_refuse_b_of_another_dtype(impl):
     gen, _ = fresh_generator()
     x, stacked, lora, _, slots, rows = _stacked_case(CPU_CASES[0], torch.float32, gen)
     lora16 = LoraSlices(lora.a, lora.b.half(), lora.row_start, lora.rank, lora.out_offsets, lora.max_rank)
     y = torch.empty(x.shape[0], lora.out_offsets[-1])
     with pytest.raises(ValueError, match="share a dtype"):
-        stacked_expand_tiled(stacked_gemm(x, stacked, rows), lora16, build_adapter_meta(slots, 4), y)
+        IMPLS[impl](stacked_gemm(x, stacked, rows), lora16, build_adapter_meta(slots, 4), y, None)
+
+
+@interpreted
+def test_grouped_needs_the_tile_list():
+    from adapterserve.kernels.stacked_grouped import stacked_expand_grouped
+
+    gen, _ = fresh_generator()
+    x, stacked, lora, _, slots, rows = _stacked_case(CPU_CASES[0], torch.float32, gen)
+    meta = build_adapter_meta(slots, 4, block_m=8)
+    y = torch.empty(x.shape[0], lora.out_offsets[-1])
+    with pytest.raises(ValueError, match="tile list"):
+        stacked_expand_grouped(stacked_gemm(x, stacked, rows), lora, meta, y)

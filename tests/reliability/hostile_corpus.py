@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from adapterserve.proto import adapterserve_pb2 as pb
-from tests.helpers.live_server import ALICE, BOB
+from tests.helpers.live_server import ALICE, BOB, BUSY, BUSY_CONCURRENCY, MAX_RUNNING
 
 VOCAB = 512
 MAX_MODEL_LEN = 1024
@@ -102,7 +102,6 @@ HTTP_CASES: list[HttpCase] = [
              "'stream_options' must be an object or null, got 'x'"),
     HttpCase("include_usage=1", _json(stream=True, stream_options={"include_usage": 1}), 400,
              "'stream_options.include_usage' must be true or false"),
-    _bad_field("n", 2, "'n' is not supported"),
     _bad_field("logprobs", 5, "'logprobs' is not supported"),
     _bad_field("echo", True, "'echo' is not supported"),
     _bad_field("best_of", 4, "'best_of' is not supported"),
@@ -114,6 +113,20 @@ HTTP_CASES: list[HttpCase] = [
     _bad_field("frequency_penalty", "high", "'frequency_penalty' must be a number"),
     _bad_field("repetition_penalty", -1, "'repetition_penalty' must be between"),
     _bad_field("user", 12, "'user' must be a string"),
+    # n: completions of one prompt, each a sequence (null is the default, 1)
+    _bad_field("n", 0, "'n' must be between 1 and 128, got 0"),
+    _bad_field("n", -2, "'n' must be between 1 and 128, got -2"),
+    _bad_field("n", 129, "'n' must be between 1 and 128, got 129"),
+    _bad_field("n", 10**30, "'n' must be between 1 and 128"),
+    _bad_field("n", 2.5, "'n' must be an integer, got 2.5"),
+    _bad_field("n", 2.0, "'n' must be an integer, got 2.0"),
+    _bad_field("n", "2", "'n' must be an integer, got '2'"),
+    _bad_field("n", True, "'n' must be an integer, got True"),
+    _bad_field("n", [2], "'n' must be an integer"),
+    _bad_field("n", MAX_RUNNING + 1, f"'n' is {MAX_RUNNING + 1}, but this engine runs at most {MAX_RUNNING} sequences"),
+    HttpCase("n over the tenant's concurrent_requests", _json(n=BUSY_CONCURRENCY + 1), 400,
+             f"'n' is {BUSY_CONCURRENCY + 1}, but tenant busy may run {BUSY_CONCURRENCY} requests at once",
+             headers={"Authorization": f"Bearer {BUSY}"}),
     # prompts
     _bad_field("prompt", "", "'prompt' is empty"),
     _bad_field("prompt", [], "'prompt' is empty"),
@@ -167,6 +180,12 @@ GRPC_CASES: list[GrpcCase] = [
     _sampling("'stop[0]' has 1000 characters", stop=["y" * 1000]),
     _sampling("'stop_token_ids[1]' must be a token id", stop_token_ids=[2, -9]),
     _sampling("stop_token_ids", stop_token_ids=[VOCAB + 3]),  # the engine checks them against its vocabulary
+    _sampling("'n' must be between 1 and 128, got 0", n=0),
+    _sampling("'n' must be between 1 and 128, got 129", n=129),
+    _sampling("'n' must be between 1 and 128, got 4294967295", n=2**32 - 1),
+    _sampling(f"'n' is {MAX_RUNNING + 1}, but this engine runs at most {MAX_RUNNING} sequences", n=MAX_RUNNING + 1),
+    GrpcCase("n over the tenant's concurrent_requests", "Generate", _generate(n=BUSY_CONCURRENCY + 1), INVALID,
+             f"'n' is {BUSY_CONCURRENCY + 1}, but tenant busy may run {BUSY_CONCURRENCY}", api_key=BUSY),
     # prompts
     GrpcCase("no prompt", "Generate", pb.GenerateRequest(adapter="").SerializeToString(), INVALID, "set the prompt"),
     GrpcCase("empty text", "Generate", _generate(""), INVALID, "'text' is empty"),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Mapping
 
 import grpc
@@ -18,21 +17,12 @@ import requests
 
 from adapterserve.clients.client import generate_request
 from adapterserve.clients.types import ClientError
-from adapterserve.proto import adapterserve_pb2 as pb
 from adapterserve.proto import adapterserve_pb2_grpc as pb_grpc
+from tests.helpers.held_calls import held_while, wait_until
 from tests.helpers.live_server import ALICE, MAX_IN_FLIGHT, MAX_RUNNING, MAX_WAITING, NUM_KV_BLOCKS
 
 LONG = dict(max_tokens=150, temperature=0.0, ignore_eos=True)
 AUTH = (("authorization", f"Bearer {ALICE}"),)
-
-
-def _wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> None:
-    """Poll a server-side fact that no event reports to the client."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 async def _generate(stub, prompt: str, **sampling) -> list[int] | tuple[grpc.StatusCode, str, dict]:
@@ -118,19 +108,13 @@ def test_a_burst_of_thousands_is_answered_by_admission_not_cancelled(server, upl
 def test_calls_over_max_in_flight_are_shed_at_the_ingress(server, uploaded, alice):
     """Calls held open (uploads that send nothing) fill the ingress replica's places: the next
     call is shed there at once with retry advice; once they end, calls are taken again."""
-    _wait_until(lambda: _ingress_in_flight() == 0, what="the previous tests' calls to end")
+    wait_until(lambda: _ingress_in_flight() == 0, what="the previous tests' calls to end")
 
     async def scenario():
         async with grpc.aio.insecure_channel(server.grpc) as channel:
-            stub, stop = pb_grpc.AdapterServeStub(channel), asyncio.Event()
-
-            async def nothing():
-                await stop.wait()
-                yield pb.UploadAdapterRequest()  # never sent: the call is cancelled first
-
-            held = [stub.UploadAdapter(nothing(), metadata=AUTH, timeout=300) for _ in range(MAX_IN_FLIGHT)]
-            await asyncio.to_thread(_wait_until, lambda: _ingress_in_flight() == MAX_IN_FLIGHT,
-                                    what="every held call to take its place")
+            stub = pb_grpc.AdapterServeStub(channel)
+            held = await held_while(stub, MAX_IN_FLIGHT, AUTH, lambda: _ingress_in_flight() == MAX_IN_FLIGHT,
+                                    "every held call to take its place")
             refusal = await _generate(stub, "A server", max_tokens=2)
             assert not any(call.done() for call in held)
             for call in held:
@@ -140,7 +124,7 @@ def test_calls_over_max_in_flight_are_shed_at_the_ingress(server, uploaded, alic
     code, details, trailing = asyncio.run(scenario())
     assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and trailing["retry-after-s"] == "1"
     assert f"at capacity ({MAX_IN_FLIGHT} requests in flight at this ingress replica)" in details
-    _wait_until(lambda: _answers(alice), what="the ingress to take calls again")
+    wait_until(lambda: _answers(alice), what="the ingress to take calls again")
 
 
 def _ingress_in_flight() -> int:
@@ -159,7 +143,7 @@ def _answers(client) -> bool:
 
 def test_cancelled_stream_frees_its_kv_blocks(alice, uploaded):
     # the previous test's requests may still be draining
-    _wait_until(lambda: alice.server_info().free_kv_blocks == NUM_KV_BLOCKS, what="the server to be idle")
+    wait_until(lambda: alice.server_info().free_kv_blocks == NUM_KV_BLOCKS, what="the server to be idle")
     idle = alice.server_info()
     stream = alice.stream("To make bread you need", adapter="sql", **LONG)
     for _, _chunk in zip(range(3), stream):
@@ -167,7 +151,7 @@ def test_cancelled_stream_frees_its_kv_blocks(alice, uploaded):
     busy = alice.server_info()
     assert busy.running_requests == 1 and busy.free_kv_blocks < NUM_KV_BLOCKS
     stream.close()  # cancels the gRPC call
-    _wait_until(lambda: alice.server_info().free_kv_blocks == NUM_KV_BLOCKS, what="KV blocks to be freed")
+    wait_until(lambda: alice.server_info().free_kv_blocks == NUM_KV_BLOCKS, what="KV blocks to be freed")
     after = alice.server_info()
     assert after.running_requests == 0
     # the replica stopped it (rather than running it to its end): cancellation reached the engine

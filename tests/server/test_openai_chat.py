@@ -83,7 +83,7 @@ BAD_BODIES = [
     (_body(max_tokens=5, max_completion_tokens=6), "'max_tokens' and 'max_completion_tokens' differ"),
     (_body(temperature=-1), "'temperature' must be at least 0"),
     (_body(stop=[7]), "'stop[0]' must be a string"),
-    (_body(n=2), "'n' is not supported by this server (only 1 or null), got 2"),
+    (_body(n=0), "'n' must be between 1 and 128, got 0"),
     (_body(logprobs=True), "'logprobs' is not supported by this server (only false or null)"),
     (_body(top_logprobs=3), "'top_logprobs' is not supported"),
     (_body(tools=[{"type": "function", "function": {"name": "f"}}]), "'tools' is not supported"),

@@ -156,7 +156,7 @@ def test_unknown_models_are_not_found(sdk):
 
 def test_bad_fields_are_bad_requests_naming_the_field(sdk, uploaded):
     cases = [
-        (lambda: sdk.chat.completions.create(model=BASE, messages=MESSAGES, n=2), "n"),
+        (lambda: sdk.chat.completions.create(model=BASE, messages=MESSAGES, n=0), "n"),
         (lambda: sdk.chat.completions.create(model=BASE, messages=MESSAGES, logprobs=True), "logprobs"),
         (lambda: sdk.chat.completions.create(model=BASE, messages=[{"role": "user"}]), "messages[0].content"),
         (lambda: sdk.chat.completions.create(model="sentiment", messages=MESSAGES), "model"),

@@ -6,7 +6,6 @@ with RESOURCE_EXHAUSTED / 429 naming the quota while other tenants get exactly t
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -16,6 +15,7 @@ from adapterserve.clients.client import Client
 from adapterserve.clients.types import ClientError
 from adapterserve.proto import adapterserve_pb2 as pb
 from adapterserve.proto import adapterserve_pb2_grpc as pb_grpc
+from tests.helpers.held_calls import held_while, wait_until
 from tests.helpers.live_server import (
     ADMIN,
     ALICE,
@@ -172,28 +172,15 @@ def _admin_usage(server, tenant: str):
         return next(t for t in admin.listing().tenants if t.tenant == tenant)
 
 
-def _wait_until(check, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_calls_past_the_concurrency_quota_are_refused_and_others_get_their_tokens(server, alice, uploaded,
                                                                                   reference):
     expected, _ = reference("sql", PROMPT, 6)
 
     async def scenario():
         async with grpc.aio.insecure_channel(server.grpc) as channel:
-            stub, stop = pb_grpc.AdapterServeStub(channel), asyncio.Event()
-
-            async def nothing():
-                await stop.wait()
-                yield pb.UploadAdapterRequest()  # never sent: the call is cancelled first
-
-            held = [stub.UploadAdapter(nothing(), metadata=(("x-api-key", BUSY),), timeout=300)
-                    for _ in range(BUSY_CONCURRENCY)]
-            await asyncio.to_thread(_wait_until, lambda: _admin_usage(server, "busy").requests_in_flight == 2,
+            stub = pb_grpc.AdapterServeStub(channel)
+            held = await held_while(stub, BUSY_CONCURRENCY, (("x-api-key", BUSY),),
+                                    lambda: _admin_usage(server, "busy").requests_in_flight == 2,
                                     "busy's held calls to take their places")
             burst = [_generate(stub, BUSY) for _ in range(4)]
             served = asyncio.to_thread(alice.generate, PROMPT, adapter="sql", max_tokens=6, temperature=0.0)
@@ -208,7 +195,7 @@ def test_calls_past_the_concurrency_quota_are_refused_and_others_get_their_token
         assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and trailing["retry-after-s"] == "1"
         assert details == (f"tenant busy: concurrent_requests {BUSY_CONCURRENCY} reached (2 in flight); retry when "
                            "one ends")
-    _wait_until(lambda: _admin_usage(server, "busy").requests_in_flight == 0, "busy's places to be given back")
+    wait_until(lambda: _admin_usage(server, "busy").requests_in_flight == 0, "busy's places to be given back")
     with _client(server, BUSY) as busy:
         assert busy.generate(PROMPT, adapter=None, max_tokens=6, temperature=0.0).token_ids == reference(
             None, PROMPT, 6)[0]

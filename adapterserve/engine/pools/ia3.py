@@ -1,7 +1,9 @@
 """(IA)^3 pools: per linear, one input-scale and one output-scale row per slot.
 
 Rows of slots without (IA)^3 stay at 1; the ia3 op only touches tokens whose
-adapter is (IA)^3, so other families never pay for it.
+adapter is (IA)^3, so other families never pay for it. On tensor-parallel linears each
+rank keeps its part of the scales (input scales of row-parallel layers, output scales of
+column-parallel ones; a row-parallel layer's output scales apply after its all-reduce).
 """
 from __future__ import annotations
 
@@ -35,13 +37,15 @@ class Ia3Pool:
         with torch.no_grad():
             for layer, linear in self.linears:
                 offset = 0
-                for kind, width in zip(linear.slice_kinds, linear.slice_widths):
+                for index, (kind, width) in enumerate(zip(linear.slice_kinds, linear.slice_widths)):
                     scale = ia3.scales.get((layer, kind))
                     if scale is not None and kind in ia3.feedforward:
-                        linear.ia3_in[slot] = scale.to(linear.ia3_in.device, linear.ia3_in.dtype)
+                        linear.ia3_in[slot] = linear.shard_input(scale, 0).to(linear.ia3_in.device,
+                                                                               linear.ia3_in.dtype)
                     elif scale is not None:
-                        linear.ia3_out[slot, offset : offset + width] = scale.to(linear.ia3_out.device,
-                                                                                 linear.ia3_out.dtype)
+                        part = linear.shard_output(scale, 0, index)
+                        linear.ia3_out[slot, offset : offset + width] = part.to(linear.ia3_out.device,
+                                                                                linear.ia3_out.dtype)
                     offset += width
         return True
 

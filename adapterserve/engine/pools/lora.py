@@ -7,6 +7,10 @@ each layer's LoraSlices a view of its row: placing an adapter is then a few larg
 copies per projection, not one per layer. In the stacked layout (kernels/stacked.py)
 each linear's A rows live under its own base weight instead, copied layer by layer,
 and the pool keeps the row bucket its stacked GEMMs cover.
+
+Adapters come unsharded; on tensor-parallel linears each rank keeps its part
+(AdapterLinear.shard_input / shard_output: A's columns on row-parallel layers, B's
+rows on column-parallel ones), in the host copy it stages.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ class _Stack:
                  dtype: torch.dtype, device: torch.device | str, stacked: RowsInUse | None = None) -> None:
         self.layers = [layer for layer, _ in linears]
         first = linears[0][1]
+        self.linear = first  # how the role is split over tensor-parallel ranks (all alike)
         self.kinds, n = first.slice_kinds, len(first.slice_kinds)
         self.in_features = first.in_features
         self.offsets = [0]
@@ -81,19 +86,21 @@ class _Stack:
             width = adapter.kind_rank(kind)
             ranks = torch.tensor([adapter.modules[(l, kind)].rank if (l, kind) in adapter.modules else 0
                                   for l in self.layers], dtype=torch.int32)
-            a, b = self._packed(adapter, kind, width, self.offsets[s + 1] - self.offsets[s])
+            a, b = self._packed(adapter, s, width)
             staged[kind] = (ranks.pin_memory(), a, b) if self.b.is_cuda else (ranks, a, b)
         return staged
 
-    def _packed(self, adapter: LoraAdapter, kind: str, width: int, out: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host tensors [layers, width, in] of A and [layers, width, out] of scaled B^T, zero-padded."""
+    def _packed(self, adapter: LoraAdapter, s: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host tensors [layers, width, in] of A and [layers, width, out] of scaled B^T for slice s,
+        zero-padded (this rank's part under tensor parallelism)."""
+        kind, out = self.kinds[s], self.offsets[s + 1] - self.offsets[s]
         a = torch.zeros(len(self.layers), width, self.in_features, dtype=self.b.dtype)
         b = torch.zeros(len(self.layers), width, out, dtype=self.b.dtype)
         for i, layer in enumerate(self.layers):
             module = adapter.modules.get((layer, kind))
             if module is not None:
-                a[i, : module.rank] = module.a
-                b[i, : module.rank] = (module.b * module.scaling).T
+                a[i, : module.rank] = self.linear.shard_input(module.a, 1)
+                b[i, : module.rank] = self.linear.shard_output((module.b * module.scaling).T, 1, s)
         if self.b.is_cuda:
             a, b = a.pin_memory(), b.pin_memory()
         return a, b

@@ -1,6 +1,7 @@
 """Prefix-tuning pool: an adapter's per-layer keys and values written once into
 KV-cache blocks that every request of that adapter attends first. The blocks are
-held while the adapter sits in its slot and freed when the slot is cleared."""
+held while the adapter sits in its slot and freed when the slot is cleared.
+Under tensor parallelism each rank writes its KV heads' part of the prefix."""
 from __future__ import annotations
 
 from typing import Any
@@ -34,8 +35,8 @@ class PrefixPool:
         index = torch.tensor(slots, device=self.attention[0].k_cache.device)
         with torch.no_grad():
             for layer, attn in enumerate(self.attention):
-                attn.k_cache[index] = prefix.keys[layer].to(attn.k_cache.device, attn.k_cache.dtype)
-                attn.v_cache[index] = prefix.values[layer].to(attn.v_cache.device, attn.v_cache.dtype)
+                attn.k_cache[index] = attn.shard_kv(prefix.keys[layer]).to(attn.k_cache.device, attn.k_cache.dtype)
+                attn.v_cache[index] = attn.shard_kv(prefix.values[layer]).to(attn.v_cache.device, attn.v_cache.dtype)
         self.pages[slot] = table
         return True
 

@@ -10,6 +10,7 @@ from typing import Any
 from adapterserve.errors import EngineDied
 from adapterserve.server.engine_process.facts import EngineFacts, EngineLoad
 from adapterserve.server.engine_process.local import LocalEngine
+from adapterserve.server.engine_process.placement import child_placement
 from adapterserve.server.engine_process.proxy import EngineProcess
 from adapterserve.server.engine_process.supervisor import EngineSupervisor
 
@@ -20,6 +21,6 @@ def start_engine(model_dir: str | Path, engine_kwargs: Mapping[str, Any], own_pr
                  on_exit: Callable[[EngineDied], None] | None = None) -> EngineProcess | LocalEngine:
     """Build the engine for `model_dir` (Engine.from_pretrained keyword arguments), in a child
     process (`on_exit` is called if it dies) or here."""
-    if own_process:
-        return EngineProcess(model_dir, engine_kwargs, on_exit=on_exit)
+    if own_process:  # a tensor-parallel child places its workers in the replica's placement group
+        return EngineProcess(model_dir, {**engine_kwargs, **child_placement(engine_kwargs)}, on_exit=on_exit)
     return LocalEngine.from_pretrained(model_dir, engine_kwargs)

@@ -39,6 +39,7 @@ def main(conn: Connection, model_dir: str, engine_kwargs: dict[str, Any], parent
         return
     wire.send(conn, ("ready", engine.facts))
     asyncio.run(EngineServer(engine, conn, parent_pid).serve())
+    engine.close()  # a tensor-parallel engine's workers stop with it
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # nothing left to clean up but the interpreter, whose teardown (torch) takes a second
@@ -103,7 +104,7 @@ class EngineServer:
                 async for out in chunks:
                     if times is not None and out.finished:  # in the same message as the last chunk, before it
                         self._post(call_id, True, times)
-                    self._post(call_id, True, out if first else (out.token_ids, out.text, out.finish_reason))
+                    self._post(call_id, True, out if first else (out.token_ids, out.text, out.finish_reason, out.index))
                     first = False
         except Exception as exc:
             if times is not None:  # how far it got

@@ -92,4 +92,4 @@ class LocalEngine:
         return None  # no process of its own
 
     def close(self) -> None:
-        pass
+        self.engine.close()  # a tensor-parallel engine's workers

@@ -55,10 +55,10 @@ class _Stream:
         if isinstance(value, RequestOutput):
             self.head = value
             return value
-        ids, text, reason = value
+        ids, text, reason, index = value
         head = self.head
         return RequestOutput(head.request_id, ids, text, reason, head.adapter_id, head.prompt_token_ids,
-                             cached_tokens=head.cached_tokens)
+                             cached_tokens=head.cached_tokens, index=index)
 
 
 class EngineProcess:
@@ -111,16 +111,16 @@ class EngineProcess:
         call_id = next(self._ids)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), times)
         self._register(self._streams, call_id, stream)
-        finished = False
+        unfinished = sampling.n if sampling is not None else 1  # choices still running
         try:
             self._send(("stream", call_id, prompt, sampling, adapter_id, request_id, times is not None, cache_salt))
-            while not finished:
-                chunk = merge_chunks([await stream.queue.get()], stream.queue)
-                finished = chunk.finished
-                yield chunk
+            while unfinished:
+                for chunk in merge_chunks([await stream.queue.get()], stream.queue):
+                    unfinished -= chunk.finished
+                    yield chunk
         finally:
             self._unregister(self._streams, call_id)
-            if not finished:
+            if unfinished:
                 self._send_quietly(("abort", call_id))
 
     async def classify(self, texts: Sequence[Prompt], adapter_ids: AdapterIds) -> list[ClassifyOutput]:

@@ -8,7 +8,7 @@ Parent -> child, tuples:
     ("close",)
 Child -> parent: ("ready", EngineFacts) or ("failed", exception) once, then
     (entries, EngineLoad) per loop turn, entries [(call_id, ok, value)]: a stream's
-    first chunk as a RequestOutput, later ones as (token_ids, text, finish_reason), and
+    first chunk as a RequestOutput, later ones as (token_ids, text, finish_reason, index), and
     a timed stream's RequestTimes just before its last chunk; a call's result; or, when
     not ok, the exception to raise.
 

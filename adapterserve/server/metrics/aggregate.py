@@ -63,6 +63,8 @@ class Aggregate:
         self.stores = {view: Store() for view in VIEWS}
         self._applied: dict[str, int] = {}  # reporter -> the number of its latest batch applied
         self._reporters: dict[str, Reporter] = {}
+        # reporter -> series name -> its total (histograms: observations, as NAME_count), every label summed
+        self._counts: defaultdict[str, defaultdict[str, float]] = defaultdict(lambda: defaultdict(float))
 
     def apply(self, batch: MetricsBatch) -> bool:
         """Add a batch's deltas (False, and only its gauges taken, if it was applied before)."""
@@ -75,10 +77,13 @@ class Aggregate:
         for (name, _, adapter), amount in batch.counters.items():
             if name == s.REQUESTS.name and adapter is not None and adapter[0] not in (s.BASE, s.NO_ADAPTER):
                 self.labels.count(adapter[0], amount)
+        counts = self._counts[batch.reporter]
         for key, amount in batch.counters.items():
+            counts[key[0]] += amount
             for store, series_key in self._filed(key):
                 store.add(series_key, amount)
         for key, observed in batch.histograms.items():
+            counts[f"{key[0]}_count"] += observed.count
             for store, series_key in self._filed(key):
                 store.add_histogram(series_key, observed)
         return True
@@ -92,6 +97,7 @@ class Aggregate:
         for reporter in [r for r, seen in self._reporters.items() if now - seen.seen > FORGET_S]:
             del self._reporters[reporter]
             self._applied.pop(reporter, None)
+            self._counts.pop(reporter, None)
 
     def live(self) -> list[Reporter]:
         """Reporters heard from in the last stale_s."""
@@ -113,6 +119,18 @@ class Aggregate:
         for role, count in roles.items():
             totals[(s.REPORTERS.name, (role,))] = count
         return dict(totals)
+
+    def by_reporter(self, role: str) -> dict[str, dict[str, float]]:
+        """Each live reporter of `role` (one per replica): its counters' totals (histograms'
+        observation counts as NAME_count) and its gauges, every label summed, by series name."""
+        found, now = {}, self._clock()
+        for reporter_id, reporter in self._reporters.items():
+            if reporter.role == role and now - reporter.seen <= self.stale_s:
+                values = defaultdict(float, self._counts[reporter_id])
+                for (name, _, _), value in reporter.gauges.items():
+                    values[name] += value
+                found[reporter_id] = dict(values)
+        return found
 
     def gateway_states(self) -> list[GatewayState]:
         return [r.gateway for r in self.live() if r.gateway is not None]

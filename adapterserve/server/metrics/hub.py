@@ -46,6 +46,12 @@ class MetricsHub:
         """Every series of `view` ("public" or "full") in Prometheus' text format."""
         return self.render_now(view)
 
+    async def by_replica(self, role: str = "model") -> dict[str, dict[str, float]]:
+        """Each live replica of `role`'s own totals and gauges by series name, e.g. its
+        adapterserve_adapter_slot_loads and its requests started
+        (adapterserve_request_queue_seconds_count): what benchmarks/scale.py reads."""
+        return self.aggregate.by_reporter(role)
+
     def render_now(self, view: str) -> bytes:
         return exposition.render(self.aggregate, view)
 

@@ -1,0 +1,135 @@
+"""The device part of a step, the same on every tensor-parallel rank: the step's host
+inputs (``StepInputs``, built by rank 0's runner from the scheduled requests) in, the
+BatchContext written, the backbone run (eagerly or as a captured decode graph), the
+logits of the sampling rows out.
+
+Rank 0 samples from the logits; the ids it keeps in ``sampled`` (the next step's
+inputs read them there) are broadcast to the other ranks' ``sampled``, so every rank
+feeds the same ids to the next step without the host seeing them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from adapterserve.engine.adapter_host import TOKEN_FAMILIES
+from adapterserve.engine.attention_meta import SequenceLayout, build_attention_meta
+from adapterserve.engine.host_copy import to_device
+from adapterserve.kernels import build_adapter_meta
+from adapterserve.kernels.stacked import expand_for_slots
+from adapterserve.layers.context import BatchContext, VirtualTokens, set_context
+from adapterserve.layers.parallel import SINGLE, TensorParallel
+from adapterserve.models.decoder import DecoderModel
+
+
+def with_sampled_ids(ids: torch.Tensor, sources: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """Input ids from the host, each row whose source is >= 0 taking the id the step
+    before sampled into that row of ``sampled`` (a token not yet on the host)."""
+    return torch.where(sources >= 0, sampled[sources.clamp(min=0)], ids)
+
+
+@dataclass
+class StepInputs:
+    """One step's host inputs: plain lists and arrays, picklable (rank 0 sends them to the
+    other ranks as they are). Token-level lists have one entry per token of the step."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    layouts: list[SequenceLayout] = field(default_factory=list)  # per request
+    slots: list[int] = field(default_factory=list)  # per token: its adapter slot, -1 for none
+    last_rows: list[int] = field(default_factory=list)  # per request: its last token's row
+    sources: list[int] = field(default_factory=list)  # per token: row of `sampled` holding its id, or -1
+    virtual: tuple[list[int], list[int], list[int]] = field(default_factory=lambda: ([], [], []))
+    family_slots: np.ndarray | None = None  # [len(TOKEN_FAMILIES), T]: slots per family, -1 where unused
+    generating: list[int] = field(default_factory=list)  # requests that sample a token, in logits order
+    graph: bool = False  # replay a decode graph (every request decodes one token and samples)
+    signature: tuple = ()  # host state the decode graph depends on (DecodeGraphs.run)
+
+    @property
+    def families(self) -> tuple[bool, ...]:
+        """Whether any token uses each of TOKEN_FAMILIES."""
+        return tuple(bool((row >= 0).any()) for row in self.family_slots)
+
+
+class StepDevice:
+    """A rank's device state for steps: KV caches, LoRA workspace, last sampled ids, graphs."""
+
+    def __init__(self, model: DecoderModel, num_cache_slots: int, block_size: int, num_slots: int, max_rank: int,
+                 max_tokens: int, tp: TensorParallel = SINGLE) -> None:
+        """num_cache_slots: KV entries per layer (the last one: trash for padding rows)."""
+        self.model, self.block_size, self.num_slots, self.tp = model, block_size, num_slots, tp
+        param = model.embed_tokens.weight
+        self.device, self.dtype = param.device, param.dtype
+        for attn in model.attention_layers():  # this rank's KV heads
+            attn.k_cache = torch.zeros(num_cache_slots, attn.num_kv_heads, attn.head_dim, dtype=self.dtype,
+                                       device=self.device)
+            attn.v_cache = torch.zeros_like(attn.k_cache)
+        self.trash_slot = num_cache_slots - 1
+        self.lora_workspace = torch.empty(3, max_tokens, max(max_rank, 1), dtype=self.dtype, device=self.device)
+        self.sampled = torch.zeros(max_tokens, dtype=torch.long, device=self.device)  # last step's token ids
+        self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs
+
+    def enable_cuda_graphs(self, max_batch: int, max_pages: int) -> None:
+        from adapterserve.engine.graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, max_batch, max_pages, self.trash_slot)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(float32 logits of the generating requests [G, V] or None, the hidden state of every
+        request's last row [B, D], or None after a graph replay)."""
+        if inputs.graph:
+            return self.graphs.run(inputs, inputs.family_slots, inputs.families, inputs.signature), None
+        input_ids, positions, ctx = self._device_batch(inputs)
+        set_context(ctx)
+        try:
+            last = self.model(input_ids, positions)[ctx.logits_rows]
+        finally:
+            set_context(None)
+        logits = self.model.compute_logits(last[inputs.generating]) if inputs.generating else None
+        return logits, last
+
+    @torch.inference_mode()
+    def keep_sampled(self, tokens: torch.Tensor | None, count: int) -> None:
+        """Rank 0: keep the step's `count` sampled ids (tokens) for the next step's inputs and
+        broadcast them; other ranks: receive them (tokens None)."""
+        if tokens is not None:
+            self.sampled[:count].copy_(tokens)
+        if self.tp.world_size > 1 and count:
+            dist.broadcast(self.sampled[:count], src=0, group=self.tp.group)
+
+    @torch.inference_mode()
+    def copy_blocks(self, sources: list[int], copies: list[int]) -> None:
+        """KV block sources[i] copied into copies[i] in every layer, all of a step's copies in
+        one gather and one scatter per cache."""
+        offsets = np.arange(self.block_size)
+        rows = [(np.asarray(blocks)[:, None] * self.block_size + offsets).reshape(-1) for blocks in (sources, copies)]
+        src, dst = (to_device(r, self.device, torch.long) for r in rows)
+        for attn in self.model.attention_layers():
+            for cache in (attn.k_cache, attn.v_cache):
+                cache.index_copy_(0, dst, cache.index_select(0, src))
+
+    def _device_batch(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, BatchContext]:
+        dev = self.device
+        ctx = BatchContext(
+            attention=build_attention_meta(inputs.layouts, self.block_size, torch.device(dev)),
+            lora=None,
+            lora_workspace=self.lora_workspace,
+            logits_rows=to_device(inputs.last_rows, dev, torch.long),
+            virtual=self._virtual(inputs),
+        )
+        for family, slots in zip(TOKEN_FAMILIES, inputs.family_slots):
+            if (slots >= 0).any():
+                setattr(ctx, family, build_adapter_meta(to_device(slots, dev), self.num_slots,
+                                                        stacked_expand=expand_for_slots(slots)))
+        ids, sources = (to_device(v, dev, torch.long) for v in (inputs.ids, inputs.sources))
+        return with_sampled_ids(ids, sources, self.sampled), to_device(inputs.positions, dev, torch.long), ctx
+
+    def _virtual(self, inputs: StepInputs) -> VirtualTokens | None:
+        if not inputs.virtual[0]:
+            return None
+        rows, slots, index = (to_device(v, self.device, torch.long) for v in inputs.virtual)
+        return VirtualTokens(rows, slots, index)

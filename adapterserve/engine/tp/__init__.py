@@ -1,0 +1,12 @@
+"""Tensor parallelism, the engine side: rank 0 (the engine: scheduler, slots, requests)
+drives ranks 1..N-1 (workers holding their shard of the backbone and of every adapter
+pool) in lockstep.
+
+    lockstep.py   rank 0's ordered channel to the workers: steps, slot fills and clears,
+                  KV block copies, graph capture, shutdown; a dead worker -> EngineBroken
+    worker.py     a worker: joins the group, loads its shard, runs each command
+    launch.py     starts the workers (Ray actors in a placement group, or local processes)
+    group.py      torch.distributed rendezvous and the checks of a tensor-parallel size
+
+docs/tensor_parallel.md has the design and its reasons.
+"""

@@ -1,0 +1,69 @@
+"""The torch.distributed group of a tensor-parallel engine, and the checks of its size."""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from adapterserve.layers.parallel import TensorParallel
+
+# How long a rank waits in a collective (or for a step's results) before its group counts
+# as broken: longer than any one kernel compile or graph capture at warm-up.
+COLLECTIVE_TIMEOUT_S = 300.0
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def join_group(address: str, rank: int, world_size: int, device: str) -> TensorParallel:
+    """Join the group at ``address`` (tcp://host:port, rank 0's store): NCCL on CUDA
+    devices (this process's device set first), gloo on CPU."""
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process: a tensor-parallel engine "
+                           "needs a process of its own (one engine of tensor_parallel_size > 1 per process)")
+    place = torch.device(device)
+    if place.type == "cuda" and place.index is not None:
+        torch.cuda.set_device(place)
+    dist.init_process_group("nccl" if place.type == "cuda" else "gloo", init_method=address, rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    if place.type == "cuda":  # NCCL makes its communicator at the first collective: now, not inside a graph capture
+        dist.all_reduce(torch.zeros(1, device=place))
+        torch.cuda.synchronize()
+    return TensorParallel(rank, world_size, dist.group.WORLD)
+
+
+def leave_group(abort: bool = False) -> None:
+    """Destroy this process's group; ``abort``: its NCCL communicators aborted first (a peer
+    died: collectives still queued would otherwise never return)."""
+    if not dist.is_initialized():
+        return
+    if abort and dist.get_backend() == "nccl":
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()  # torch's abort of every communicator; destroys the group too
+        return
+    dist.destroy_process_group()
+
+
+def check_devices(size: int, device: str, ray_gpus: float | None = None) -> None:
+    """ValueError when there are fewer GPUs (or CPU cores, on CPU) than ranks. ``ray_gpus``:
+    the Ray cluster's GPUs when the workers are placed by Ray; else local workers take the
+    GPUs after rank 0's (cuda:i+1, ...), which this host must have."""
+    place = torch.device(device)
+    if place.type == "cuda":
+        if ray_gpus is not None:
+            have, where = int(ray_gpus), "the Ray cluster has"
+        else:
+            have, where = torch.cuda.device_count() - (place.index or 0), f"this host has from {place} on"
+        if have < size:
+            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs, one per rank, but {where} {have}")
+        return
+    cores = os.cpu_count() or 1
+    if size > cores:
+        raise ValueError(f"tensor_parallel_size {size} on CPU needs a core per rank, but this host has {cores}")

@@ -1,0 +1,206 @@
+"""Rank 0's ordered channel to the other tensor-parallel ranks.
+
+Everything that changes a rank's device state goes through it, in the order rank 0
+does it: each step's host inputs (``StepInputs``), slot fills and clears, KV block
+copies, decode-graph setup and capture, shutdown. One pickled message per command,
+sent to every worker over its own connection; workers run them in order, so their
+collectives meet rank 0's. Adapters' tensors travel apart, on a second connection, when
+an adapter is added (``share``): a slot fill then names the adapter by key.
+
+A worker that raises sends its error and exits; one that dies closes its connection.
+Rank 0 looks for either before every command and while it waits for a step's
+results, and raises EngineBroken naming the worker; it never waits longer than
+COLLECTIVE_TIMEOUT_S for a step. The engine then refuses all later calls (the
+replica's health check replaces it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+import torch
+
+from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.engine.step_device import StepInputs
+from adapterserve.engine.tp.group import COLLECTIVE_TIMEOUT_S, leave_group
+from adapterserve.errors import EngineBroken
+from adapterserve.layers.parallel import TensorParallel
+
+_POLL_S = 20e-6  # between looks at a step's completion event while waiting for it
+_CHECK_S = 1e-3  # between looks at the workers meanwhile
+_CLOSE_WAIT_S = 10.0
+
+
+@dataclasses.dataclass
+class WorkerLink:
+    """One worker: its rank, its command connection, and how to see it alive and stop it."""
+
+    rank: int
+    conn: Connection  # commands, in order
+    adapters: Connection  # adapters' tensors, sent ahead of their placement
+    describe: str  # e.g. "local process 1234", "Ray actor abc"
+    exit_code: Callable[[], int | None]  # None while it runs (or when that cannot be known)
+    stop: Callable[[float], None]  # wait up to the seconds given for it to end, then end it
+    pid: int | None = None  # its process id, where it is a local process
+
+
+class Lockstep:
+    def __init__(self, tp: TensorParallel, workers: list[WorkerLink]) -> None:
+        self.tp = tp
+        self.workers = workers
+        self.broken: str | None = None  # why the group broke; None while it works
+        self.prefix_pages: Callable[[int], list[int]] = lambda slot: []  # slot -> its prefix's KV blocks (engine)
+        self._lock = threading.Lock()  # the command connections' sends
+        self._check_lock = threading.Lock()  # their receives (a worker's error or end)
+        self._adapters_lock = threading.Lock()
+        self._keys: dict[int, int] = {}  # id(adapter) -> the key workers know it by
+        self._next_key = 0
+
+    # commands
+
+    def step(self, inputs: StepInputs) -> None:
+        self._send(("step", inputs))
+
+    def share(self, adapter: Adapter) -> None:
+        """Send an adapter's tensors to every worker now (when it is added, not in the step that
+        places it), on the adapter connections; its placements then name it by key."""
+        with self._adapters_lock:
+            key, self._next_key = self._next_key, self._next_key + 1
+            data = pickle.dumps((key, dataclasses.replace(adapter, staged={})), protocol=pickle.HIGHEST_PROTOCOL)
+            for worker in self.workers:
+                try:
+                    worker.adapters.send_bytes(data)
+                except OSError as exc:
+                    raise self._break(f"tensor-parallel worker {worker.rank} ({worker.describe}) is unreachable: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+            self._keys[id(adapter)] = key
+
+    def forget(self, adapter: Adapter) -> None:
+        """Workers drop their copy of a shared adapter (its slot, if any, stays as placed)."""
+        key = self._keys.pop(id(adapter), None)
+        if key is not None and self.broken is None:
+            self._send(("forget", key))
+
+    def place(self, slot: int, adapter: Adapter) -> None:
+        """The adapter placed in `slot` on rank 0 (its prefix in the KV blocks rank 0 chose):
+        by key when shared, else its tensors with the command."""
+        key = self._keys.get(id(adapter))
+        sent = key if key is not None else dataclasses.replace(adapter, staged={})
+        self._send(("place", slot, sent, list(self.prefix_pages(slot))))
+
+    def clear(self, slot: int) -> None:
+        self._send(("clear", slot))
+
+    def copy_blocks(self, sources: list[int], copies: list[int]) -> None:
+        self._send(("copy_blocks", sources, copies))
+
+    def enable_cuda_graphs(self, max_batch: int, max_pages: int) -> None:
+        self._send(("enable_cuda_graphs", max_batch, max_pages))
+
+    def capture(self, bucket: int, families: tuple[bool, ...], signature: tuple, stacked_rows: int) -> None:
+        self._send(("capture", bucket, families, signature, stacked_rows))
+
+    # waiting and health
+
+    def wait_ready(self, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+        """Wait for every worker's "ready" (its shard loaded); EngineBroken if one fails or is late."""
+        deadline = time.monotonic() + timeout_s
+        for worker in self.workers:
+            while not worker.conn.poll(0.05):
+                self._check_exited(worker)
+                if time.monotonic() > deadline:
+                    raise self._break(f"tensor-parallel worker {worker.rank} ({worker.describe}) did not load its "
+                                      f"shard within {timeout_s:.0f} s")
+            reply = self._receive(worker)
+            if reply != ("ready",):
+                raise self._break(f"tensor-parallel worker {worker.rank} sent {reply!r} instead of ready")
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        """Wait for a step's completion event, watching the workers meanwhile."""
+        now = time.monotonic()
+        deadline, next_check = now + COLLECTIVE_TIMEOUT_S, now
+        while not event.query():
+            now = time.monotonic()
+            if now >= next_check:
+                self.check()
+                next_check = now + _CHECK_S
+            if now > deadline:
+                raise self._break(f"a step did not finish within {COLLECTIVE_TIMEOUT_S:.0f} s (a rank is stuck)")
+            time.sleep(_POLL_S)
+
+    def check(self) -> None:
+        """EngineBroken if the group broke or a worker failed, exited or closed its connection
+        (from any thread: the step loop, health probes)."""
+        with self._check_lock:
+            if self.broken is not None:
+                raise EngineBroken(f"the tensor-parallel group is broken: {self.broken}")
+            for worker in self.workers:
+                if worker.conn.poll():
+                    raise self._break(f"tensor-parallel worker {worker.rank} ({worker.describe}) failed: "
+                                      f"{self._receive(worker)}")
+                self._check_exited(worker)
+
+    def failed_worker(self, grace_s: float = 1.0) -> str | None:
+        """After a step failed: why a worker is gone, if one is (waiting up to grace_s for it to
+        show: a killed process is seen a moment after its peers' collectives fail); None if none is."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            try:
+                self.check()
+            except EngineBroken as exc:
+                return str(exc)
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.01)
+
+    def close(self, wait_s: float = _CLOSE_WAIT_S, abort: bool = False) -> None:
+        """Stop the workers (each given wait_s to finish its command) and leave the group (a
+        broken one, or with ``abort``, aborted first: stuck collectives must not hang the leaving)."""
+        with self._lock:
+            for worker in self.workers:
+                try:
+                    worker.conn.send_bytes(pickle.dumps(("close",)))
+                except OSError:
+                    pass
+            for worker in self.workers:
+                worker.stop(wait_s)
+                worker.conn.close()
+                worker.adapters.close()
+            self.workers = []
+            broken, self.broken = self.broken, self.broken or "closed"
+        leave_group(abort=abort or broken is not None)
+
+    # the channel
+
+    def _send(self, message: tuple) -> None:
+        with self._lock:
+            self.check()
+            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+            for worker in self.workers:
+                try:
+                    worker.conn.send_bytes(data)
+                except OSError as exc:
+                    raise self._break(f"tensor-parallel worker {worker.rank} ({worker.describe}) is unreachable: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+
+    def _receive(self, worker: WorkerLink) -> object:
+        """A worker's next message: ("ready",), or its error's text, or why it has none."""
+        try:
+            message = pickle.loads(worker.conn.recv_bytes())
+            return message[1] if message[0] == "error" else message
+        except (EOFError, OSError):
+            code = worker.exit_code()
+            return f"it exited{f' with code {code}' if code is not None else ''} (its connection closed)"
+
+    def _check_exited(self, worker: WorkerLink) -> None:
+        code = worker.exit_code()
+        if code is not None:
+            raise self._break(f"tensor-parallel worker {worker.rank} ({worker.describe}) exited with code {code}")
+
+    def _break(self, reason: str) -> EngineBroken:
+        self.broken = reason
+        return EngineBroken(f"the tensor-parallel group is broken: {reason}")

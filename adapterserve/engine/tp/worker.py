@@ -1,0 +1,201 @@
+"""A tensor-parallel worker (rank 1..N-1): joins the group, loads its shard of the
+backbone, builds its adapter pools and step state as rank 0 does, then runs rank 0's
+commands in order until "close" or until rank 0's connection closes. It never sees a
+request: a step arrives as its host inputs, a slot fill as the key of an adapter whose
+full tensors arrived before (each pool keeps this rank's shard). On an error it sends the traceback to rank 0 and
+exits, so no collective of the other ranks waits on it for long.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Client, Connection
+
+import torch
+
+from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.config import EngineConfig
+from adapterserve.engine.host_copy import on_copy_stream
+from adapterserve.engine.pool_set import build_pools
+from adapterserve.engine.step_device import StepDevice, StepInputs
+from adapterserve.engine.tp.group import COLLECTIVE_TIMEOUT_S, join_group, leave_group
+from adapterserve.layers.parallel import TensorParallel
+from adapterserve.models.decoder import DecoderModel
+from adapterserve.models.loader import load_decoder
+
+
+ModelBuilder = Callable[[TensorParallel, str], DecoderModel]  # (rank's place, device) -> its shard; picklable
+
+
+def checkpoint_shard(model_dir: str, dtype: torch.dtype, fp8_gemm: str | None, tp: TensorParallel, device: str
+                     ) -> DecoderModel:
+    """This rank's shard of a Hugging Face checkpoint (a ModelBuilder, with functools.partial)."""
+    return load_decoder(model_dir, dtype, device, fp8_gemm=fp8_gemm, tp=tp)[0]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to start: how to build its shard, rank 0's configuration, its rank,
+    and where to meet rank 0 (the group's store and the command connection)."""
+
+    build_model: ModelBuilder
+    config: EngineConfig  # rank 0's; `device` replaced by this worker's
+    rank: int
+    world_size: int
+    group_address: str  # tcp://host:port
+    control_address: tuple[str, int]
+    authkey: bytes
+
+
+class GivenBlocks:
+    """KV blocks as rank 0 allocated them: a worker's prefix pool takes, for each placement,
+    the block table rank 0's prefix pool chose (the worker allocates no blocks itself)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.next_table: list[int] = []
+
+    def can_allocate(self, blocks: list[int], num_tokens: int) -> bool:
+        return True
+
+    def grow(self, blocks: list[int], num_tokens: int) -> None:
+        blocks.extend(self.next_table)
+
+    def slot(self, blocks: list[int], position: int) -> int:
+        return blocks[position // self.block_size] * self.block_size + position % self.block_size
+
+    def release(self, blocks: list[int]) -> None:
+        pass
+
+
+class AdapterInbox:
+    """The adapters rank 0 shared (sent ahead on their own connection, received by a thread of
+    their own), by key, until rank 0 says to forget one."""
+
+    def __init__(self, conn: Connection, rank: int) -> None:
+        conn.send((rank, "adapters"))
+        self._conn = conn
+        self._adapters: dict[int, Adapter] = {}
+        self._arrived = threading.Condition()
+        threading.Thread(target=self._receive, name="tp-adapters", daemon=True).start()
+
+    def take(self, key: int) -> Adapter:
+        """The adapter of `key`, waiting for it to arrive (it was sent before its placement)."""
+        with self._arrived:
+            if not self._arrived.wait_for(lambda: key in self._adapters, timeout=COLLECTIVE_TIMEOUT_S):
+                raise RuntimeError(f"adapter {key} to place did not arrive within {COLLECTIVE_TIMEOUT_S:.0f} s")
+            return self._adapters[key]
+
+    def forget(self, key: int) -> None:
+        with self._arrived:
+            self._adapters.pop(key, None)
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                key, adapter = pickle.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):  # rank 0 is gone: the command loop ends too
+                return
+            with self._arrived:
+                self._adapters[key] = adapter
+                self._arrived.notify_all()
+
+
+class WorkerState:
+    """A worker's shard: the model, its pools and its step state; one method per command."""
+
+    def __init__(self, spec: WorkerSpec, tp: TensorParallel, inbox: AdapterInbox) -> None:
+        self.inbox = inbox
+        config = spec.config
+        self.rank = spec.rank
+        self.model = spec.build_model(tp, config.device)
+        self.blocks = GivenBlocks(config.block_size)
+        self.pools = build_pools(config, self.model, self.blocks, with_head=False)
+        self.device = StepDevice(self.model, config.num_kv_blocks * config.block_size + 1, config.block_size,
+                                 config.max_loras, config.max_lora_rank, config.max_num_batched_tokens, tp)
+        on_gpu = torch.device(config.device).type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device=config.device) if on_gpu else None
+        self._landing: list[torch.cuda.Event] = []  # placements' copies the next step waits for
+        if config.lora_side_stream and on_gpu:
+            side = torch.cuda.Stream(device=config.device)
+            for _, linear in self.model.adapter_linears():
+                linear.side_stream = side
+
+    def step(self, inputs: StepInputs) -> None:
+        for event in self._landing:
+            torch.cuda.current_stream().wait_event(event)
+        self._landing.clear()
+        self.device.forward(inputs)
+        self.device.keep_sampled(None, len(inputs.generating))
+
+    def place(self, slot: int, adapter: Adapter | int, prefix_pages: list[int]) -> None:
+        """`adapter`: itself, or the key it was shared under."""
+        if isinstance(adapter, int):
+            adapter = self.inbox.take(adapter)
+        self.blocks.next_table = prefix_pages
+        with on_copy_stream(self.copy_stream, self._landing):
+            for pool in self.pools.all():
+                if not pool.place(slot, adapter):
+                    raise RuntimeError(f"rank {self.rank}: the {pool.family} pool has no room in slot {slot} for an "
+                                       "adapter rank 0 placed there (the ranks' pools no longer agree)")
+        adapter.staged.clear()  # the pools' pinned loading copies: freed once their copies have run
+
+    def forget(self, key: int) -> None:
+        self.inbox.forget(key)
+
+    def clear(self, slot: int) -> None:
+        for pool in self.pools.all():
+            pool.clear(slot)
+
+    def copy_blocks(self, sources: list[int], copies: list[int]) -> None:
+        self.device.copy_blocks(sources, copies)
+
+    def enable_cuda_graphs(self, max_batch: int, max_pages: int) -> None:
+        self.device.enable_cuda_graphs(max_batch, max_pages)
+
+    def capture(self, bucket: int, families: tuple[bool, ...], signature: tuple, stacked_rows: int) -> None:
+        with self.pools.lora.covering(stacked_rows) if stacked_rows else _nothing():
+            self.device.graphs.capture(bucket, families, signature)
+
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def run_worker(spec: WorkerSpec, device: str) -> None:
+    """A worker's life: connect to rank 0, join the group on `device`, load, serve commands.
+    Exits the process on an error (after sending it to rank 0)."""
+    conn = Client(spec.control_address, authkey=spec.authkey)
+    conn.send((spec.rank, "commands"))
+    inbox = AdapterInbox(Client(spec.control_address, authkey=spec.authkey), spec.rank)
+    try:
+        tp = join_group(spec.group_address, spec.rank, spec.world_size, device)
+        state = WorkerState(replace(spec, config=replace(spec.config, device=device)), tp, inbox)
+        conn.send_bytes(pickle.dumps(("ready",)))
+        _serve(conn, state)
+    except BaseException:
+        try:
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+        except OSError:
+            pass
+        os._exit(1)
+    leave_group()
+    conn.close()
+
+
+def _serve(conn: Connection, state: WorkerState) -> None:
+    while True:
+        try:
+            op, *args = pickle.loads(conn.recv_bytes())
+        except EOFError:  # rank 0 is gone
+            return
+        if op == "close":
+            return
+        getattr(state, op)(*args)

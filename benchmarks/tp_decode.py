@@ -1,0 +1,174 @@
+"""Decode step time of a tensor-parallel engine: TP=1 against TP=2 (or any sizes given),
+an 8B-shaped random-weight backbone (each rank draws its shard on its own GPU: no
+checkpoint), B requests decoding, base alone and with one distinct rank-16 LoRA per
+request. One table: the median full-batch decode step, its per-GPU floor (what one GPU
+must read: its shard of the weights, of the KV cache and of the adapters, at the copy
+bandwidth measured on that GPU) and the ratio, the adapter tax at each size.
+
+    python -m benchmarks.tp_decode                     # 8B, TP 1 and 2, B=64, on cuda
+    python -m benchmarks.tp_decode --smoke             # tiny shape on CPU (gloo), seconds
+
+Every variant runs once untimed first (kernels compiled, decode graphs captured).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from adapterserve.config import EngineConfig
+from adapterserve.engine.engine import Engine
+from adapterserve.layers.parallel import TensorParallel
+from adapterserve.models.decoder import DecoderModel
+from adapterserve.models.decoder_config import read_decoder_config
+from benchmarks.checkpoints import SHAPES, ModelShape
+from benchmarks.measure import Floor, StepTrace, copy_bandwidth, decode_summary, run_requests
+from benchmarks.random_adapters import AdapterFactory, decode_read_bytes
+
+WEIGHT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class Config:
+    shape: ModelShape
+    device: str
+    dtype: str
+    sizes: tuple[int, ...]
+    batch: int
+    adapters: int
+    rank: int
+    prompt: int
+    tokens: int
+
+
+def parse_args(argv: list[str] | None) -> Config:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    p.add_argument("--sizes", default="1,2", help="tensor-parallel sizes, comma-separated")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--adapters", type=int, default=64, help="distinct LoRA adapters (one per request, cycling)")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--tokens", type=int, default=64, help="output tokens per request")
+    p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, a few tokens: the script runs")
+    args = p.parse_args(argv)
+    sizes = tuple(int(s) for s in args.sizes.split(","))
+    if args.smoke:
+        return Config(SHAPES["tiny"], "cpu", "float32", sizes, 4, 4, 4, 8, 4)
+    return Config(SHAPES[args.shape], "cuda", "bfloat16", sizes, args.batch, args.adapters, args.rank, args.prompt,
+                  args.tokens)
+
+
+def random_shard(config_dir: str, dtype: torch.dtype, seed: int, tp: TensorParallel, device: str) -> DecoderModel:
+    """This rank's shard of a random-weight backbone, drawn on its device (a ModelBuilder)."""
+    cfg = read_decoder_config(config_dir)
+    model = DecoderModel(cfg, 8192, dtype, device, tp=tp)
+    gen = torch.Generator(device=device).manual_seed(seed + tp.rank)
+    with torch.no_grad():
+        for param in {id(p): p for p in model.parameters()}.values():
+            if param.dim() == 1:
+                param.fill_(1.0)  # norms
+            else:
+                param.normal_(0.0, WEIGHT_STD, generator=gen)
+    return model.eval()
+
+
+def _engine(cfg: Config, config_dir: Path, size: int) -> Engine:
+    blocks = cfg.batch * (-(-(cfg.prompt + cfg.tokens) // 16) + 1)
+    engine_config = EngineConfig(
+        device=cfg.device, dtype=cfg.dtype, max_loras=max(cfg.adapters, 1) + 1, max_lora_rank=cfg.rank,
+        max_num_seqs=cfg.batch, max_num_batched_tokens=max(cfg.batch * cfg.prompt, 256), num_kv_blocks=blocks,
+        warmup=False, tensor_parallel_size=size, tensor_parallel_launch="local",
+    )
+    build = partial(random_shard, str(config_dir), engine_config.torch_dtype, 0)
+    return Engine.from_model(build, read_decoder_config(config_dir), None, engine_config)
+
+
+def _floor(engine: Engine, size: int, adapter_bytes: dict[str, int], bandwidth: float) -> Floor:
+    """One GPU's bytes: rank 0's own parameters (its shard), 1/size of the KV and of each adapter."""
+    model, mcfg = engine.model, engine.model_config
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    if not mcfg.tie_word_embeddings:  # a step reads B rows of the input embedding, not all of it
+        embed = model.embed_tokens.weight
+        weights -= embed.numel() * embed.element_size()
+    kv = mcfg.num_layers * 2 * mcfg.kv_size * model.embed_tokens.weight.element_size() // size
+    return Floor(weights, kv, {a: b // size for a, b in adapter_bytes.items()}, bandwidth)
+
+
+def _workload(engine: Engine, cfg: Config, adapter_ids: list[str | None], floor: Floor) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    vocab = engine.model_config.vocab_size
+    prompts = [torch.randint(3, vocab, (cfg.prompt,), generator=gen).tolist() for _ in range(cfg.batch)]
+    trace = StepTrace(engine)
+    run_requests(engine, trace, prompts, adapter_ids, [cfg.tokens] * cfg.batch)  # compiles, captures
+    return decode_summary(run_requests(engine, trace, prompts, adapter_ids, [cfg.tokens] * cfg.batch),
+                          cfg.batch, floor)
+
+
+def run_size(cfg: Config, config_dir: Path, size: int, factory: AdapterFactory, bandwidth: float) -> list[dict]:
+    engine = _engine(cfg, config_dir, size)
+    try:
+        names = [f"lora{i}" for i in range(cfg.adapters)]
+        adapter_bytes = {}
+        for i, name in enumerate(names):
+            adapter = factory.lora(i, cfg.rank)
+            adapter_bytes[name] = decode_read_bytes(adapter, model_element_size(cfg))
+            engine.add_adapter(name, adapter)
+        floor = _floor(engine, size, adapter_bytes, bandwidth)
+        rows = []
+        for workload, ids in (("base", [None] * cfg.batch),
+                              (f"distinct{cfg.adapters}", [names[i % len(names)] for i in range(cfg.batch)])):
+            rows.append({"tp": size, "workload": workload, **_workload(engine, cfg, ids, floor)})
+        return rows
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def model_element_size(cfg: Config) -> int:
+    return torch.empty(0, dtype=EngineConfig(dtype=cfg.dtype).torch_dtype).element_size()
+
+
+def table(rows: list[dict], device: str) -> str:
+    base = {r["tp"]: r["decode_ms"] for r in rows if r["workload"] == "base"}
+    one = {r["workload"]: r["decode_ms"] for r in rows if r["tp"] == min(base)}
+    lines = [f"tensor-parallel decode step, {device}",
+             f"{'tp':>3} {'workload':<12} {'batch':>5} {'step ms':>8} {'floor ms/GPU':>12} {'x floor':>7} "
+             f"{'tok/s':>8} {'tax':>6} {'vs tp' + str(min(base)):>8}"]
+    for r in rows:
+        tax = r["decode_ms"] / base[r["tp"]] - 1
+        speedup = one[r["workload"]] / r["decode_ms"]
+        lines.append(f"{r['tp']:>3} {r['workload']:<12} {r.get('decode_batch', 0):>5.0f} {r['decode_ms']:>8.2f} "
+                     f"{r['floor_ms']:>12.2f} {r['x_floor']:>7.2f} {r['decode_tok_s']:>8.0f} {100 * tax:>5.1f}% "
+                     f"{speedup:>7.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    device = torch.cuda.get_device_name(0) if cfg.device == "cuda" else "CPU (gloo)"
+    bandwidth = copy_bandwidth(cfg.device, 1 << 30 if cfg.device == "cuda" else 1 << 24)
+    factory = AdapterFactory(cfg.shape, cfg.device)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg.shape.hf_config().save_pretrained(tmp)  # config.json only: the weights are drawn per rank
+        for size in cfg.sizes:
+            print(f"tp={size}: building {cfg.shape.name} on {size} device(s) ...", flush=True)
+            rows += run_size(cfg, Path(tmp), size, factory, bandwidth)
+    print(json.dumps(rows, default=str))
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s per GPU; {cfg.shape.name}, prompts {cfg.prompt}, "
+          f"{cfg.tokens} output tokens, LoRA rank {cfg.rank} on all projections")
+    print(table(rows, device))
+
+
+if __name__ == "__main__":
+    main()
