@@ -7,6 +7,7 @@ memory is freed first, whatever the engine attached.
 """
 from __future__ import annotations
 
+import argparse
 import gc
 
 import torch
@@ -53,3 +54,14 @@ def random_backbone(name: str, device: str, dtype: str) -> tuple[Backbone, Model
     ckpt = write_random_checkpoint(shape, scratch_dir(shape.checkpoint_bytes()) / "model", device)
     model, _ = load_decoder(ckpt, torch.bfloat16 if dtype == "bfloat16" else torch.float32, device, max_positions=8192)
     return Backbone(model), shape
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model (a GPU shape) and --smoke (CPU, float32, the tiny shape, a small workload)."""
+    parser.add_argument("--model", default="1b", choices=["1b", "8b"])
+    parser.add_argument("--smoke", action="store_true", help="CPU, float32, tiny model, a small workload")
+
+
+def model_target(args: argparse.Namespace) -> tuple[str, str, str]:
+    """(shape name, device, dtype) the arguments of add_model_arguments ask for."""
+    return ("tiny", "cpu", "float32") if args.smoke else (args.model, "cuda", "bfloat16")

@@ -25,7 +25,7 @@ import torch
 from adapterserve.config import EngineConfig
 from adapterserve.engine.engine import Engine
 from adapterserve.engine.sampling_params import SamplingParams
-from benchmarks.backbone import Backbone, random_backbone
+from benchmarks.backbone import Backbone, add_model_arguments, model_target, random_backbone
 from benchmarks.measure import sync
 
 
@@ -121,10 +121,9 @@ def print_table(rows: list[tuple[str, Result]], card: str, model: str, work: Wor
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="1b", choices=["1b", "8b"])
-    parser.add_argument("--smoke", action="store_true", help="CPU, float32, tiny model, a small workload")
+    add_model_arguments(parser)
     args = parser.parse_args()
-    name, device, dtype = ("tiny", "cpu", "float32") if args.smoke else (args.model, "cuda", "bfloat16")
+    name, device, dtype = model_target(args)
     work = SMOKE if args.smoke else FULL
     started = time.perf_counter()
     backbone, shape = random_backbone(name, device, dtype)

@@ -2,6 +2,7 @@
 # The lead's batched GPU session on the lent machine: GPU tests and the benchmarks of
 # issues 17 and 19, one stage per argument, outputs in $OUT. Usage:
 #   bash scripts/gpu_wave.sh tests fused fp8gemm   # then: engine8b, fp8engine, prefix, quality
+#   bash scripts/gpu_wave.sh tp2                   # on nvidia-h100-x2
 set -u
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
@@ -10,7 +11,16 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/engine tests/models 2>&1 | tail -25 ;;
+    tests)  # one process per file: a failed graph capture leaves the CUDA RNG broken for the rest of its process
+      for f in $(python3 -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/kernels tests/engine tests/models \
+                   2>/dev/null | grep "::" | cut -d: -f1 | sort -u); do
+        python3 -m pytest -q -p no:cacheprovider -m gpu "$f" --tb=line -rfE > "$OUT/gpu_tests.log" 2>&1
+        echo "$f: $(grep -E "passed|failed|error|no tests ran" "$OUT/gpu_tests.log" | tail -1)"
+        grep -E "^(FAILED|ERROR) " "$OUT/gpu_tests.log" | cut -c1-240
+      done ;;
+    tp2) python3 -m pytest -q -p no:cacheprovider -m gpu tests/models/test_tp_gpu.py tests/engine/test_tp_gpu.py \
+           tests/engine/test_tp_failures.py --tb=line 2>&1 | tail -12
+         python3 -m benchmarks.tp_decode 2>&1 | tail -12 ;;
     fused) python3 benchmarks/fused_update.py 2>&1 | tail -30 ;;
     fp8gemm) python3 benchmarks/fp8_gemm.py 2>&1 | tail -30 ;;
     engine8b) python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 480 \

@@ -5,6 +5,8 @@ classifier probabilities within float32 tolerance; adapters hot-loaded and evict
 requests run (more adapters than slots). Failures and hostile sizes: test_tp_failures.py."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from pathlib import Path
 
 import pytest
@@ -37,16 +39,21 @@ def adapter_dirs(tmp_path_factory) -> dict[str, Path]:
     return dirs
 
 
-@pytest.fixture(scope="module")
-def engines(adapter_dirs):
-    """(TP=1, TP=2) engines with every adapter registered; 4 slots for 8 adapters."""
-    pair = [Engine.from_pretrained(MODEL, tensor_parallel_size=size, **SETTINGS) for size in (1, 2)]
+def engine_pair(adapter_dirs: dict[str, Path], **settings) -> Iterator[list[Engine]]:
+    """(TP=1, TP=2) engines of these settings with every adapter registered; closed after."""
+    pair = [Engine.from_pretrained(MODEL, tensor_parallel_size=size, **settings) for size in (1, 2)]
     for engine in pair:
         for name, path in adapter_dirs.items():
             engine.load_adapter(name, path)
     yield pair
     for engine in pair:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def engines(adapter_dirs):
+    """(TP=1, TP=2) engines with every adapter registered; 4 slots for 8 adapters."""
+    yield from engine_pair(adapter_dirs, **SETTINGS)
 
 
 def _mixed_run(engine: Engine, names: list[str], sampling: SamplingParams, late: dict[str, Path] | None = None

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapterserve import Engine, SamplingParams
-from tests.engine.test_tp_engine import MODEL, _mixed_run, adapter_dirs  # noqa: F401 (a fixture)
+from adapterserve import SamplingParams
+from tests.engine.test_tp_engine import _mixed_run, adapter_dirs, engine_pair  # noqa: F401 (a fixture)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,13 +21,7 @@ GPU = {"device": "cuda:0", "max_loras": 4, "block_size": 16, "max_num_batched_to
 @pytest.fixture(scope="module")
 def engines(adapter_dirs):  # noqa: F811
     """(one GPU, two GPUs), float32, CUDA graphs; the pair warms up (every graph captured ahead)."""
-    pair = [Engine.from_pretrained(MODEL, tensor_parallel_size=size, warmup=True, **GPU) for size in (1, 2)]
-    for engine in pair:
-        for name, path in adapter_dirs.items():
-            engine.load_adapter(name, path)
-    yield pair
-    for engine in pair:
-        engine.close()
+    yield from engine_pair(adapter_dirs, warmup=True, **GPU)
 
 
 def test_greedy_tokens_equal_one_gpu_with_graphs(engines, adapter_dirs):  # noqa: F811

@@ -70,13 +70,7 @@ class Lockstep:
         places it), on the adapter connections; its placements then name it by key."""
         with self._adapters_lock:
             key, self._next_key = self._next_key, self._next_key + 1
-            data = pickle.dumps((key, dataclasses.replace(adapter, staged={})), protocol=pickle.HIGHEST_PROTOCOL)
-            for worker in self.workers:
-                try:
-                    worker.adapters.send_bytes(data)
-                except OSError as exc:
-                    raise self._break(f"tensor-parallel worker {worker.rank} ({worker.describe}) is unreachable: "
-                                      f"{type(exc).__name__}: {exc}") from exc
+            self._send_all((key, dataclasses.replace(adapter, staged={})), lambda worker: worker.adapters)
             self._keys[id(adapter)] = key
 
     def forget(self, adapter: Adapter) -> None:
@@ -179,13 +173,17 @@ class Lockstep:
     def _send(self, message: tuple) -> None:
         with self._lock:
             self.check()
-            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-            for worker in self.workers:
-                try:
-                    worker.conn.send_bytes(data)
-                except OSError as exc:
-                    raise self._break(f"tensor-parallel worker {worker.rank} ({worker.describe}) is unreachable: "
-                                      f"{type(exc).__name__}: {exc}") from exc
+            self._send_all(message, lambda worker: worker.conn)
+
+    def _send_all(self, message: object, connection: Callable[[WorkerLink], Connection]) -> None:
+        """message, pickled once, to every worker on the connection chosen; an unreachable one breaks the engine."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for worker in self.workers:
+            try:
+                connection(worker).send_bytes(data)
+            except OSError as exc:
+                raise self._break(f"tensor-parallel worker {worker.rank} ({worker.describe}) is unreachable: "
+                                  f"{type(exc).__name__}: {exc}") from exc
 
     def _receive(self, worker: WorkerLink) -> object:
         """A worker's next message: ("ready",), or its error's text, or why it has none."""
