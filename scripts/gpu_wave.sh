@@ -19,7 +19,7 @@ for stage in "$@"; do
         grep -E "^(FAILED|ERROR) " "$OUT/gpu_tests.log" | cut -c1-240
       done ;;
     tp2) python3 -m pytest -q -p no:cacheprovider -m gpu tests/models/test_tp_gpu.py tests/engine/test_tp_gpu.py \
-           tests/engine/test_tp_failures.py --tb=line 2>&1 | tail -12
+           tests/engine/test_tp_failures.py --tb=line --timeout 240 2>&1 | tail -12  # pytest-timeout is there
          python3 -m benchmarks.tp_decode 2>&1 | tail -12 ;;
     fused) python3 benchmarks/fused_update.py 2>&1 | tail -30 ;;
     fp8gemm) python3 benchmarks/fp8_gemm.py 2>&1 | tail -30 ;;
