@@ -1,18 +1,20 @@
 """A tensor-parallel engine replica through the real server: an application on the session's
-Serve whose one replica runs its engine (in its child process) at tensor_parallel_size 2,
-its worker a Ray actor in bundle 1 of the replica's own placement group. Its greedy text
-for a LoRA adapter and for the base equals the session server's (size 1)."""
+Serve whose one replica runs its engine at tensor_parallel_size 2 (in its child process, or in
+the replica's own process with engine_process false), its worker a Ray actor in bundle 1 of the
+replica's own placement group. Its greedy text for a LoRA adapter and for the base equals the
+session server's (size 1)."""
 from __future__ import annotations
 
 import copy
 import time
 from pathlib import Path
 
+import pytest
 import requests
 
 from tests.helpers.live_server import ALICE
 
-APP = "tp2"
+APP = "tp2"  # the applications: tp2-child, tp2-inproc
 PROMPT = "split me"
 
 
@@ -29,25 +31,27 @@ def _complete(base: str, model: str) -> str:
     return reply.json()["choices"][0]["text"]
 
 
-def test_a_tensor_parallel_replica_serves_what_one_gpu_serves(server, uploaded):
+@pytest.mark.parametrize("engine_process", [True, False])
+def test_a_tensor_parallel_replica_serves_what_one_gpu_serves(server, uploaded, engine_process):
     from ray import serve
     from ray.util import placement_group_table
 
     from adapterserve.server.app import build_app
 
     config = copy.deepcopy(server.config)
-    config.update(app_name=APP, encoder=False, encoder_pinned_adapters=[])
+    app = f"{APP}-{'child' if engine_process else 'inproc'}"
+    config.update(app_name=app, encoder=False, encoder_pinned_adapters=[], engine_process=engine_process)
     config["engine"] = {**config["engine"], "tensor_parallel_size": 2}
     config["replica"] = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}}
     config["metrics"] = {"http_route": "off", "push_interval_s": 0.25, "port": None}
-    serve.run(build_app(config), name=APP, route_prefix=f"/{APP}", blocking=False)
+    serve.run(build_app(config), name=app, route_prefix=f"/{app}", blocking=False)
     try:
-        base = f"{server.http}/{APP}"
+        base = f"{server.http}/{app}"
         models = ("sql", Path(server.config["model"]).name)  # the base: its directory's name
         texts = {model: _complete(base, model) for model in models}
         groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
         assert any(len(g["bundles"]) == 2 and g["strategy"] == "STRICT_PACK" for g in groups), groups
     finally:
-        serve.delete(APP)
+        serve.delete(app)
     assert texts == {model: _complete(server.http, model) for model in models}
     assert len(set(texts.values())) == 2, "the adapter changed nothing: a vacuous check"
