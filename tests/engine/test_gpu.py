@@ -7,6 +7,7 @@ from adapterserve import Engine, SamplingParams
 from adapterserve.models.tiny import write_tiny_checkpoint
 from tests.helpers.families import family_configs, make_peft_adapter
 from tests.helpers.lora import make_peft_lora
+from tests.helpers.recording import record_logits
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -28,19 +29,9 @@ def setup(tmp_path_factory):
 
 
 def _first_step_logits(engine, prompts, ids):
-    captured = {}
-    run = engine.runner.run
-
-    def recording_run(batch, generators):
-        sampling = [r for r in engine.runner.completing(batch) if not r.pooling]  # the rows of last_logits
-        tokens = run(batch, generators)
-        for row, r in enumerate(sampling):
-            captured.setdefault(r.request_id, engine.runner.last_logits[row].float().cpu())
-        return tokens
-
-    engine.runner.run = recording_run
+    captured = record_logits(engine)
     outs = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), adapter_ids=ids)
-    return [captured[o.request_id] for o in outs], outs
+    return [captured[o.request_id][0] for o in outs], outs
 
 
 def _hf_bf16_error(model_dir, prompts) -> float:

@@ -86,11 +86,7 @@ def test_stacked_places_and_evicts_while_others_decode(setup, device):
     got_logits, want_logits = record_logits(tight), record_logits(roomy)
     got = tight.generate(prompts, params, adapter_ids=ids)
     want = roomy.generate(prompts, params, adapter_ids=ids)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for a, b in zip(got, want):
-        last = len(a.token_ids) - 1
-        g, w = got_logits[a.request_id][last], want_logits[b.request_id][last]
-        assert (g - w).norm() / w.norm() < LOGIT_TOLERANCE[device], a.adapter_id
+    _assert_same_outputs(got, want, got_logits, want_logits, device)
     assert tight.slots.evictions > 0
     assert len(rows_seen - {0}) > 1, rows_seen
 
@@ -132,11 +128,7 @@ def test_stacked_expand_follows_the_step_s_distinct_adapters(setup, device):
     finally:
         handle.remove()
     want = kernels.generate(prompts, params, adapter_ids=ids)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for a, b in zip(got, want):
-        last = len(a.token_ids) - 1
-        g, w = got_logits[a.request_id][last], want_logits[b.request_id][last]
-        assert (g - w).norm() / w.norm() < LOGIT_TOLERANCE[device], a.adapter_id
+    _assert_same_outputs(got, want, got_logits, want_logits, device)
     assert all(expand == choose_expand(distinct) for distinct, expand in steps), steps
     graphs = stacked.runner.graphs
     chosen = {expand for _, expand in steps} | ({key[3] for key in graphs._graphs} if graphs is not None else set())
@@ -217,3 +209,12 @@ def test_lora_decode_names_the_choices():
 
     with pytest.raises(ValueError, match="lora_decode must be one of"):
         EngineConfig(lora_decode="fused")
+
+
+def _assert_same_outputs(got, want, got_logits, want_logits, device: str) -> None:
+    """Tokens identical; each request's last logits within the device's tolerance."""
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got, want):
+        last = len(a.token_ids) - 1
+        g, w = got_logits[a.request_id][last], want_logits[b.request_id][last]
+        assert (g - w).norm() / w.norm() < LOGIT_TOLERANCE[device], a.adapter_id

@@ -17,6 +17,7 @@ from adapterserve import Engine, SamplingParams
 from adapterserve.engine.penalties import PenaltyState, apply_penalties
 from adapterserve.engine.request import Request, RequestStatus
 from adapterserve.engine.sampler import sample
+from tests.helpers.recording import record_logits
 
 VOCAB = 200
 on_gpu = pytest.mark.gpu
@@ -234,29 +235,13 @@ def test_greedy_tokens_match_transformers_and_other_rows_keep_theirs(llama_dir, 
 # the whole device path (overlapped steps, CUDA graphs) against the reference on the logits it saw
 
 
-def _record_raw_logits(engine) -> dict[str, list[torch.Tensor]]:
-    """request id -> the model's logits for each of its sampled tokens (before bias and penalties)."""
-    captured: dict[str, list[torch.Tensor]] = {}
-    run = engine.runner.run
-
-    def recording_run(batch, generators):
-        rows = [r for r in engine.runner.completing(batch) if not r.pooling]
-        result = run(batch, generators)
-        for row, request in enumerate(rows):
-            captured.setdefault(request.request_id, []).append(engine.runner.last_logits[row].float().cpu())
-        return result
-
-    engine.runner.run = recording_run
-    return captured
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_each_greedy_token_is_the_reference_argmax_of_the_logits_the_engine_saw(llama_dir, device):
     options = {"device": "cuda", "dtype": "bfloat16"} if device == "cuda" else {}
     engine = Engine.from_pretrained(llama_dir, **options)
     params = (E2E + [PLAIN]) * 3
     prompts = _prompts(len(params), seed=6)
-    raw = _record_raw_logits(engine)
+    raw = record_logits(engine)  # the model's logits, before bias and penalties
     outs = engine.generate(prompts, params)
     if device == "cuda":
         assert engine.runner.graphs._graphs, "no decode step ran as a CUDA graph"

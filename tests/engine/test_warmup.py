@@ -52,6 +52,15 @@ def _record(engine):
     return seen, handle
 
 
+def _recorded_mixed_run(engine, adapters, seed: int):
+    """_mixed_run's outputs and the kernel variants its forward passes used."""
+    seen, handle = _record(engine)
+    try:
+        return _mixed_run(engine, adapters, seed), seen
+    finally:
+        handle.remove()
+
+
 def _mixed_run(engine, adapters, seed: int):
     for name, path in adapters.items():
         engine.load_adapter(name, path)
@@ -95,11 +104,7 @@ def test_warm_up_leaves_nothing_behind(warmed):
 
 
 def test_a_mixed_run_launches_only_warmed_variants(warmed, adapters):
-    seen, handle = _record(warmed)
-    try:
-        outputs = _mixed_run(warmed, adapters, seed=3)
-    finally:
-        handle.remove()
+    outputs, seen = _recorded_mixed_run(warmed, adapters, seed=3)
     assert all(o.error is None for o in outputs)
     assert seen, "the hook saw no forward pass"
     assert seen <= warmed.warmup.reached, sorted(map(str, seen - warmed.warmup.reached))
@@ -152,11 +157,7 @@ def test_stacked_lora_warm_up_covers_its_row_buckets_and_expand_tiles(llama_dir,
     assert engine.warmup.missing == set(), sorted(map(str, engine.warmup.missing))
     grouped = {"grouped"} if GROUPED_MIN_ADAPTERS <= ENGINE["max_loras"] else set()
     assert {v[1] for v in engine.warmup.reached if v[0] == "stacked"} == {"tiled"} | grouped
-    seen, handle = _record(engine)
-    try:
-        outputs = _mixed_run(engine, adapters, seed=5)
-    finally:
-        handle.remove()
+    outputs, seen = _recorded_mixed_run(engine, adapters, seed=5)
     assert all(o.error is None for o in outputs)
     assert seen <= engine.warmup.reached, sorted(map(str, seen - engine.warmup.reached))
     # with graphs, every row bucket an adapter placement can make gets its own graphs
