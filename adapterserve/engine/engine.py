@@ -39,6 +39,7 @@ from adapterserve.engine.runner import ModelRunner, StepResult
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.engine.scheduler import Scheduler
 from adapterserve.engine.slots import AdapterSlots
+from adapterserve.engine.step_device import attach_lora_side_stream
 from adapterserve.engine.stats import EngineStats
 from adapterserve.engine.sync_front import SyncFront, final_output
 from adapterserve.engine.stopping import check_stop_token, stream_delta, update_text
@@ -89,9 +90,7 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
         self.runner.families_of = self._families_of
         self.runner.prefix_pages = self.prefix_pool.pages.__getitem__
         if config.lora_side_stream and on_gpu:
-            side = torch.cuda.Stream(device=config.device)
-            for _, linear in model.adapter_linears():
-                linear.side_stream = side
+            attach_lora_side_stream(model, config.device)
         if config.cuda_graphs and on_gpu:
             self.runner.enable_cuda_graphs(*decode_graph_limits(config, self.max_model_len))
         # per family (lora, ia3, bottleneck): host state a captured decode graph depends on

@@ -25,6 +25,13 @@ from adapterserve.layers.parallel import SINGLE, TensorParallel
 from adapterserve.models.decoder import DecoderModel
 
 
+def attach_lora_side_stream(model: DecoderModel, device: str) -> None:
+    """One CUDA stream beside the compute stream for every adapter linear's LoRA shrink
+    (used in decode steps; EngineConfig.lora_side_stream)."""
+    side = torch.cuda.Stream(device=device)
+    for _, linear in model.adapter_linears():
+        linear.side_stream = side
+
 def with_sampled_ids(ids: torch.Tensor, sources: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
     """Input ids from the host, each row whose source is >= 0 taking the id the step
     before sampled into that row of ``sampled`` (a token not yet on the host)."""
@@ -123,10 +130,15 @@ class StepDevice:
         )
         for family, slots in zip(TOKEN_FAMILIES, inputs.family_slots):
             if (slots >= 0).any():
-                setattr(ctx, family, build_adapter_meta(to_device(slots, dev), self.num_slots,
-                                                        stacked_expand=expand_for_slots(slots)))
+                expand = expand_for_slots(slots) if family == "lora" and self._lora_stacked() else "tiled"
+                setattr(ctx, family, build_adapter_meta(to_device(slots, dev), self.num_slots, stacked_expand=expand))
         ids, sources = (to_device(v, dev, torch.long) for v in (inputs.ids, inputs.sources))
         return with_sampled_ids(ids, sources, self.sampled), to_device(inputs.positions, dev, torch.long), ctx
+
+    def _lora_stacked(self) -> bool:
+        """Whether the LoRA pool stacks A under the weights (bound after this object is built),
+        so a step's expand is chosen from its distinct adapters."""
+        return next(self.model.adapter_linears())[1].stacked is not None
 
     def _virtual(self, inputs: StepInputs) -> VirtualTokens | None:
         if not inputs.virtual[0]:

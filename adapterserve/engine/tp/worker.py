@@ -22,7 +22,7 @@ from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.config import EngineConfig
 from adapterserve.engine.host_copy import on_copy_stream
 from adapterserve.engine.pool_set import build_pools
-from adapterserve.engine.step_device import StepDevice, StepInputs
+from adapterserve.engine.step_device import StepDevice, StepInputs, attach_lora_side_stream
 from adapterserve.engine.tp.group import COLLECTIVE_TIMEOUT_S, join_group, leave_group
 from adapterserve.layers.parallel import TensorParallel
 from adapterserve.models.decoder import DecoderModel
@@ -122,9 +122,7 @@ class WorkerState:
         self.copy_stream = torch.cuda.Stream(device=config.device) if on_gpu else None
         self._landing: list[torch.cuda.Event] = []  # placements' copies the next step waits for
         if config.lora_side_stream and on_gpu:
-            side = torch.cuda.Stream(device=config.device)
-            for _, linear in self.model.adapter_linears():
-                linear.side_stream = side
+            attach_lora_side_stream(self.model, config.device)
 
     def step(self, inputs: StepInputs) -> None:
         for event in self._landing:
