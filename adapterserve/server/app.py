@@ -55,11 +55,9 @@ def app_builder(args: dict[str, Any]) -> Application:
 
 
 def _drain_options(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Serve's stop of a replica (scale-down, upgrade, shutdown) lets its requests finish for drain_grace_s."""
-    grace = cfg["drain_grace_s"]
-    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
-        raise ValueError(f"drain_grace_s must be a number of seconds >= 0, got {grace!r}")
-    return {"graceful_shutdown_timeout_s": float(grace), "graceful_shutdown_wait_loop_s": 0.5}
+    """Serve's stop of a replica (scale-down, upgrade, shutdown) lets its requests finish for drain_grace_s
+    (range-checked with the other limits: check_server_limits)."""
+    return {"graceful_shutdown_timeout_s": float(cfg["drain_grace_s"]), "graceful_shutdown_wait_loop_s": 0.5}
 
 
 def _router_options(routing: Routing) -> dict[str, Any]:
