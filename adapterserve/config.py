@@ -10,6 +10,7 @@ FP8 = "fp8"  # float8_e4m3fn linear weights (Llama-family decoders); see EngineC
 FP8_GEMMS = ("auto", "scaled_mm", "w8a8_triton", "weight_only", "reference")  # layers.base_gemm's kernels
 LORA_DECODES = ("kernels", "stacked")  # EngineConfig.lora_decode
 TP_LAUNCHES = ("auto", "ray", "local")  # EngineConfig.tensor_parallel_launch
+TP_ALL_REDUCES = ("auto", "nccl")  # EngineConfig.tensor_parallel_all_reduce
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class EngineConfig:
     max_head_layers:  1, or 2 for heads with a hidden layer (costs [slots, D, D] of memory)
     max_bottleneck_rank: widest bottleneck adapter accepted (hidden / reduction_factor)
     cuda_graphs:      replay decode steps as CUDA graphs (on CUDA devices)
+    mixed_graph_tokens: with cuda_graphs, also replay steps with prefill tokens (prompts, chunks,
+                      decodes beside them) as CUDA graphs, in token buckets up to this many tokens
+                      (capped at max_num_batched_tokens; larger steps run eagerly); 0 = off. The
+                      largest bucket's activations set the graphs' memory pool
     max_staged_adapters: adapters kept with ready-to-copy (pinned) host copies for fast loads
     max_staged_bytes: ... and at most this many bytes of such copies (the most recently added kept)
     lora_side_stream: run each LoRA shrink of a decode step on a second CUDA stream, beside the
@@ -51,6 +56,9 @@ class EngineConfig:
                       tensor_parallel_launch
     tensor_parallel_launch: "ray" (actors in a placement group; Ray must be initialized), "local"
                       (spawned processes on cuda:index+1, ...), "auto": Ray when it is initialized
+    tensor_parallel_all_reduce: "nccl" (the process group's own all-reduce for every sum) or
+                      "auto" (opt-in: small sums over peer-to-peer symmetric memory on GPUs that
+                      reach each other's memory, NCCL for the rest; docs/tensor_parallel.md)
     """
 
     device: str = "cpu"
@@ -70,6 +78,7 @@ class EngineConfig:
     max_head_layers: int = 1
     max_bottleneck_rank: int = 64
     cuda_graphs: bool = True
+    mixed_graph_tokens: int = 2048
     max_staged_adapters: int = 32
     max_staged_bytes: int = 4 << 30
     lora_side_stream: bool = True
@@ -78,6 +87,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     tensor_parallel_launch: str = "auto"
+    tensor_parallel_all_reduce: str = "nccl"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -94,6 +104,10 @@ class EngineConfig:
                      "max_num_batched_tokens", "max_queued_requests", "max_staged_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        tokens = self.mixed_graph_tokens
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"mixed_graph_tokens must be an integer of at least 0 (0: steps with prefills run "
+                             f"eagerly), got {tokens!r}")
         size = self.tensor_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer of at least 1 (ranks, one device each), "
@@ -101,6 +115,9 @@ class EngineConfig:
         if self.tensor_parallel_launch not in TP_LAUNCHES:
             raise ValueError(f"tensor_parallel_launch must be one of {list(TP_LAUNCHES)}, "
                              f"got {self.tensor_parallel_launch!r}")
+        if self.tensor_parallel_all_reduce not in TP_ALL_REDUCES:
+            raise ValueError(f"tensor_parallel_all_reduce must be one of {list(TP_ALL_REDUCES)}, "
+                             f"got {self.tensor_parallel_all_reduce!r}")
         if self.warmup not in (True, False, "force"):
             raise ValueError(f"warmup must be true, false or 'force', got {self.warmup!r}")
         if self.lora_pool_rows is not None and self.lora_pool_rows < self.max_lora_rank:

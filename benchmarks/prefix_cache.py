@@ -3,6 +3,12 @@ on one backbone, for a shared-system-prompt workload and a multi-turn chat.
 
     PYTHONPATH=. python3 benchmarks/prefix_cache.py --model 1b     # GPU
     PYTHONPATH=. python3 benchmarks/prefix_cache.py --smoke        # CPU, tiny model, seconds
+    PYTHONPATH=. python3 benchmarks/prefix_cache.py --model 1b --workloads spread --mixed-graphs on
+
+Each workload runs with prefix caching off and on, each with mixed-step CUDA graphs
+(EngineConfig.mixed_graph_tokens) off and on (--mixed-graphs narrows it; --workloads
+picks workloads: spread, burst, chat). On the CPU (--smoke) no graph is captured: "on"
+runs the same padded forward eagerly.
 
 Shared system prompts: 8 applications x 2 LoRA adapters each (rank 16, every projection),
 one system prompt per application (1,000 tokens), user turns of 50-200 tokens, greedy
@@ -32,6 +38,8 @@ import torch
 
 from adapterserve.config import EngineConfig
 from adapterserve.engine.engine import Engine
+from adapterserve.engine.graphs import decode_graph_limits
+from adapterserve.engine.mixed_graphs import mixed_graph_limit
 from adapterserve.engine.sampling_params import SamplingParams
 from benchmarks.backbone import Backbone, add_model_arguments, model_target, random_backbone
 from benchmarks.measure import sync
@@ -63,6 +71,8 @@ class Result:
     prompt_tokens: int
     cached_tokens: int
     launches: list[tuple[bool, float, object, object]]  # per batch: (mixed, host s, GPU start/end events)
+    mixed_replays: int = 0  # launches with prefill tokens that replayed a mixed-step graph
+    mixed_captures: int = 0  # mixed-step graphs captured during the timed run (warm-up missed them)
 
     def step_ms(self, mixed: bool) -> str:
         """'host / GPU' median ms of the launches of one kind."""
@@ -158,25 +168,38 @@ def _timed(launch, batch, generators, launches: list) -> object:
 
 
 def fresh_engine(backbone: Backbone, factory: AdapterFactory, work: Workload, caching: bool, device: str,
-                 dtype: str) -> Engine:
+                 dtype: str, mixed_tokens: int) -> Engine:
     longest = work.system_tokens + work.turns * (work.user_tokens[1] + work.answer_tokens) + 64
     users = max(work.users, work.chats)
     config = EngineConfig(device=device, dtype=dtype, max_loras=work.apps * work.adapters_per_app, max_lora_rank=16,
                           block_size=16, num_kv_blocks=users * -(-longest // 16) + 64, max_num_seqs=users,
-                          max_num_batched_tokens=8192, max_model_len=longest, enable_prefix_caching=caching)
+                          max_num_batched_tokens=8192, max_model_len=longest, enable_prefix_caching=caching,
+                          mixed_graph_tokens=mixed_tokens)
     engine = backbone.engine(config)
+    if device != "cuda" and mixed_tokens:  # the padded forward, run eagerly (no capture off CUDA)
+        engine.runner.enable_cuda_graphs(*decode_graph_limits(config, engine.max_model_len),
+                                         mixed_graph_limit(config), config.max_num_seqs)
     for i in range(work.apps * work.adapters_per_app):
         engine.add_adapter(f"app{i // work.adapters_per_app}-{i % work.adapters_per_app}", factory.lora(i))
     return engine
 
 
 def case(backbone, factory, work: Workload, multi_turn: bool, burst: bool, caching: bool, device: str,
-         dtype: str, vocab: int) -> Result:
-    engine = fresh_engine(backbone, factory, work, caching, device, dtype)
+         dtype: str, vocab: int, mixed_tokens: int) -> Result:
+    engine = fresh_engine(backbone, factory, work, caching, device, dtype, mixed_tokens)
+    if engine.warmup is not None:
+        reserved = torch.cuda.memory_reserved() / 2**30 if device == "cuda" else 0.0
+        print(f"caching {'on' if caching else 'off'}, mixed graphs {mixed_tokens or 'off'}: "
+              f"{engine.warmup.summary()}; {reserved:.1f} GiB reserved", flush=True)
     try:
         run(engine, Conversations(work, 100, vocab, multi_turn), work.answer_tokens, burst)  # warm-up: other prompts
         sync(device)
-        return run(engine, Conversations(work, 1, vocab, multi_turn), work.answer_tokens, burst)
+        mixed = engine.runner.mixed_graphs
+        replays, graphs = (mixed.replays, mixed.num_graphs) if mixed is not None else (0, 0)
+        result = run(engine, Conversations(work, 1, vocab, multi_turn), work.answer_tokens, burst)
+        if mixed is not None:
+            result.mixed_replays, result.mixed_captures = mixed.replays - replays, mixed.num_graphs - graphs
+        return result
     finally:
         engine = None
         backbone.reset()
@@ -187,38 +210,56 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def print_table(rows: list[tuple[str, bool, Result]], card: str, model: str, work: Workload) -> None:
+def print_table(rows: list[tuple[str, bool, bool, Result]], card: str, model: str, work: Workload) -> None:
     print(f"\n{card}; {model}; {work.apps} apps x {work.adapters_per_app} LoRA adapters, system prompt "
           f"{work.system_tokens} tokens, user turns {work.user_tokens[0]}-{work.user_tokens[1]}, answers "
           f"{work.answer_tokens} tokens; {work.users} users x {work.requests_per_user} requests; "
-          f"multi-turn: {work.chats} chats x {work.turns} turns")
-    print("| workload | prefix caching | TTFT p50 ms | TTFT p99 ms | tokens/s | prompt tokens cached "
-          "| decode step ms, host / GPU | mixed step ms, host / GPU | TTFT p50 off/on | tokens/s on/off |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    off: dict[str, Result] = {}
-    for name, caching, r in rows:
+          f"multi-turn: {work.chats} chats x {work.turns} turns. Ratios: TTFT p50 of caching off, mixed graphs "
+          "off over this row's; tokens/s of this row over that row's; TTFT p50 of this row with mixed graphs off "
+          "over on")
+    print("| workload | prefix caching | mixed graphs | TTFT p50 ms | TTFT p99 ms | tokens/s | prompt tokens cached "
+          "| decode step ms, host / GPU | mixed step ms, host / GPU | mixed steps replayed (captured) | TTFT p50 vs off/off "
+          "| tokens/s vs off/off | TTFT p50 graphs off/on |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    by_key = {(name, caching, mixed): r for name, caching, mixed, r in rows}
+    for name, caching, mixed, r in rows:
         p50, p99 = 1e3 * statistics.median(r.ttft), 1e3 * percentile(r.ttft, 0.99)
         rate = r.tokens / r.wall
-        base = off.setdefault(name, r)
-        ratios = (f"{statistics.median(base.ttft) / statistics.median(r.ttft):.2f}x | "
-                  f"{rate / (base.tokens / base.wall):.2f}x") if caching else "- | -"
-        print(f"| {name} | {'on' if caching else 'off'} | {p50:.1f} | {p99:.1f} | {rate:.0f} "
-              f"| {100 * r.cached_tokens / r.prompt_tokens:.0f}% | {r.step_ms(False)} | {r.step_ms(True)} | {ratios} |")
+        base = by_key.get((name, False, False))
+        versus = (f"{statistics.median(base.ttft) / statistics.median(r.ttft):.2f}x | "
+                  f"{rate / (base.tokens / base.wall):.2f}x") if base is not None and base is not r else "- | -"
+        eager = by_key.get((name, caching, False))
+        graphs = (f"{statistics.median(eager.ttft) / statistics.median(r.ttft):.2f}x"
+                  if mixed and eager is not None else "-")
+        replayed = sum(1 for m, *_ in r.launches if m)
+        print(f"| {name} | {'on' if caching else 'off'} | {'on' if mixed else 'off'} | {p50:.1f} | {p99:.1f} "
+              f"| {rate:.0f} | {100 * r.cached_tokens / r.prompt_tokens:.0f}% | {r.step_ms(False)} "
+              f"| {r.step_ms(True)} | {r.mixed_replays} of {replayed} ({r.mixed_captures}) | {versus} | {graphs} |")
+
+
+WORKLOADS = {"spread": ("shared system prompts", False, False), "burst": ("shared system prompts, burst", False, True),
+             "chat": ("multi-turn chat", True, False)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     add_model_arguments(parser)
+    parser.add_argument("--workloads", default="spread,burst,chat", help="comma-separated: spread, burst, chat")
+    parser.add_argument("--mixed-graphs", default="both", choices=["both", "off", "on"],
+                        help="mixed-step CUDA graphs off, on, or both side by side")
+    parser.add_argument("--mixed-graph-tokens", type=int, default=EngineConfig.mixed_graph_tokens,
+                        help="the largest mixed-graph token bucket when on")
     args = parser.parse_args()
     name, device, dtype = model_target(args)
     work = SMOKE if args.smoke else FULL
+    chosen = [WORKLOADS[w] for w in args.workloads.split(",")]
+    mixed_modes = {"both": (False, True), "off": (False,), "on": (True,)}[args.mixed_graphs]
     started = time.perf_counter()
     backbone, shape = random_backbone(name, device, dtype)
     factory = AdapterFactory(shape, device)
-    workloads = (("shared system prompts", False, False), ("shared system prompts, burst", False, True),
-                 ("multi-turn chat", True, False))
-    rows = [(label, caching, case(backbone, factory, work, multi_turn, burst, caching, device, dtype, shape.vocab))
-            for label, multi_turn, burst in workloads for caching in (False, True)]
+    rows = [(label, caching, mixed, case(backbone, factory, work, multi_turn, burst, caching, device, dtype,
+                                         shape.vocab, args.mixed_graph_tokens if mixed else 0))
+            for label, multi_turn, burst in chosen for caching in (False, True) for mixed in mixed_modes]
     card = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     print_table(rows, card, f"{name} ({time.perf_counter() - started:.0f} s)", work)
 

@@ -1,11 +1,16 @@
 """Decode step time of a tensor-parallel engine: TP=1 against TP=2 (or any sizes given),
-an 8B-shaped random-weight backbone (each rank draws its shard on its own GPU: no
-checkpoint), B requests decoding, base alone and with one distinct rank-16 LoRA per
-request. One table: the median full-batch decode step, its per-GPU floor (what one GPU
-must read: its shard of the weights, of the KV cache and of the adapters, at the copy
-bandwidth measured on that GPU) and the ratio, the adapter tax at each size.
+an 8B-shaped (or 70B-shaped) random-weight backbone (each rank draws its shard on its own
+GPU: no checkpoint), B requests decoding, base alone and with one distinct rank-16 LoRA
+per request, under each all-reduce setting given (EngineConfig.tensor_parallel_all_reduce:
+"nccl", "auto" = symmetric memory where it runs). One table: the median full-batch
+decode step, its per-GPU floor (what one GPU must read: its shard of the weights, of the
+KV cache and of the adapters, at the copy bandwidth measured on that GPU) and the ratio,
+the adapter tax at each size, and each all-reduce setting's speed-up over "nccl".
+--micro first prints the all-reduce latency table of benchmarks/allreduce_micro.py.
 
-    python -m benchmarks.tp_decode                     # 8B, TP 1 and 2, B=64, on cuda
+    python -m benchmarks.tp_decode                     # 8B, TP 1 and 2, B=64, nccl and auto
+    python -m benchmarks.tp_decode --sizes 2,4 --micro # and the all-reduce table at 2 and 4 GPUs
+    python -m benchmarks.tp_decode --shape 70b --sizes 4 --adapters 0
     python -m benchmarks.tp_decode --smoke             # tiny shape on CPU (gloo), seconds
 
 Every variant runs once untimed first (kernels compiled, decode graphs captured).
@@ -27,11 +32,20 @@ from adapterserve.engine.engine import Engine
 from adapterserve.layers.parallel import TensorParallel
 from adapterserve.models.decoder import DecoderModel
 from adapterserve.models.decoder_config import read_decoder_config
+from benchmarks import allreduce_micro
 from benchmarks.checkpoints import SHAPES, ModelShape
-from benchmarks.measure import Floor, StepTrace, copy_bandwidth, decode_summary, run_requests
+from benchmarks.measure import (
+    Floor,
+    StepTrace,
+    copy_bandwidth,
+    decode_summary,
+    run_requests,
+)
 from benchmarks.random_adapters import AdapterFactory, decode_read_bytes
 
 WEIGHT_STD = 0.02
+SHAPE_70B = ModelShape("70b", 8192, 80, 64, 8, 28672, 128256, tied=False)  # Llama-3 70B's dimensions
+ALL_SHAPES = {**SHAPES, "70b": SHAPE_70B}
 
 
 @dataclass(frozen=True)
@@ -45,24 +59,31 @@ class Config:
     rank: int
     prompt: int
     tokens: int
+    all_reduces: tuple[str, ...]
+    micro: bool
 
 
 def parse_args(argv: list[str] | None) -> Config:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    p.add_argument("--shape", default="8b", choices=sorted(ALL_SHAPES))
     p.add_argument("--sizes", default="1,2", help="tensor-parallel sizes, comma-separated")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--adapters", type=int, default=64, help="distinct LoRA adapters (one per request, cycling)")
+    p.add_argument("--adapters", type=int, default=64,
+                   help="distinct LoRA adapters (one per request, cycling); 0: base only")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--tokens", type=int, default=64, help="output tokens per request")
+    p.add_argument("--all-reduce", default="nccl,auto",
+                   help="EngineConfig.tensor_parallel_all_reduce settings to compare, comma-separated")
+    p.add_argument("--micro", action="store_true", help="first the all-reduce latency table at each size > 1")
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, a few tokens: the script runs")
     args = p.parse_args(argv)
     sizes = tuple(int(s) for s in args.sizes.split(","))
+    all_reduces = tuple(args.all_reduce.split(","))
     if args.smoke:
-        return Config(SHAPES["tiny"], "cpu", "float32", sizes, 4, 4, 4, 8, 4)
-    return Config(SHAPES[args.shape], "cuda", "bfloat16", sizes, args.batch, args.adapters, args.rank, args.prompt,
-                  args.tokens)
+        return Config(SHAPES["tiny"], "cpu", "float32", sizes, 4, 4, 4, 8, 4, all_reduces, args.micro)
+    return Config(ALL_SHAPES[args.shape], "cuda", "bfloat16", sizes, args.batch, args.adapters, args.rank,
+                  args.prompt, args.tokens, all_reduces, args.micro)
 
 
 def random_shard(config_dir: str, dtype: torch.dtype, seed: int, tp: TensorParallel, device: str) -> DecoderModel:
@@ -79,12 +100,12 @@ def random_shard(config_dir: str, dtype: torch.dtype, seed: int, tp: TensorParal
     return model.eval()
 
 
-def _engine(cfg: Config, config_dir: Path, size: int) -> Engine:
+def _engine(cfg: Config, config_dir: Path, size: int, all_reduce: str) -> Engine:
     blocks = cfg.batch * (-(-(cfg.prompt + cfg.tokens) // 16) + 1)
     engine_config = EngineConfig(
         device=cfg.device, dtype=cfg.dtype, max_loras=max(cfg.adapters, 1) + 1, max_lora_rank=cfg.rank,
         max_num_seqs=cfg.batch, max_num_batched_tokens=max(cfg.batch * cfg.prompt, 256), num_kv_blocks=blocks,
-        warmup=False, tensor_parallel_size=size, tensor_parallel_launch="local",
+        warmup=False, tensor_parallel_size=size, tensor_parallel_launch="local", tensor_parallel_all_reduce=all_reduce,
     )
     build = partial(random_shard, str(config_dir), engine_config.torch_dtype, 0)
     return Engine.from_model(build, read_decoder_config(config_dir), None, engine_config)
@@ -111,8 +132,10 @@ def _workload(engine: Engine, cfg: Config, adapter_ids: list[str | None], floor:
                           cfg.batch, floor)
 
 
-def run_size(cfg: Config, config_dir: Path, size: int, factory: AdapterFactory, bandwidth: float) -> list[dict]:
-    engine = _engine(cfg, config_dir, size)
+def run_size(cfg: Config, config_dir: Path, size: int, all_reduce: str, factory: AdapterFactory,
+             bandwidth: float) -> list[dict]:
+    engine = _engine(cfg, config_dir, size, all_reduce)
+    label = all_reduce if size > 1 else "-"
     try:
         names = [f"lora{i}" for i in range(cfg.adapters)]
         adapter_bytes = {}
@@ -121,11 +144,11 @@ def run_size(cfg: Config, config_dir: Path, size: int, factory: AdapterFactory, 
             adapter_bytes[name] = decode_read_bytes(adapter, model_element_size(cfg))
             engine.add_adapter(name, adapter)
         floor = _floor(engine, size, adapter_bytes, bandwidth)
-        rows = []
-        for workload, ids in (("base", [None] * cfg.batch),
-                              (f"distinct{cfg.adapters}", [names[i % len(names)] for i in range(cfg.batch)])):
-            rows.append({"tp": size, "workload": workload, **_workload(engine, cfg, ids, floor)})
-        return rows
+        workloads = [("base", [None] * cfg.batch)]
+        if names:
+            workloads.append((f"distinct{cfg.adapters}", [names[i % len(names)] for i in range(cfg.batch)]))
+        return [{"tp": size, "all_reduce": label, "workload": workload, **_workload(engine, cfg, ids, floor)}
+                for workload, ids in workloads]
     finally:
         engine.close()
         del engine
@@ -139,32 +162,46 @@ def model_element_size(cfg: Config) -> int:
 
 
 def table(rows: list[dict], device: str) -> str:
-    base = {r["tp"]: r["decode_ms"] for r in rows if r["workload"] == "base"}
-    one = {r["workload"]: r["decode_ms"] for r in rows if r["tp"] == min(base)}
+    """One row per (tp, all-reduce, workload): tax against base under the same tp and
+    all-reduce, speed-up against the smallest tp, and against "nccl" at the same tp."""
+    base = {(r["tp"], r["all_reduce"]): r["decode_ms"] for r in rows if r["workload"] == "base"}
+    smallest = min(r["tp"] for r in rows)
+    one = {r["workload"]: r["decode_ms"] for r in rows if r["tp"] == smallest}
+    nccl = {(r["tp"], r["workload"]): r["decode_ms"] for r in rows if r["all_reduce"] in ("nccl", "-")}
     lines = [f"tensor-parallel decode step, {device}",
-             f"{'tp':>3} {'workload':<12} {'batch':>5} {'step ms':>8} {'floor ms/GPU':>12} {'x floor':>7} "
-             f"{'tok/s':>8} {'tax':>6} {'vs tp' + str(min(base)):>8}"]
+             (f"{'tp':>3} {'all-reduce':<10} {'workload':<12} {'batch':>5} {'step ms':>8} {'floor ms/GPU':>12} "
+              f"{'x floor':>7} {'tok/s':>8} {'tax':>6} {'vs tp' + str(smallest):>8} {'vs nccl':>8}")]
     for r in rows:
-        tax = r["decode_ms"] / base[r["tp"]] - 1
+        tax = r["decode_ms"] / base[r["tp"], r["all_reduce"]] - 1
         speedup = one[r["workload"]] / r["decode_ms"]
-        lines.append(f"{r['tp']:>3} {r['workload']:<12} {r.get('decode_batch', 0):>5.0f} {r['decode_ms']:>8.2f} "
-                     f"{r['floor_ms']:>12.2f} {r['x_floor']:>7.2f} {r['decode_tok_s']:>8.0f} {100 * tax:>5.1f}% "
-                     f"{speedup:>7.2f}x")
+        over_nccl = nccl.get((r["tp"], r["workload"]), float("nan")) / r["decode_ms"]
+        lines.append(f"{r['tp']:>3} {r['all_reduce']:<10} {r['workload']:<12} {r.get('decode_batch', 0):>5.0f} "
+                     f"{r['decode_ms']:>8.2f} {r['floor_ms']:>12.2f} {r['x_floor']:>7.2f} {r['decode_tok_s']:>8.0f} "
+                     f"{100 * tax:>5.1f}% {speedup:>7.2f}x {over_nccl:>7.2f}x")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
-    device = torch.cuda.get_device_name(0) if cfg.device == "cuda" else "CPU (gloo)"
+    device = allreduce_micro.device_name(cfg.device != "cuda")
+    if cfg.micro:
+        worlds = tuple(size for size in cfg.sizes if size > 1) if cfg.device == "cuda" else (2,)
+        micro = allreduce_micro.table(allreduce_micro.measure(worlds, cfg.device != "cuda"), device,
+                                      cfg.device != "cuda")
     bandwidth = copy_bandwidth(cfg.device, 1 << 30 if cfg.device == "cuda" else 1 << 24)
     factory = AdapterFactory(cfg.shape, cfg.device)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         cfg.shape.hf_config().save_pretrained(tmp)  # config.json only: the weights are drawn per rank
         for size in cfg.sizes:
-            print(f"tp={size}: building {cfg.shape.name} on {size} device(s) ...", flush=True)
-            rows += run_size(cfg, Path(tmp), size, factory, bandwidth)
-    print(json.dumps(rows, default=str))
+            for all_reduce in cfg.all_reduces if size > 1 else cfg.all_reduces[:1]:
+                print(f"tp={size}, all-reduce {all_reduce}: building {cfg.shape.name} on {size} device(s) ...",
+                      flush=True)
+                measured = run_size(cfg, Path(tmp), size, all_reduce, factory, bandwidth)
+                print(json.dumps(measured, default=str), flush=True)  # kept if a later variant is cut short
+                rows += measured
+    if cfg.micro:
+        print(micro)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s per GPU; {cfg.shape.name}, prompts {cfg.prompt}, "
           f"{cfg.tokens} output tokens, LoRA rank {cfg.rank} on all projections")
     print(table(rows, device))

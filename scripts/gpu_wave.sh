@@ -3,6 +3,7 @@
 # issues 17 and 19, one stage per argument, outputs in $OUT. Usage:
 #   bash scripts/gpu_wave.sh tests fused fp8gemm   # then: engine8b, fp8engine, prefix, quality
 #   bash scripts/gpu_wave.sh tp2                   # on nvidia-h100-x2
+#   bash scripts/gpu_lanes.sh "0,1:tp2sm" "2:mixed prefix_on" "3:fp8gemm"   # lanes on nvidia-h100-x4
 set -u
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
@@ -21,6 +22,17 @@ for stage in "$@"; do
     tp2) python3 -m pytest -q -p no:cacheprovider -m gpu tests/models/test_tp_gpu.py tests/engine/test_tp_gpu.py \
            tests/engine/test_tp_failures.py --tb=line --timeout 240 2>&1 | tail -12  # pytest-timeout is there
          python3 -m benchmarks.tp_decode 2>&1 | tail -12 ;;
+    tp2sm)  # 2+ GPUs: the symmetric all-reduce and TP graph tests, the all-reduce micro table
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/layers/test_symm_allreduce_gpu.py \
+        tests/models/test_tp_gpu.py tests/engine/test_tp_gpu.py --tb=line -rfE --timeout 120 2>&1 | tail -12
+      timeout 60 python3 -m benchmarks.allreduce_micro --worlds 2 2>&1 | tail -14 ;;
+    tp8b)  # 4 GPUs: the 8B decode step at TP 1, 2, 4, NCCL against the symmetric all-reduce (engines build cold)
+      timeout 540 python3 -m benchmarks.tp_decode --sizes 1,2,4 --all-reduce nccl,auto 2>&1 | tail -16 ;;
+    tp70b)  # 4 GPUs: the 70B at TP 4 (base and 64 distinct adapters)
+      timeout 540 python3 -m benchmarks.tp_decode --shape 70b --sizes 4 --all-reduce nccl,auto 2>&1 | tail -10 ;;
+    mixed) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_mixed_graphs_gpu.py \
+             tests/kernels/test_prefill_attention.py tests/engine/test_warmup_gpu.py --tb=line -rfE 2>&1 | tail -12 ;;
+    prefix_on) timeout 240 python3 benchmarks/prefix_cache.py --model 1b --workloads spread --mixed-graphs on 2>&1 | tail -20 ;;
     fused) python3 benchmarks/fused_update.py 2>&1 | tail -30 ;;
     fp8gemm) python3 benchmarks/fp8_gemm.py 2>&1 | tail -30 ;;
     engine8b) python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 480 \

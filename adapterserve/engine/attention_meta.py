@@ -2,6 +2,8 @@
 write, and for steps with prefills the query offsets and tiles of the prefill kernel."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -32,12 +34,21 @@ def longest_first(context_lens: np.ndarray) -> np.ndarray:
     return np.argsort(-context_lens.astype(np.int64), kind="stable").astype(np.int32)
 
 
-def build_attention_meta(
-    layouts: list[SequenceLayout], page: int, device: torch.device
-) -> AttentionMeta:
+@dataclass
+class StepArrays:
+    """A step's per-sequence attention arrays on the host."""
+
+    tables: np.ndarray  # [B, width] int32 block tables
+    lens: np.ndarray  # [B] int32 context lengths after the step
+    starts: np.ndarray  # [B] int32 kv_start
+    counts: np.ndarray  # [B] int32 new tokens
+    write: np.ndarray  # [T] int64 cache slot of each new token
+
+
+def step_arrays(layouts: list[SequenceLayout], page: int, width: int | None = None) -> StepArrays:
+    """width: block-table columns (default the widest table of the step)."""
     batch = len(layouts)
-    max_pages = max(len(s.pages) for s in layouts)
-    tables = np.zeros((batch, max_pages), dtype=np.int32)
+    tables = np.zeros((batch, width or max(len(s.pages) for s in layouts)), dtype=np.int32)
     for b, s in enumerate(layouts):
         tables[b, : len(s.pages)] = s.pages
     lens = np.array([s.context_len for s in layouts], dtype=np.int32)
@@ -46,12 +57,20 @@ def build_attention_meta(
     kv_index = np.concatenate([np.arange(s.first_kv, s.context_len) for s in layouts])
     seq = np.repeat(np.arange(batch), counts)
     write = tables[seq, kv_index // page].astype(np.int64) * page + kv_index % page
+    return StepArrays(tables, lens, starts, counts, write)
+
+
+def build_attention_meta(
+    layouts: list[SequenceLayout], page: int, device: torch.device
+) -> AttentionMeta:
+    step = step_arrays(layouts, page)
+    lens, counts = step.lens, step.counts
     decode = bool((counts == 1).all())
     meta = AttentionMeta(
-        write_slots=to_device(write, device),
-        block_tables=to_device(tables, device),
+        write_slots=to_device(step.write, device),
+        block_tables=to_device(step.tables, device),
         context_lens=to_device(lens, device),
-        kv_start=to_device(starts, device),
+        kv_start=to_device(step.starts, device),
         page_size=page,
         decode=decode,
     )

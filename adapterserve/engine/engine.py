@@ -32,6 +32,7 @@ from adapterserve.engine.async_front import AsyncFront, Prompt
 from adapterserve.engine.detokenizer import Detokenizer
 from adapterserve.engine.graphs import decode_graph_limits
 from adapterserve.engine.kv_cache import BlockManager
+from adapterserve.engine.mixed_graphs import mixed_graph_limit
 from adapterserve.engine.pool_set import build_pools
 from adapterserve.engine.prefix_cache import BASE, KvIdentities, PrefixCache, chain_root
 from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput, RequestTimes
@@ -92,7 +93,8 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
         if config.lora_side_stream and on_gpu:
             attach_lora_side_stream(model, config.device)
         if config.cuda_graphs and on_gpu:
-            self.runner.enable_cuda_graphs(*decode_graph_limits(config, self.max_model_len))
+            self.runner.enable_cuda_graphs(*decode_graph_limits(config, self.max_model_len),
+                                           mixed_graph_limit(config), config.max_num_seqs)
         # per family (lora, ia3, bottleneck): host state a captured decode graph depends on
         self.runner.graph_signature = lambda: (self.lora_pool.graph_part(), (), self.bottleneck_pools.activations())
         self.prefix_cache = PrefixCache(self.blocks, config.enable_prefix_caching)
@@ -141,7 +143,7 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
         if config.tensor_parallel_size == 1:
             return cls(build_model(SINGLE, config.device), tokenizer, config)
         check_shardable(model_config, config.tensor_parallel_size)
-        lockstep = start_group(build_model, config, placement)
+        lockstep = start_group(build_model, config, placement, model_config.hidden_size)
         try:
             model = build_model(lockstep.tp, config.device)
             lockstep.wait_ready()

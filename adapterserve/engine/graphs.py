@@ -15,10 +15,9 @@ import numpy as np
 import torch
 
 from adapterserve.engine.attention_meta import longest_first
+from adapterserve.engine.graph_capture import CapturedSteps, GraphPool, _key, _stacked  # noqa: F401 (_key: tests)
 from adapterserve.engine.host_copy import copy_into
 from adapterserve.engine.step_device import StepDevice, with_sampled_ids
-from adapterserve.kernels import build_adapter_meta
-from adapterserve.kernels.stacked import expand_for_slots, reachable_expands
 from adapterserve.layers.context import AttentionMeta, BatchContext, set_context
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -33,13 +32,14 @@ def decode_graph_limits(config, max_model_len: int) -> tuple[int, int]:
     return min(config.max_num_seqs, config.max_num_batched_tokens), pages
 
 
-class DecodeGraphs:
-    def __init__(self, runner: StepDevice, max_batch: int, max_pages: int, trash_slot: int) -> None:
+class DecodeGraphs(CapturedSteps):
+    def __init__(self, runner: StepDevice, max_batch: int, max_pages: int, trash_slot: int,
+                 pool: GraphPool | None = None) -> None:
         capacity = runner.sampled.shape[0]  # the tokens one step can hold (max_num_batched_tokens)
         if not 1 <= max_batch <= capacity:
             raise ValueError(f"decode graphs of up to {max_batch} rows need 1 <= max_batch <= the step's "
                              f"{capacity} tokens (max_num_batched_tokens)")
-        self.runner = runner
+        super().__init__(runner, pool)
         self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]  # warm-up captures exactly these
         self.max_pages = max_pages
         self.trash_slot = trash_slot
@@ -55,8 +55,6 @@ class DecodeGraphs:
         self.family_slots = torch.full((3, n), -1, dtype=torch.int32, device=dev)
         # every graph writes its logits here: one buffer, not one per captured graph
         self.logits = torch.empty(n, runner.model.cfg.vocab_size, dtype=torch.float32, device=dev)
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
 
     def fits(self, batch_size: int, max_pages: int) -> bool:
         return batch_size <= self.buckets[-1] and max_pages <= self.max_pages
@@ -68,34 +66,11 @@ class DecodeGraphs:
         size = len(host.layouts)
         bucket = self.bucket_of(size)
         self._fill(host, family_slots, size, bucket)
-        expand = expand_for_slots(family_slots[0]) if _stacked(families, signature) else None
-        self.capture(bucket, families, signature, expand)
-        graph, logits = self._graphs[_key(bucket, families, signature, expand)]
-        graph.replay()
-        return logits[:size]
+        return self.replay(bucket, family_slots, families, signature)[:size]
 
     def bucket_of(self, batch_size: int) -> int:
         """The bucket a decode step of batch_size rows replays."""
         return next(b for b in self.buckets if b >= batch_size)
-
-    def capture(self, bucket: int, families: tuple[bool, bool, bool], signature: tuple = (),
-                expand: str | None = None) -> bool:
-        """Capture the graph of this key unless it exists (engine warm-up calls it ahead,
-        expand None: the graph of every stacked expand the bucket can choose); True if one
-        was captured now."""
-        stacked = _stacked(families, signature)
-        expands = [expand or "tiled"] if expand or not stacked else reachable_expands(bucket, self.runner.num_slots)
-        captured = False
-        for choice in expands:
-            key = _key(bucket, families, signature, choice)
-            if key not in self._graphs:
-                self._graphs[key] = self._capture(bucket, families, choice)
-                captured = True
-        return captured
-
-    @property
-    def num_graphs(self) -> int:
-        return len(self._graphs)
 
     def _fill(self, host, family_slots: np.ndarray, size: int, bucket: int) -> None:
         page = self.runner.block_size
@@ -123,20 +98,6 @@ class DecodeGraphs:
         copy_into(self.tables[:bucket], tables)
         copy_into(self.family_slots[:, :bucket], slots)
 
-    def _capture(self, bucket: int, families: tuple[bool, bool, bool], expand: str
-                 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile and warm every kernel outside the capture
-                self._forward(bucket, families, expand)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(bucket, families, expand)
-        self._pool = graph.pool()
-        return graph, logits
-
     def _forward(self, bucket: int, families: tuple[bool, bool, bool], expand: str = "tiled") -> torch.Tensor:
         runner = self.runner
         attention = AttentionMeta(
@@ -144,8 +105,7 @@ class DecodeGraphs:
             context_lens=self.lens[:bucket], kv_start=self.starts[:bucket],
             page_size=runner.block_size, decode=True, decode_order=self.order[:bucket],
         )
-        metas = [build_adapter_meta(self.family_slots[i, :bucket], runner.num_slots, stacked_expand=expand) if on
-                 else None for i, on in enumerate(families)]
+        metas = self._adapter_metas(self.family_slots[:, :bucket], families, expand)
         ctx = BatchContext(attention=attention, lora=metas[0], ia3=metas[1], bottleneck=metas[2],
                            lora_workspace=runner.lora_workspace, logits_rows=None)
         set_context(ctx)
@@ -155,17 +115,3 @@ class DecodeGraphs:
             return runner.model.compute_logits(hidden, out=self.logits[:bucket])
         finally:
             set_context(None)
-
-
-def _stacked(families: tuple[bool, ...], signature: tuple) -> bool:
-    """Whether a graph's LoRA rows run the stacked layout (its signature part, the row bucket, is set)."""
-    return bool(families[0] and signature and signature[0])
-
-
-def _key(bucket: int, families: tuple[bool, bool, bool], signature: tuple, expand: str = "tiled") -> tuple:
-    """A graph's key. The signature holds one part per family (lora, ia3, bottleneck): the
-    host state its captured ops read (the stacked GEMM's row bucket, the bottleneck
-    activations resident); a part counts only in graphs with that family's rows. The
-    stacked expand counts only in graphs whose LoRA rows run the stacked layout."""
-    parts = tuple(part if on else () for part, on in zip(signature, families))
-    return bucket, families, parts if any(parts) else (), expand if _stacked(families, signature) else None

@@ -81,6 +81,11 @@ class ModelRunner:
         return self.device_part.graphs
 
     @property
+    def mixed_graphs(self):
+        """MixedGraphs (None without mixed-step graphs)."""
+        return self.device_part.mixed_graphs
+
+    @property
     def sampled(self) -> torch.Tensor:
         return self.device_part.sampled
 
@@ -88,18 +93,22 @@ class ModelRunner:
     def lora_workspace(self) -> torch.Tensor:
         return self.device_part.lora_workspace
 
-    def enable_cuda_graphs(self, max_batch: int, max_pages: int) -> None:
-        self.device_part.enable_cuda_graphs(max_batch, max_pages)
+    def enable_cuda_graphs(self, max_batch: int, max_pages: int, mixed_tokens: int = 0, max_requests: int = 0
+                           ) -> None:
+        """Decode graphs, and with mixed_tokens mixed-step graphs (StepDevice.enable_cuda_graphs), on every rank."""
+        self.device_part.enable_cuda_graphs(max_batch, max_pages, mixed_tokens, max_requests)
         if self.lockstep is not None:
-            self.lockstep.enable_cuda_graphs(max_batch, max_pages)
+            self.lockstep.enable_cuda_graphs(max_batch, max_pages, mixed_tokens, max_requests)
 
-    def capture_graph(self, bucket: int, families: tuple[bool, ...], stacked_rows: int = 0) -> None:
-        """Capture a decode graph ahead (warm-up) on every rank, with the stacked GEMMs
-        covering `stacked_rows` pool rows (0: as they are)."""
+    def capture_graph(self, bucket: int, families: tuple[bool, ...], stacked_rows: int = 0, mixed: bool = False
+                      ) -> None:
+        """Capture a decode graph (mixed: a mixed-step graph of that token bucket) ahead
+        (warm-up) on every rank, with the stacked GEMMs covering `stacked_rows` pool rows
+        (0: as they are)."""
         signature = self.graph_signature()
         if self.lockstep is not None:
-            self.lockstep.capture(bucket, families, signature, stacked_rows)
-        self.graphs.capture(bucket, families, signature)
+            self.lockstep.capture(bucket, families, signature, stacked_rows, mixed)
+        (self.mixed_graphs if mixed else self.graphs).capture(bucket, families, signature)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, generators: list[torch.Generator | None]) -> StepResult:
@@ -112,7 +121,8 @@ class ModelRunner:
         inputs = self._host_batch(batch)
         inputs.generating = [i for i in done if not requests[i].pooling]
         inputs.graph = self._graph_ready(inputs, batch, len(done))
-        if inputs.graph:
+        inputs.mixed = not inputs.graph and self._mixed_ready(inputs, batch)
+        if inputs.graph or inputs.mixed:
             inputs.signature = self.graph_signature()
         if self.lockstep is not None:
             self.lockstep.step(inputs)
@@ -166,6 +176,15 @@ class ModelRunner:
                 and all(n == 1 for n in batch.num_new_tokens)
                 and not inputs.virtual[0] and not any(r.pooling for r in batch.requests)
                 and self.graphs.fits(len(batch.requests), max(len(s.pages) for s in inputs.layouts)))
+
+    def _mixed_ready(self, inputs: StepInputs, batch: ScheduledBatch) -> bool:
+        # stay eager: prompt-tuning rows (a list of varying length, scattered into the embeddings),
+        # pooling requests (their hidden states, which a graph does not keep), steps above the
+        # largest token bucket (mixed_graph_tokens: the graphs' memory)
+        return (self.mixed_graphs is not None and not inputs.virtual[0]
+                and not any(r.pooling for r in batch.requests)
+                and self.mixed_graphs.fits(len(inputs.ids), len(inputs.layouts),
+                                           max(len(s.pages) for s in inputs.layouts)))
 
     def _host_batch(self, batch: ScheduledBatch) -> StepInputs:
         inputs = StepInputs()

@@ -1,6 +1,6 @@
 """The device part of a step, the same on every tensor-parallel rank: the step's host
 inputs (``StepInputs``, built by rank 0's runner from the scheduled requests) in, the
-BatchContext written, the backbone run (eagerly or as a captured decode graph), the
+BatchContext written, the backbone run (eagerly, or as a captured decode or mixed-step graph), the
 logits of the sampling rows out.
 
 Rank 0 samples from the logits; the ids it keeps in ``sampled`` (the next step's
@@ -53,7 +53,8 @@ class StepInputs:
     family_slots: np.ndarray | None = None  # [len(TOKEN_FAMILIES), T]: slots per family, -1 where unused
     generating: list[int] = field(default_factory=list)  # requests that sample a token, in logits order
     graph: bool = False  # replay a decode graph (every request decodes one token and samples)
-    signature: tuple = ()  # host state the decode graph depends on (DecodeGraphs.run)
+    mixed: bool = False  # replay a mixed-step graph (MixedGraphs: a step with prefill tokens)
+    signature: tuple = ()  # host state a graph depends on (DecodeGraphs.run, MixedGraphs.run)
 
     @property
     def families(self) -> tuple[bool, ...]:
@@ -78,11 +79,21 @@ class StepDevice:
         self.lora_workspace = torch.empty(3, max_tokens, max(max_rank, 1), dtype=self.dtype, device=self.device)
         self.sampled = torch.zeros(max_tokens, dtype=torch.long, device=self.device)  # last step's token ids
         self.graphs = None  # DecodeGraphs, set by enable_cuda_graphs
+        self.mixed_graphs = None  # MixedGraphs, set by enable_cuda_graphs with mixed_tokens
 
-    def enable_cuda_graphs(self, max_batch: int, max_pages: int) -> None:
+    def enable_cuda_graphs(self, max_batch: int, max_pages: int, mixed_tokens: int = 0, max_requests: int = 0
+                           ) -> None:
+        """Decode graphs of up to max_batch rows; with mixed_tokens, graphs for steps with
+        prefills of up to that many tokens over up to max_requests requests (one memory pool)."""
+        from adapterserve.engine.graph_capture import GraphPool
         from adapterserve.engine.graphs import DecodeGraphs
+        from adapterserve.engine.mixed_graphs import MixedGraphs
 
-        self.graphs = DecodeGraphs(self, max_batch, max_pages, self.trash_slot)
+        pool = GraphPool()
+        self.graphs = DecodeGraphs(self, max_batch, max_pages, self.trash_slot, pool)
+        if mixed_tokens:
+            self.mixed_graphs = MixedGraphs(self, mixed_tokens, max_requests or max_batch, max_pages,
+                                            self.trash_slot, pool)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -90,6 +101,8 @@ class StepDevice:
         request's last row [B, D], or None after a graph replay)."""
         if inputs.graph:
             return self.graphs.run(inputs, inputs.family_slots, inputs.families, inputs.signature), None
+        if inputs.mixed:
+            return self.mixed_graphs.run(inputs), None
         input_ids, positions, ctx = self._device_batch(inputs)
         set_context(ctx)
         try:

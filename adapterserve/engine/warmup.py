@@ -9,12 +9,15 @@ sampling, and with stacked LoRA a step of as many distinct adapters as make it r
 grouped expand. A step's adapters are placed (their copies landed) before its requests
 are added, so the scheduler admits them together and the step has the planned size.
 Decode graphs are captured directly for every key the engine's DecodeGraphs can replay
-(its buckets x family mixes x, with stacked LoRA, the GEMM's row buckets and expands).
+(its buckets x family mixes x, with stacked LoRA, the GEMM's row buckets and expands),
+and so are the mixed-step graphs (MixedGraphs: its token buckets x the same keys). The
+throwaway steps then run with mixed-step graphs off, so they compile the eager kernels
+that steps the graphs exclude (prompt tuning, pooling, steps above the largest bucket) run.
 Afterwards no request, adapter, KV block, prefix-cache entry or slot of the warm-up
 remains, and the engine's counters (stats, prefix-cache hits, slot loads) start from zero.
 
     engine = Engine(model, tokenizer, EngineConfig(device="cuda"))   # warms up (config.warmup)
-    engine.warmup.summary()   # "warm-up: 37 kernel variants and 36 graphs in 41.2 s"
+    engine.warmup.summary()   # "warm-up: 37 kernel variants and 84 graphs (48 for steps with prefills) in 41.2 s"
 """
 from __future__ import annotations
 
@@ -78,13 +81,15 @@ def should_warm_up(config: EngineConfig) -> bool:
 @dataclass
 class WarmupReport:
     variants: int  # kernel variants the configuration can reach (graphs not counted)
-    graphs: int  # decode graphs captured
+    graphs: int  # graphs captured (decode and mixed-step)
     seconds: float
     reached: set[Variant] = field(default_factory=set)  # what the warm-up's steps launched
     missing: set[Variant] = field(default_factory=set)  # reachable, not reached (logged as a warning)
+    mixed_graphs: int = 0  # of `graphs`, those for steps with prefills
 
     def summary(self) -> str:
-        return f"warm-up: {self.variants} kernel variants and {self.graphs} graphs in {self.seconds:.1f} s"
+        return (f"warm-up: {self.variants} kernel variants and {self.graphs} graphs ({self.mixed_graphs} for steps "
+                f"with prefills) in {self.seconds:.1f} s")
 
 
 def warm_up(engine) -> WarmupReport:
@@ -106,8 +111,10 @@ def warm_up(engine) -> WarmupReport:
         hook.remove()
         _reset_counters(engine)
     graphs = engine.runner.graphs.num_graphs if engine.runner.graphs is not None else 0
+    mixed = engine.runner.mixed_graphs.num_graphs if engine.runner.mixed_graphs is not None else 0
     kernels = {v for v in wanted if v[0] != "graph"}
-    report = WarmupReport(len(kernels), graphs, time.perf_counter() - started, reached, wanted - reached)
+    report = WarmupReport(len(kernels), graphs + mixed, time.perf_counter() - started, reached, wanted - reached,
+                          mixed)
     if report.missing:
         log.warning("warm-up did not reach %d variants (they compile on first use): %s", len(report.missing),
                     sorted(map(str, report.missing))[:8])
@@ -133,6 +140,7 @@ def _tasks(engine, shape: EngineShape, reached: set[Variant]) -> list[tuple[str,
         tasks += _graph_tasks(engine, shape, scratch)
     else:
         tasks += _eager_decode_tasks(run, shape)
+    first_eager = len(tasks)
     tasks += _prefill_tasks(run, shape, scratch)
     tasks += _grouped_tasks(run, shape, scratch)
     tasks += _mixed_tasks(run, shape)
@@ -140,7 +148,18 @@ def _tasks(engine, shape: EngineShape, reached: set[Variant]) -> list[tuple[str,
         tasks.append((f"penalties {use}", lambda use=use: (run.penalties(use), reached.add(("penalties", use)))))
     sampled = SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, top_k=8, seed=0, ignore_eos=True)
     tasks.append(("sampling", lambda: run.wave([([1, 2], sampled, None)])))
-    return tasks
+    return tasks[:first_eager] + [(label, lambda t=task: _without_mixed_graphs(engine, t))
+                                  for label, task in tasks[first_eager:]]
+
+
+def _without_mixed_graphs(engine, task: Callable[[], None]) -> None:
+    """Run a task's steps eagerly (rank 0 decides, the other ranks follow its StepInputs)."""
+    device, mixed = engine.runner.device_part, engine.runner.device_part.mixed_graphs
+    device.mixed_graphs = None
+    try:
+        task()
+    finally:
+        device.mixed_graphs = mixed
 
 
 def _graph_tasks(engine, shape: EngineShape, scratch: dict[str, Adapter]) -> list:
@@ -150,23 +169,27 @@ def _graph_tasks(engine, shape: EngineShape, scratch: dict[str, Adapter]) -> lis
         groups.setdefault((families, rows), []).append(bucket)
     plain = {key: buckets for key, buckets in groups.items() if "bottleneck" not in key[0]}
     with_bottleneck = {key: buckets for key, buckets in groups.items() if "bottleneck" in key[0]}
-    tasks = [(f"decode graphs {_names(f)}{_rows(r)}, buckets {b[0]}..{b[-1]}",
+    tasks = [(f"graphs {_names(f)}{_rows(r)}, decode buckets {b[0]}..{b[-1]}",
               lambda f=f, r=r, b=b: _capture(engine, b, f, r)) for (f, r), b in plain.items()]
     for act in GRAPH_ACTIVATIONS if with_bottleneck else ():
         adapter_id = f"{SCRATCH}bottleneck-{act}"
-        tasks.append((f"decode graphs with a {act} bottleneck, {len(with_bottleneck)} family mixes",
+        tasks.append((f"graphs with a {act} bottleneck, {len(with_bottleneck)} family mixes",
                       lambda i=adapter_id: _with_resident(engine, i, scratch[i], lambda: [
                           _capture(engine, b, f, r) for (f, r), b in with_bottleneck.items()])))
     return tasks
 
 
 def _capture(engine, buckets: list[int], families: frozenset[str], rows: int) -> None:
-    """Capture these buckets' graphs with the stacked GEMMs covering `rows` pool rows
-    (as when adapters fill them) and the signature the engine would then replay with."""
+    """Capture these decode buckets' graphs, and every mixed-step bucket's, with the stacked
+    GEMMs covering `rows` pool rows (as when adapters fill them) and the signature the
+    engine would then replay with."""
     flags = tuple(f in families for f in TOKEN_FAMILIES)
+    mixed = engine.runner.mixed_graphs
     with engine.lora_pool.covering(rows) if rows else nullcontext():
         for bucket in buckets:
             engine.runner.capture_graph(bucket, flags, rows)  # on every tensor-parallel rank
+        for bucket in mixed.buckets if mixed is not None else ():
+            engine.runner.capture_graph(bucket, flags, rows, mixed=True)
 
 
 def _rows(rows: int) -> str:

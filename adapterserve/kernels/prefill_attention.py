@@ -6,7 +6,8 @@ rows are (token, head) pairs: the tile's tokens times the GQA group's query head
 (padded to a power of two), token-major, so every key tile loaded serves the whole
 group, and a single decode token still fills group-size rows. Host-built tile
 lists (kernels.prefill_tiles) never straddle sequences; a multi-token tile taller
-than BLOCK_M rows is split over SUBS programs. Decode rows of a mixed step run in
+than BLOCK_M rows is split over SUBS programs. A tile of sequence -1 is padding
+(fixed-length lists of a captured step) and its programs return at once. Decode rows of a mixed step run in
 a second launch with BLOCK_M = max(16, group), so they do not pay for
 prefill-sized tiles. Grid: (tiles x SUBS, kv heads).
 
@@ -78,6 +79,8 @@ def _prefill_kernel(
     sub = tl.program_id(0) % SUBS
     kv_head = tl.program_id(1)
     seq = tl.load(tiles_ptr + 2 * tile)
+    if seq < 0:  # padding tile
+        return
     row0 = tl.load(cu_ptr + seq)
     count = tl.load(cu_ptr + seq + 1) - row0
     first_kv = tl.load(lens_ptr + seq) - count  # kv index of the sequence's first new token
@@ -151,7 +154,8 @@ def paged_prefill_attention(
     block_tables: [B, max_pages] int32;  context_lens: [B] int32 kv entries after the step
     kv_start:     [B] int32 first valid kv index (entries before it are skipped)
     cu_q:         [B + 1] int32 query row offsets
-    tiles:        query tiles from build_prefill_tiles over the same counts
+    tiles:        query tiles from build_prefill_tiles over the same counts (or padded to a
+                  fixed length with sequence -1 entries: prefill_tiles.padded_tile_lists)
     out:          [T, Hq, D]
     Semantics: query i of sequence b (n new tokens, context L) sits at kv index
     t = L - n + i; out = softmax(q . K[j] / sqrt(D)) V over j in

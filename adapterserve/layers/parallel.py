@@ -4,7 +4,8 @@ collectives the sharded layers use (Megatron-style column/row parallelism).
 Collectives are the plain torch.distributed ones, synchronous (async_op=False), on
 the caller's tensors: with NCCL they are enqueued behind the current stream's work
 and the current stream waits for them, so a CUDA graph captures them and the host
-never waits; with gloo (CPU) they run at once.
+never waits; with gloo (CPU) they run at once. A group with a symmetric all-reduce
+(layers/symm_allreduce.py) sums the messages it takes over peer memory instead.
 """
 from __future__ import annotations
 
@@ -14,16 +15,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from adapterserve.layers.symm_allreduce import SymmetricAllReduce
+
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """rank of world_size ranks in ``group`` (None only at world_size 1)."""
+    """rank of world_size ranks in ``group`` (None only at world_size 1); ``symmetric``: the
+    group's all-reduce over peer memory, which sums what it takes (None: the group's own)."""
 
     rank: int
     world_size: int
     group: Any = None  # a torch.distributed ProcessGroup
+    symmetric: SymmetricAllReduce | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -43,8 +48,11 @@ class TensorParallel:
         """x summed (op "max": its maximum) over the ranks, in place; returns x."""
         if op not in _REDUCE_OPS:
             raise ValueError(f"op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
-        if self.world_size > 1:
-            dist.all_reduce(x, op=_REDUCE_OPS[op], group=self.group)
+        if self.world_size == 1:
+            return x
+        if op == "sum" and self.symmetric is not None and self.symmetric.all_reduce_(x):
+            return x
+        dist.all_reduce(x, op=_REDUCE_OPS[op], group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -14,7 +14,9 @@ from peft import (
     get_peft_model,
 )
 
-from tests.helpers.lora import load_base
+from tests.helpers.lora import load_base, make_peft_lora
+
+ADAPTERHUB = Path(__file__).parents[1] / "fixtures" / "adapterhub"
 
 
 def make_peft_adapter(base_model_dir: str | Path, out_dir: str | Path, config, *, seed: int = 0) -> Path:
@@ -43,6 +45,18 @@ def family_configs() -> dict[str, object]:
         "prefix": PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=6),
         "prefix-long": PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=11),
     }
+
+
+def every_family(model_dir: Path, root: Path) -> dict[str, Path]:
+    """Name -> directory: PEFT LoRA (all linear layers), (IA)^3, prefix and prompt tuning
+    written for the tiny Llama at model_dir under root, beside its AdapterHub Houlsby and
+    Pfeiffer fixtures."""
+    configs = family_configs()
+    out = {"lora": make_peft_lora(model_dir, root / "lora", r=8, lora_alpha=16, target_modules="all-linear", seed=2),
+           "houlsby": ADAPTERHUB / "llama-houlsby", "pfeiffer": ADAPTERHUB / "llama-pfeiffer"}
+    for i, name in enumerate(("ia3", "prefix", "prompt")):
+        out[name] = make_peft_adapter(model_dir, root / name, configs[name], seed=10 + i)
+    return out
 
 
 @torch.no_grad()

@@ -17,7 +17,8 @@ def record_logits(engine) -> dict[str, list[torch.Tensor]]:
         rows = [r for r in engine.runner.completing(batch) if not r.pooling]  # before run moves them on
         tokens = run(batch, generators)
         for row, request in enumerate(rows):
-            captured.setdefault(request.request_id, []).append(engine.runner.last_logits[row].float().cpu())
+            logits = engine.runner.last_logits[row].float().cpu().clone()  # a graph's buffer is rewritten
+            captured.setdefault(request.request_id, []).append(logits)
         return tokens
 
     engine.runner.run = recording_run

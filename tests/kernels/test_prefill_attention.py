@@ -13,6 +13,7 @@ import torch
 
 from adapterserve.kernels import build_prefill_tiles, reference
 from adapterserve.kernels.prefill_attention import paged_prefill_attention
+from adapterserve.kernels.prefill_tiles import PrefillTiles, padded_tile_lists
 from tests.kernels.cases import NAN, TOL, check_close, fresh_generator, gpu, needs_cuda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -123,6 +124,40 @@ def test_triton_key_tile_boundaries(window):
     case = Paged(seqs, 4, 2, 32, torch.float32, gen)
     got = case.triton(window, block_m=16, block_n=16)
     check_close(got, case.twin(window), torch.float32, seed, f"key tile boundaries w={window}")
+
+
+@pytest.mark.parametrize("tile_tokens", [8, 16])
+@pytest.mark.parametrize("name", ["mixed", "chunked", "prefix"])
+def test_triton_padded_tile_lists(name, tile_tokens):
+    """A captured step's fixed-length lists: padding requests (no new tokens, context 0,
+    cu_q flat), padding token rows after the last sequence's, tiles of sequence -1. Real
+    rows match the twin; the padding rows are never written (still NaN)."""
+    gen, seed = fresh_generator()
+    case = Paged(CASES[name], 4, 2, 32, torch.float32, gen, tile_tokens=tile_tokens)
+    real_tokens, real_seqs = case.q.shape[0], case.lens.shape[0]
+    max_tokens, max_requests = real_tokens + 21, real_seqs + 3
+    expected = case.twin(None)
+    counts = (case.cu[1:] - case.cu[:-1]).cpu().numpy()
+    single, multi = padded_tile_lists(counts, case.lens.cpu().numpy(), max_tokens, max_requests, tile_tokens)
+    assert (single[:, 0] == -1).any() and (multi[:, 0] == -1).any()
+    pad = max_requests - real_seqs
+    q = torch.cat([case.q, torch.randn(max_tokens - real_tokens, *case.q.shape[1:], generator=gen).to(case.q)])
+    table = torch.cat([case.table, torch.zeros(pad, case.table.shape[1], dtype=torch.int32, device=DEVICE)])
+    zeros = torch.zeros(pad, dtype=torch.int32, device=DEVICE)
+    lens, starts = torch.cat([case.lens, zeros]), torch.cat([case.starts, zeros])
+    cu = torch.cat([case.cu, case.cu[-1:].repeat(pad)])
+    tiles = PrefillTiles(torch.from_numpy(single).to(DEVICE), torch.from_numpy(multi).to(DEVICE), tile_tokens)
+    out = torch.full_like(q, NAN)
+    paged_prefill_attention(q, case.k, case.v, table, lens, starts, cu, tiles, PAGE, None, out, block_m=16)
+    check_close(out[:real_tokens], expected, torch.float32, seed, f"padded {name}")
+    assert out[real_tokens:].isnan().all()
+
+
+def test_padded_tile_lists_refuse_a_step_too_large():
+    with pytest.raises(ValueError, match="does not fit"):
+        padded_tile_lists(np.array([5, 4]), np.array([5, 4]), max_tokens=8, max_requests=2)
+    with pytest.raises(ValueError, match="does not fit"):
+        padded_tile_lists(np.array([1, 1, 1]), np.array([5, 4, 3]), max_tokens=8, max_requests=2)
 
 
 GPU_SEQS = [(1, 600, 0)] * 20 + [(300, 0, 0), (1000, 24, 0), (129, 700, 20), (2, 90, 0), (64, 0, 0)]

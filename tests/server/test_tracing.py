@@ -20,7 +20,7 @@ from adapterserve.server.tracing import Tracing, open_tracing
 from adapterserve.server.tracing.calls import CallTrace
 from adapterserve.server.tracing.config import check_settings, http_traces_url, otlp_settings
 from adapterserve.server.tracing.w3c import Incoming, SpanRef, parse_request_start, parse_traceparent
-from tests.helpers.otlp_collector import collecting, names
+from tests.helpers.otlp_collector import collecting
 
 TRACE, SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
 CALLER = f"00-{TRACE}-{SPAN}-01"

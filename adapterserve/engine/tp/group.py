@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from adapterserve.config import EngineConfig
 from adapterserve.layers.parallel import TensorParallel
+from adapterserve.layers.symm_allreduce import symmetric_all_reduce
 
 # How long a rank waits in a collective (or for a step's results) before its group counts
 # as broken: longer than any one kernel compile or graph capture at warm-up.
@@ -21,9 +24,12 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def join_group(address: str, rank: int, world_size: int, device: str) -> TensorParallel:
+def join_group(address: str, rank: int, world_size: int, device: str, all_reduce: str = "auto",
+               all_reduce_bytes: int | None = None) -> TensorParallel:
     """Join the group at ``address`` (tcp://host:port, rank 0's store): NCCL on CUDA
-    devices (this process's device set first), gloo on CPU."""
+    devices (this process's device set first), gloo on CPU. ``all_reduce`` "auto": sums
+    over symmetric memory where the GPUs allow it, with a buffer for messages of up to
+    ``all_reduce_bytes`` (see step_all_reduce_bytes); "nccl": the group's own."""
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process: a tensor-parallel engine "
                            "needs a process of its own (one engine of tensor_parallel_size > 1 per process)")
@@ -35,18 +41,33 @@ def join_group(address: str, rank: int, world_size: int, device: str) -> TensorP
     if place.type == "cuda":  # NCCL makes its communicator at the first collective: now, not inside a graph capture
         dist.all_reduce(torch.zeros(1, device=place))
         torch.cuda.synchronize()
-    return TensorParallel(rank, world_size, dist.group.WORLD)
+    symmetric = symmetric_all_reduce(dist.group.WORLD, place, all_reduce_bytes, all_reduce)
+    return TensorParallel(rank, world_size, dist.group.WORLD, symmetric)
 
 
-def leave_group(abort: bool = False) -> None:
+def step_all_reduce_bytes(config: EngineConfig, hidden_size: int) -> int:
+    """The largest all-reduce of a step: a full batch of hidden states."""
+    element = torch.empty(0, dtype=config.torch_dtype).element_size()
+    return config.max_num_batched_tokens * hidden_size * element
+
+
+def leave_group(abort: bool = False, tp: TensorParallel | None = None) -> None:
     """Destroy this process's group; ``abort``: its NCCL communicators aborted first (a peer
-    died: collectives still queued would otherwise never return)."""
+    died: collectives still queued would otherwise never return) and, beside that, ``tp``'s
+    symmetric all-reduce kernels still queued released (SymmetricAllReduce.release_peers)."""
     if not dist.is_initialized():
         return
     if abort and dist.get_backend() == "nccl":
         from torch.distributed.distributed_c10d import _abort_process_group
 
+        # beside the abort, which may itself wait on a stream held up by a symmetric kernel
+        releasing = None
+        if tp is not None and tp.symmetric is not None:
+            releasing = threading.Thread(target=tp.symmetric.release_peers, name="tp-release", daemon=True)
+            releasing.start()
         _abort_process_group()  # torch's abort of every communicator; destroys the group too
+        if releasing is not None:
+            releasing.join()
         return
     dist.destroy_process_group()
 

@@ -21,7 +21,8 @@ from multiprocessing.connection import Connection, Listener
 import torch
 
 from adapterserve.config import EngineConfig
-from adapterserve.engine.tp.group import COLLECTIVE_TIMEOUT_S, check_devices, free_port, join_group
+from adapterserve.engine.tp.group import (COLLECTIVE_TIMEOUT_S, check_devices, free_port, join_group,
+                                          step_all_reduce_bytes)
 from adapterserve.engine.tp.lockstep import Lockstep, WorkerLink
 from adapterserve.engine.tp.worker import ModelBuilder, WorkerSpec, run_worker
 from adapterserve.errors import EngineBroken
@@ -29,11 +30,13 @@ from adapterserve.errors import EngineBroken
 RAY_CPU_PER_WORKER = 0.01  # a CPU worker's bundle (Ray refuses empty ones): a sliver, not a core
 
 
-def start_group(build_model: ModelBuilder, config: EngineConfig, placement: RayPlacement | None = None
-                ) -> Lockstep:
+def start_group(build_model: ModelBuilder, config: EngineConfig, placement: RayPlacement | None = None,
+                hidden_size: int | None = None) -> Lockstep:
     """Workers started and connected, this process joined as rank 0 (its shard not yet
     loaded: load it with lockstep.tp, then lockstep.wait_ready()). ``placement``: the
-    placement group to use, from another process (the workers are then Ray actors)."""
+    placement group to use, from another process (the workers are then Ray actors).
+    ``hidden_size``: the backbone's, which sizes the symmetric all-reduce buffer (None: the
+    largest message a symmetric path takes)."""
     size = config.tensor_parallel_size
     given = placement.group() if placement is not None else None
     ray = _ray_for("ray" if given is not None else config.tensor_parallel_launch)
@@ -43,8 +46,9 @@ def start_group(build_model: ModelBuilder, config: EngineConfig, placement: RayP
     listener = Listener((host, 0), authkey=authkey)
     try:
         group_address = f"tcp://{host}:{free_port(host)}"
-        specs = [WorkerSpec(build_model, config, rank, size, group_address, listener.address, authkey)
-                 for rank in range(1, size)]
+        all_reduce_bytes = step_all_reduce_bytes(config, hidden_size) if hidden_size else None
+        specs = [WorkerSpec(build_model, config, rank, size, group_address, listener.address, authkey,
+                            all_reduce_bytes) for rank in range(1, size)]
         if ray is not None:
             links = _connect(listener, _start_ray_workers(specs, config, given))
         else:
@@ -52,7 +56,7 @@ def start_group(build_model: ModelBuilder, config: EngineConfig, placement: RayP
     finally:
         listener.close()
     try:
-        tp = join_group(group_address, 0, size, config.device)
+        tp = join_group(group_address, 0, size, config.device, config.tensor_parallel_all_reduce, all_reduce_bytes)
     except BaseException:
         for link in links:
             link.stop(0.0)

@@ -92,11 +92,14 @@ class Lockstep:
     def copy_blocks(self, sources: list[int], copies: list[int]) -> None:
         self._send(("copy_blocks", sources, copies))
 
-    def enable_cuda_graphs(self, max_batch: int, max_pages: int) -> None:
-        self._send(("enable_cuda_graphs", max_batch, max_pages))
+    def enable_cuda_graphs(self, max_batch: int, max_pages: int, mixed_tokens: int = 0, max_requests: int = 0
+                           ) -> None:
+        self._send(("enable_cuda_graphs", max_batch, max_pages, mixed_tokens, max_requests))
 
-    def capture(self, bucket: int, families: tuple[bool, ...], signature: tuple, stacked_rows: int) -> None:
-        self._send(("capture", bucket, families, signature, stacked_rows))
+    def capture(self, bucket: int, families: tuple[bool, ...], signature: tuple, stacked_rows: int,
+                mixed: bool = False) -> None:
+        """mixed: a mixed-step graph of token bucket `bucket` (else a decode graph)."""
+        self._send(("capture", bucket, families, signature, stacked_rows, mixed))
 
     # waiting and health
 
@@ -166,7 +169,7 @@ class Lockstep:
                 worker.adapters.close()
             self.workers = []
             broken, self.broken = self.broken, self.broken or "closed"
-        leave_group(abort=abort or broken is not None)
+        leave_group(abort=abort or broken is not None, tp=self.tp)
 
     # the channel
 

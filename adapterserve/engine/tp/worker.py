@@ -50,6 +50,7 @@ class WorkerSpec:
     group_address: str  # tcp://host:port
     control_address: tuple[str, int]
     authkey: bytes
+    all_reduce_bytes: int | None = None  # the largest all-reduce of a step (sizes the symmetric buffer)
 
 
 class GivenBlocks:
@@ -153,12 +154,15 @@ class WorkerState:
     def copy_blocks(self, sources: list[int], copies: list[int]) -> None:
         self.device.copy_blocks(sources, copies)
 
-    def enable_cuda_graphs(self, max_batch: int, max_pages: int) -> None:
-        self.device.enable_cuda_graphs(max_batch, max_pages)
+    def enable_cuda_graphs(self, max_batch: int, max_pages: int, mixed_tokens: int = 0, max_requests: int = 0
+                           ) -> None:
+        self.device.enable_cuda_graphs(max_batch, max_pages, mixed_tokens, max_requests)
 
-    def capture(self, bucket: int, families: tuple[bool, ...], signature: tuple, stacked_rows: int) -> None:
+    def capture(self, bucket: int, families: tuple[bool, ...], signature: tuple, stacked_rows: int,
+                mixed: bool = False) -> None:
+        graphs = self.device.mixed_graphs if mixed else self.device.graphs
         with self.pools.lora.covering(stacked_rows) if stacked_rows else _nothing():
-            self.device.graphs.capture(bucket, families, signature)
+            graphs.capture(bucket, families, signature)
 
 
 
@@ -174,7 +178,8 @@ def run_worker(spec: WorkerSpec, device: str) -> None:
     conn.send((spec.rank, "commands"))
     inbox = AdapterInbox(Client(spec.control_address, authkey=spec.authkey), spec.rank)
     try:
-        tp = join_group(spec.group_address, spec.rank, spec.world_size, device)
+        tp = join_group(spec.group_address, spec.rank, spec.world_size, device,
+                        spec.config.tensor_parallel_all_reduce, spec.all_reduce_bytes)
         state = WorkerState(replace(spec, config=replace(spec.config, device=device)), tp, inbox)
         conn.send_bytes(pickle.dumps(("ready",)))
         _serve(conn, state)
