@@ -4,7 +4,8 @@ subclass's fixed buffers into one memory pool, and the adapter metadata a captur
 forward builds from the bucket's fixed family-slot buffer.
 
 A subclass names its buckets and implements ``_forward(bucket, families, expand)``:
-the step over the buffers of that bucket, returning its logits in a fixed buffer. On a
+the step over the buffers of that bucket (ids, sources, positions, family_slots, and
+its attention metadata), returning its logits in a fixed buffer (``_logits``). On a
 device that cannot capture (CPU), ``replay`` runs that same forward eagerly, so tests
 exercise the path the capture records.
 """
@@ -13,9 +14,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from adapterserve.engine.step_device import with_sampled_ids
 from adapterserve.kernels import build_adapter_meta
 from adapterserve.kernels.metadata import AdapterBatchMeta
 from adapterserve.kernels.stacked import expand_for_slots, reachable_expands
+from adapterserve.layers.context import AttentionMeta, BatchContext, set_context
 
 
 class GraphPool:
@@ -102,6 +105,21 @@ class CapturedSteps:
 
     def _forward(self, bucket: int, families: tuple[bool, bool, bool], expand: str) -> torch.Tensor:
         raise NotImplementedError
+
+    def _logits(self, bucket: int, attention: AttentionMeta, families: tuple[bool, bool, bool], expand: str,
+                rows: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """The backbone over the bucket's token buffers, then the logits of ``rows`` (None:
+        every token row) into ``out``."""
+        runner = self.runner
+        metas = self._adapter_metas(self.family_slots[:, :bucket], families, expand)
+        set_context(BatchContext(attention=attention, lora=metas[0], ia3=metas[1], bottleneck=metas[2],
+                                 lora_workspace=runner.lora_workspace, logits_rows=rows))
+        try:
+            ids = with_sampled_ids(self.ids[:bucket], self.sources[:bucket], runner.sampled)
+            hidden = runner.model(ids, self.positions[:bucket])
+            return runner.model.compute_logits(hidden if rows is None else hidden[rows], out=out)
+        finally:
+            set_context(None)
 
     def _adapter_metas(self, family_slots: torch.Tensor, families: tuple[bool, bool, bool], expand: str
                        ) -> list[AdapterBatchMeta | None]:

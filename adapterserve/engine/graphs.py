@@ -17,8 +17,8 @@ import torch
 from adapterserve.engine.attention_meta import longest_first
 from adapterserve.engine.graph_capture import CapturedSteps, GraphPool, _key, _stacked  # noqa: F401 (_key: tests)
 from adapterserve.engine.host_copy import copy_into
-from adapterserve.engine.step_device import StepDevice, with_sampled_ids
-from adapterserve.layers.context import AttentionMeta, BatchContext, set_context
+from adapterserve.engine.step_device import StepDevice
+from adapterserve.layers.context import AttentionMeta
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -105,13 +105,4 @@ class DecodeGraphs(CapturedSteps):
             context_lens=self.lens[:bucket], kv_start=self.starts[:bucket],
             page_size=runner.block_size, decode=True, decode_order=self.order[:bucket],
         )
-        metas = self._adapter_metas(self.family_slots[:, :bucket], families, expand)
-        ctx = BatchContext(attention=attention, lora=metas[0], ia3=metas[1], bottleneck=metas[2],
-                           lora_workspace=runner.lora_workspace, logits_rows=None)
-        set_context(ctx)
-        try:
-            ids = with_sampled_ids(self.ids[:bucket], self.sources[:bucket], runner.sampled)
-            hidden = runner.model(ids, self.positions[:bucket])
-            return runner.model.compute_logits(hidden, out=self.logits[:bucket])
-        finally:
-            set_context(None)
+        return self._logits(bucket, attention, families, expand, None, self.logits[:bucket])

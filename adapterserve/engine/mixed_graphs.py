@@ -24,7 +24,7 @@ import torch
 from adapterserve.engine.attention_meta import step_arrays
 from adapterserve.engine.graph_capture import CapturedSteps, GraphPool
 from adapterserve.engine.host_copy import copy_into
-from adapterserve.engine.step_device import StepInputs, with_sampled_ids
+from adapterserve.engine.step_device import StepInputs
 from adapterserve.kernels.prefill_tiles import (
     DEFAULT_TILE_TOKENS,
     NO_SEQUENCE,
@@ -33,7 +33,7 @@ from adapterserve.kernels.prefill_tiles import (
     padded_tile_lists,
 )
 from adapterserve.kernels.stacked import STACKED_MAX_TOKENS
-from adapterserve.layers.context import AttentionMeta, BatchContext, set_context
+from adapterserve.layers.context import AttentionMeta
 
 MIXED_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 
@@ -128,17 +128,8 @@ class MixedGraphs(CapturedSteps):
             decode=False, cu_q=self.cu_q[: requests + 1],
             tiles=PrefillTiles(self.single[:single], self.multi[:multi], DEFAULT_TILE_TOKENS),
         )
-        metas = self._adapter_metas(self.family_slots[:, :bucket], families, expand)
-        rows = self.logits_rows[:requests]
-        ctx = BatchContext(attention=attention, lora=metas[0], ia3=metas[1], bottleneck=metas[2],
-                           lora_workspace=runner.lora_workspace, logits_rows=rows)
-        set_context(ctx)
-        try:
-            ids = with_sampled_ids(self.ids[:bucket], self.sources[:bucket], runner.sampled)
-            hidden = runner.model(ids, self.positions[:bucket])
-            return runner.model.compute_logits(hidden[rows], out=self.logits[:requests])
-        finally:
-            set_context(None)
+        return self._logits(bucket, attention, families, expand, self.logits_rows[:requests],
+                            self.logits[:requests])
 
 
 def _padded(values, length: int, pad: int, dtype) -> np.ndarray:
