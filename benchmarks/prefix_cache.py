@@ -38,8 +38,7 @@ import torch
 
 from adapterserve.config import EngineConfig
 from adapterserve.engine.engine import Engine
-from adapterserve.engine.graphs import decode_graph_limits
-from adapterserve.engine.mixed_graphs import mixed_graph_limit
+from adapterserve.engine.graphs import graph_limits
 from adapterserve.engine.sampling_params import SamplingParams
 from benchmarks.backbone import Backbone, add_model_arguments, model_target, random_backbone
 from benchmarks.measure import sync
@@ -177,8 +176,7 @@ def fresh_engine(backbone: Backbone, factory: AdapterFactory, work: Workload, ca
                           mixed_graph_tokens=mixed_tokens)
     engine = backbone.engine(config)
     if device != "cuda" and mixed_tokens:  # the padded forward, run eagerly (no capture off CUDA)
-        engine.runner.enable_cuda_graphs(*decode_graph_limits(config, engine.max_model_len),
-                                         mixed_graph_limit(config), config.max_num_seqs)
+        engine.runner.enable_cuda_graphs(*graph_limits(config, engine.max_model_len))
     for i in range(work.apps * work.adapters_per_app):
         engine.add_adapter(f"app{i // work.adapters_per_app}-{i % work.adapters_per_app}", factory.lora(i))
     return engine
@@ -218,7 +216,8 @@ def print_table(rows: list[tuple[str, bool, bool, Result]], card: str, model: st
           "off over this row's; tokens/s of this row over that row's; TTFT p50 of this row with mixed graphs off "
           "over on")
     print("| workload | prefix caching | mixed graphs | TTFT p50 ms | TTFT p99 ms | tokens/s | prompt tokens cached "
-          "| decode step ms, host / GPU | mixed step ms, host / GPU | mixed steps replayed (captured) | TTFT p50 vs off/off "
+          "| decode step ms, host / GPU | mixed step ms, host / GPU | mixed steps replayed (captured) "
+          "| TTFT p50 vs off/off "
           "| tokens/s vs off/off | TTFT p50 graphs off/on |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     by_key = {(name, caching, mixed): r for name, caching, mixed, r in rows}
@@ -231,10 +230,11 @@ def print_table(rows: list[tuple[str, bool, bool, Result]], card: str, model: st
         eager = by_key.get((name, caching, False))
         graphs = (f"{statistics.median(eager.ttft) / statistics.median(r.ttft):.2f}x"
                   if mixed and eager is not None else "-")
-        replayed = sum(1 for m, *_ in r.launches if m)
+        mixed_launches = sum(1 for m, *_ in r.launches if m)
         print(f"| {name} | {'on' if caching else 'off'} | {'on' if mixed else 'off'} | {p50:.1f} | {p99:.1f} "
               f"| {rate:.0f} | {100 * r.cached_tokens / r.prompt_tokens:.0f}% | {r.step_ms(False)} "
-              f"| {r.step_ms(True)} | {r.mixed_replays} of {replayed} ({r.mixed_captures}) | {versus} | {graphs} |")
+              f"| {r.step_ms(True)} | {r.mixed_replays} of {mixed_launches} ({r.mixed_captures}) "
+              f"| {versus} | {graphs} |")
 
 
 WORKLOADS = {"spread": ("shared system prompts", False, False), "burst": ("shared system prompts, burst", False, True),

@@ -30,9 +30,8 @@ from adapterserve.config import EngineConfig
 from adapterserve.engine.adapter_host import AdapterHost
 from adapterserve.engine.async_front import AsyncFront, Prompt
 from adapterserve.engine.detokenizer import Detokenizer
-from adapterserve.engine.graphs import decode_graph_limits
+from adapterserve.engine.graphs import graph_limits
 from adapterserve.engine.kv_cache import BlockManager
-from adapterserve.engine.mixed_graphs import mixed_graph_limit
 from adapterserve.engine.pool_set import build_pools
 from adapterserve.engine.prefix_cache import BASE, KvIdentities, PrefixCache, chain_root
 from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput, RequestTimes
@@ -93,8 +92,7 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
         if config.lora_side_stream and on_gpu:
             attach_lora_side_stream(model, config.device)
         if config.cuda_graphs and on_gpu:
-            self.runner.enable_cuda_graphs(*decode_graph_limits(config, self.max_model_len),
-                                           mixed_graph_limit(config), config.max_num_seqs)
+            self.runner.enable_cuda_graphs(*graph_limits(config, self.max_model_len))
         # per family (lora, ia3, bottleneck): host state a captured decode graph depends on
         self.runner.graph_signature = lambda: (self.lora_pool.graph_part(), (), self.bottleneck_pools.activations())
         self.prefix_cache = PrefixCache(self.blocks, config.enable_prefix_caching)

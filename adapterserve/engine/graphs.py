@@ -17,6 +17,7 @@ import torch
 from adapterserve.engine.attention_meta import longest_first
 from adapterserve.engine.graph_capture import CapturedSteps, GraphPool, _key, _stacked  # noqa: F401 (_key: tests)
 from adapterserve.engine.host_copy import copy_into
+from adapterserve.engine.mixed_graphs import mixed_graph_limit
 from adapterserve.engine.step_device import StepDevice
 from adapterserve.layers.context import AttentionMeta
 
@@ -30,6 +31,12 @@ def decode_graph_limits(config, max_model_len: int) -> tuple[int, int]:
     page = config.block_size
     pages = -(-max_model_len // page) + -(-config.max_virtual_tokens // page)
     return min(config.max_num_seqs, config.max_num_batched_tokens), pages
+
+
+def graph_limits(config, max_model_len: int) -> tuple[int, int, int, int]:
+    """ModelRunner.enable_cuda_graphs' arguments for an engine: its decode graphs' limits,
+    the largest mixed-step token bucket, and the requests a step holds."""
+    return (*decode_graph_limits(config, max_model_len), mixed_graph_limit(config), config.max_num_seqs)
 
 
 class DecodeGraphs(CapturedSteps):

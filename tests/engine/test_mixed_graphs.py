@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from adapterserve import Engine, SamplingParams
-from adapterserve.engine.graphs import decode_graph_limits
-from adapterserve.engine.mixed_graphs import MixedGraphs, mixed_graph_limit
+from adapterserve.engine.graphs import graph_limits
+from adapterserve.engine.mixed_graphs import MixedGraphs
 from adapterserve.engine.step_device import StepInputs
 from adapterserve.engine.warmup import warm_up
 from adapterserve.kernels.stacked import STACKED_MAX_TOKENS
@@ -41,8 +41,7 @@ def _engine(adapters, padded: bool, **settings) -> Engine:
     engine = Engine.from_pretrained(MODEL, **{**CONFIG, **settings})
     if padded:
         cfg = engine.config
-        engine.runner.enable_cuda_graphs(*decode_graph_limits(cfg, engine.max_model_len), mixed_graph_limit(cfg),
-                                         cfg.max_num_seqs)
+        engine.runner.enable_cuda_graphs(*graph_limits(cfg, engine.max_model_len))
     for name, path in adapters.items():
         engine.load_adapter(name, path)
     return engine
@@ -140,8 +139,7 @@ def test_tensor_parallel_workers_replay_the_same_padded_step(adapters):
     tp = Engine.from_pretrained(MODEL, tensor_parallel_size=2, **settings)
     try:
         cfg = tp.config
-        tp.runner.enable_cuda_graphs(*decode_graph_limits(cfg, tp.max_model_len), mixed_graph_limit(cfg),
-                                     cfg.max_num_seqs)  # rank 0 and, through the lockstep, rank 1
+        tp.runner.enable_cuda_graphs(*graph_limits(cfg, tp.max_model_len))  # rank 0 and, through the lockstep, rank 1
         for name, path in used.items():
             tp.load_adapter(name, path)
         assert _serve(tp, names, seed=5) == _serve(eager, names, seed=5)

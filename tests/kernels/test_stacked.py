@@ -120,13 +120,7 @@ def _per_token(out, lora, meta, y, bias):
     stacked_expand(out, lora, meta, y, bias)
 
 
-def _tiled(out, lora, meta, y, bias):
-    from adapterserve.kernels.stacked_tiled import stacked_expand_tiled
-
-    stacked_expand_tiled(out, lora, meta, y, bias)
-
-
-def _tiled_as(tiles: ExpandTiles):
+def _tiled_as(tiles: ExpandTiles | None):
     def run(out, lora, meta, y, bias):
         from adapterserve.kernels.stacked_tiled import stacked_expand_tiled
 
@@ -143,13 +137,7 @@ def _tiled_no_skip(out, lora, meta, y, bias):
                                                                skip_unused=False, stages=3))
 
 
-def _grouped(out, lora, meta, y, bias):
-    from adapterserve.kernels.stacked_grouped import stacked_expand_grouped
-
-    stacked_expand_grouped(out, lora, meta, y, bias)
-
-
-def _grouped_as(tiles: GroupedTiles):
+def _grouped_as(tiles: GroupedTiles | None):
     def run(out, lora, meta, y, bias):
         from adapterserve.kernels.stacked_grouped import stacked_expand_grouped
 
@@ -158,7 +146,8 @@ def _grouped_as(tiles: GroupedTiles):
     return run
 
 
-IMPLS = {"tiled": _tiled, "tiled_no_skip": _tiled_no_skip, "per_token": _per_token, "grouped": _grouped}
+IMPLS = {"tiled": _tiled_as(None), "tiled_no_skip": _tiled_no_skip, "per_token": _per_token,
+         "grouped": _grouped_as(None)}
 
 
 @interpreted

@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 
 from adapterserve.layers.parallel import TensorParallel
 from adapterserve.layers.symm_allreduce import ONE_SHOT, SymmetricAllReduce
+from tests.helpers.spawned import join_within
 from tests.layers.one_gpu_ranks import one_gpu_rank
 
 pytestmark = pytest.mark.gpu
@@ -50,13 +51,8 @@ def results(request, tmp_path_factory) -> tuple[int, Path]:
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA devices")
     root = tmp_path_factory.mktemp(f"symm-allreduce-{world}")
-    ranks = mp.start_processes(_rank_main, args=(world, root), nprocs=world, join=False, start_method="spawn")
-    deadline, exited = time.monotonic() + DEADLINE_S, False
-    while not exited and time.monotonic() < deadline:
-        exited = ranks.join(timeout=5)
-    if not exited:
-        for process in ranks.processes:
-            process.kill()
+    join_within(mp.start_processes(_rank_main, args=(world, root), nprocs=world, join=False, start_method="spawn"),
+                DEADLINE_S)
     written = {rank: json.loads((root / f"{rank}.json").read_text()) for rank in range(world)
                if (root / f"{rank}.json").exists()}
     errors = [facts["error"] for facts in written.values() if "error" in facts]
@@ -139,12 +135,7 @@ def _worst(got: torch.Tensor, inputs: list[torch.Tensor], world: int, dtype: str
 def dead_peer(tmp_path_factory) -> dict:
     """Rank 1 joins, maps the buffer, then dies; rank 0 starts a one-shot all-reduce."""
     root = tmp_path_factory.mktemp("symm-dead-peer")
-    ranks = mp.start_processes(_dead_peer_main, args=(root,), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not ranks.join(timeout=5):
-        pass
-    for process in ranks.processes:
-        process.kill()
+    join_within(mp.start_processes(_dead_peer_main, args=(root,), nprocs=2, join=False, start_method="spawn"), 120)
     if not (root / "0.json").exists():
         pytest.fail("rank 0 stayed stuck behind its dead peer's barrier (release_peers did not drain it)")
     return json.loads((root / "0.json").read_text())

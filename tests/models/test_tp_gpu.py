@@ -7,7 +7,6 @@ memory (one-shot, layers/symm_allreduce.py): eager and graph-replayed logits equ
 and every sum of the run took the one-shot path (counted: no silent fall back to NCCL)."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from adapterserve.layers.parallel import SINGLE, TensorParallel
 from adapterserve.layers.symm_allreduce import NCCL, ONE_SHOT, symmetric_all_reduce
 from tests.helpers.families import family_configs, make_peft_adapter
 from tests.helpers.lora import make_peft_lora
+from tests.helpers.spawned import join_within
 from tests.models.tp_mixed_batch import run_mixed_batch
 
 pytestmark = pytest.mark.gpu
@@ -51,12 +51,7 @@ def setup(request, tmp_path_factory) -> dict:
     results.mkdir()
     ranks = mp.start_processes(_rank_main, args=(world, root / "store", scenarios, results), nprocs=world,
                                join=False, start_method="spawn")
-    deadline, exited = time.monotonic() + DEADLINE_S, False
-    while not exited and time.monotonic() < deadline:
-        exited = ranks.join(timeout=5)
-    if not exited:
-        for process in ranks.processes:
-            process.kill()
+    exited = join_within(ranks, DEADLINE_S)
     done = all((results / f"done.{rank}").exists() for rank in range(world))
     if not done:
         pytest.fail(f"the TP={world} ranks did not finish their steps in {DEADLINE_S} s (a hung collective?)")

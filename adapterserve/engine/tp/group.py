@@ -24,12 +24,13 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def join_group(address: str, rank: int, world_size: int, device: str, all_reduce: str = "auto",
+def join_group(address: str, rank: int, world_size: int, device: str, all_reduce: str = "nccl",
                all_reduce_bytes: int | None = None) -> TensorParallel:
     """Join the group at ``address`` (tcp://host:port, rank 0's store): NCCL on CUDA
-    devices (this process's device set first), gloo on CPU. ``all_reduce`` "auto": sums
-    over symmetric memory where the GPUs allow it, with a buffer for messages of up to
-    ``all_reduce_bytes`` (see step_all_reduce_bytes); "nccl": the group's own."""
+    devices (this process's device set first), gloo on CPU. ``all_reduce``
+    (EngineConfig.tensor_parallel_all_reduce): "nccl", the group's own; "auto", sums over
+    symmetric memory where the GPUs allow it, with a buffer for messages of up to
+    ``all_reduce_bytes`` (see step_all_reduce_bytes)."""
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process: a tensor-parallel engine "
                            "needs a process of its own (one engine of tensor_parallel_size > 1 per process)")
