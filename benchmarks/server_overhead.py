@@ -5,27 +5,40 @@ and through the in-process engine, on one machine, interleaved group by group.
     PYTHONPATH=. python benchmarks/server_overhead.py --smoke          # CPU, tiny model
     PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --no-inproc --relay-chunk-ms 0.2  # pacing
     PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --trace   # per-hop medians (server_hops.py)
+    PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --direct on   # one path only (default: both)
 
-The server runs its engine in a child process of the replica (`engine_process: true`,
-row "server"), and, unless --no-inproc, again inside the replica's process as before
-the split (row "server-inproc"). On a CPU the in-process engine runs one thread, as the
-replica's engine does (its Ray actor has one CPU).
+Each server is `adapterserve serve` in a process (and a Ray) of its own. It runs its engine
+in a child process of the replica (`engine_process: true`, rows "server ..."), and, unless
+--no-inproc, a second server runs it inside the replica's process as before the split
+(rows "server-inproc ..."). --direct picks the servers' path (setting `direct`,
+server/direct_settings.py): "off", two tiers (HAProxy -> Ingress replica -> Serve handle ->
+EngineReplica); "on", one hop (the Ingress replica runs the engine); "auto", as the server
+decides; "both" (the default), a server of each. On a CPU the in-process engine runs one
+thread, as the replica's engine does (its Ray actor has one CPU).
 
-Both paths are up at once (the in-process engine beside the server's); each group of
-prompts goes through one and then the other, the order alternating, so drift of clocks
-and caches falls on both alike. Reports medians of time to first token, whole-request
-latency and the gap between streamed chunks, for one request at a time (latency) and
-for a concurrent batch, and medians of the per-prompt differences: what the server adds
-to the first token, to the whole request, and to each later streamed token.
+Every path is up at once (the in-process engine beside the servers); each group of prompts
+goes through each path in turn, the order rotating, so drift of clocks and caches falls on
+all alike. Reports medians of time to first token, whole-request latency and the gap
+between streamed chunks, for one request at a time (latency) and for a concurrent batch,
+and medians of the per-prompt differences: what each server adds to the first token, to
+the whole request, and to each later streamed token, and direct minus two-tier.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AsyncExitStack, ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -73,19 +86,19 @@ async def _group(open_stream, prompts: list[list[int]]) -> list[Timed]:
     return list(await asyncio.gather(*[_timed(open_stream(p)) for p in prompts]))
 
 
-async def _paired(local_stream, served_stream, prompts: list[list[int]], concurrency: int
-                  ) -> tuple[list[Timed], list[Timed]]:
-    """Each group of `concurrency` prompts through the in-process engine and through the server,
-    alternating which goes first, so drift (clocks, caches) falls on both paths alike."""
-    for open_stream in (local_stream, served_stream):  # warm-up
+async def _interleaved(streams: dict[str, Callable], prompts: list[list[int]], concurrency: int
+                      ) -> dict[str, list[Timed]]:
+    """Each group of `concurrency` prompts through every path (the in-process engine, each
+    server), the order rotating group by group, so drift (clocks, caches) falls on all alike."""
+    for open_stream in streams.values():  # warm-up
         await _group(open_stream, prompts[:concurrency])
-    local, served = [], []
+    results: dict[str, list[Timed]] = {label: [] for label in streams}
+    labels = list(streams)
     for n, i in enumerate(range(0, len(prompts), concurrency)):
         group = prompts[i : i + concurrency]
-        order = [(local, local_stream), (served, served_stream)]
-        for sink, open_stream in order[:: 1 if n % 2 == 0 else -1]:
-            sink += await _group(open_stream, group)
-    return local, served
+        for label in labels[n % len(labels):] + labels[: n % len(labels)]:
+            results[label] += await _group(streams[label], group)
+    return results
 
 
 def _summary(results: list[Timed]) -> dict[str, float]:
@@ -109,33 +122,65 @@ def _added(local: list[Timed], served: list[Timed]) -> dict[str, float]:
             "token": statistics.median(per_token(l, s) for l, s in pairs) * 1e3}
 
 
-def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int], engine_process: bool,
-             relay_chunk_ms: float) -> dict[int, tuple[list[Timed], list[Timed]]]:
-    """Per concurrency: (in-process engine, server) results of the same prompts, interleaved."""
+DIRECT = {"auto": ("auto",), "on": (True,), "off": (False,), "both": (False, True)}  # --direct: server paths
+PATH_NAMES = {"auto": "", True: " direct", False: " two-tier"}
+ENGINE = "engine"  # the in-process engine's label
 
+
+def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int],
+             servers: dict[str, dict]) -> dict[int, dict[str, list[Timed]]]:
+    """Per concurrency: path label -> its results of the same prompts, through the in-process
+    engine and each of `servers` (label -> config overrides), all up at once, interleaved."""
     from adapterserve import Engine, SamplingParams
     from adapterserve.clients.client import AsyncClient
-    from adapterserve.server import launch
 
-    config = {"model": str(path), "engine": engine_cfg, "encoder": False, "store": tempfile.mkdtemp(),
-              "engine_process": engine_process, "relay_chunk_ms": relay_chunk_ms}
-    endpoints = launch.start(config, grpc_port=free_port(), http_port=free_port())
-    engine = Engine.from_pretrained(path, **engine_cfg)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    with ExitStack() as running:
+        addresses = {label: running.enter_context(_serving({"model": str(path), "engine": engine_cfg,
+                                                            "encoder": False, **overrides}))
+                     for label, overrides in servers.items()}
+        engine = Engine.from_pretrained(path, **engine_cfg)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+        async def run(concurrency: int) -> dict[str, list[Timed]]:
+            async with AsyncExitStack() as clients:
+                streams = {ENGINE: lambda p: engine.stream(p, params)}
+                for label, address in addresses.items():
+                    client = await clients.enter_async_context(AsyncClient(address, timeout=600))
+                    streams[label] = partial(client.stream, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                return await _interleaved(streams, prompts, concurrency)
+
+        try:
+            return {c: asyncio.run(run(c)) for c in batches}
+        finally:
+            engine = None  # its GPU memory goes before the servers stop
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+@contextmanager
+def _serving(config: dict) -> Iterator[str]:
+    """`adapterserve serve` with `config` in a process (and Ray) of its own; its gRPC address."""
+    root = Path(tempfile.mkdtemp())
+    (root / "config.json").write_text(json.dumps({"store": str(root / "store"), **config}))
+    grpc_port, http_port = free_port(), free_port()
+    log = root / "serve.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen([sys.executable, "-m", "adapterserve.clients.cli", "serve", "--config",
+                                   str(root / "config.json"), "--grpc-port", str(grpc_port), "--http-port",
+                                   str(http_port)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        async def run(concurrency: int):
-            async with AsyncClient(endpoints.grpc, timeout=600) as client:
-                def served(p):
-                    return client.stream(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-                return await _paired(lambda p: engine.stream(p, params), served, prompts, concurrency)
-
-        return {c: asyncio.run(run(c)) for c in batches}
+        deadline = time.monotonic() + 900
+        while b"adapterserve is serving" not in log.read_bytes():
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start:\n{log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.5)
+        yield f"127.0.0.1:{grpc_port}"
     finally:
-        engine = None  # its GPU memory goes before the next server starts
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        launch.shutdown()
+        server.send_signal(signal.SIGTERM)  # drains, stops Ray
+        try:
+            server.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
 
 
 def _lora(model: str, path: Path, device: str) -> Path:
@@ -151,8 +196,8 @@ def _lora(model: str, path: Path, device: str) -> Path:
     return write_peft_lora(SHAPES[model], out, device, rank=8)
 
 
-def _trace(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int],
-           relay_chunk_ms: float, adapter: Path | None, by_version: bool) -> dict[int, dict[str, list[float]]]:
+def _trace(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int], relay_chunk_ms: float,
+           adapter: Path | None, by_version: bool, direct: bool | str) -> dict[int, dict[str, list[float]]]:
     """Per concurrency: each hop's times (ms) of every call, from the server's spans (server_hops.py);
     with `adapter`, every call names it (uploaded as "bench"; `by_version`: named `bench@N`)."""
     from adapterserve.clients.client import Client
@@ -162,7 +207,7 @@ def _trace(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list
 
     with collecting("grpc") as collector:
         config = {"model": str(path), "engine": engine_cfg, "encoder": False, "store": tempfile.mkdtemp(),
-                  "engine_process": True, "relay_chunk_ms": relay_chunk_ms,
+                  "engine_process": True, "relay_chunk_ms": relay_chunk_ms, "direct": direct,
                   "tracing": {"otlp_endpoint": collector.endpoint}}
         endpoints = launch.start(config, grpc_port=free_port(), http_port=free_port())
         try:
@@ -191,6 +236,9 @@ def main() -> None:
     parser.add_argument("--adapter", choices=("none", "name", "version"), default="none",
                         help="--trace: calls name a LoRA by bare name (resolved through the TTL cache) "
                              "or as name@N, or none")
+    parser.add_argument("--direct", choices=tuple(DIRECT), default="both",
+                        help="the server's path: two tiers (off), the engine in the ingress replica (on), the "
+                             "server's choice (auto), or off then on (both)")
     args = parser.parse_args()
     if args.smoke:
         args.model, args.device, args.requests, args.max_tokens = "tiny", "cpu", 8, 8
@@ -206,38 +254,48 @@ def main() -> None:
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     if args.trace:
         lora = None if args.adapter == "none" else _lora(args.model, path, args.device)
-        hops = _trace(path, engine_cfg, prompts, args.max_tokens, batches, args.relay_chunk_ms, lora,
-                      args.adapter == "version")
-        print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; {len(prompts)} requests per concurrency; "
-              f"adapter: {args.adapter}; engine in its own process; relay_chunk_ms {args.relay_chunk_ms}; traces on")
         from benchmarks.server_hops import report_hops
 
-        report_hops(hops)
+        traced = {mode: _trace(path, engine_cfg, prompts, args.max_tokens, batches, args.relay_chunk_ms, lora,
+                               args.adapter == "version", mode) for mode in DIRECT[args.direct]}
+        for mode, hops in traced.items():
+            print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; {len(prompts)} requests per "
+                  f"concurrency; adapter: {args.adapter}; engine in its own process; direct: {mode}; "
+                  f"relay_chunk_ms {args.relay_chunk_ms}; traces on")
+            report_hops(hops)
         return
-    results = {}
-    for label, own_process in (("server", True), ("server-inproc", False)):
-        if own_process or not args.no_inproc:
-            results[label] = _measure(path, engine_cfg, prompts, args.max_tokens, batches, own_process,
-                                      args.relay_chunk_ms)
+    servers = {}
+    for mode in DIRECT[args.direct]:
+        for label, own_process in (("server", True), ("server-inproc", False)):
+            if own_process or not args.no_inproc:
+                servers[label + PATH_NAMES[mode]] = {"engine_process": own_process, "direct": mode,
+                                                     "relay_chunk_ms": args.relay_chunk_ms}
+    results = _measure(path, engine_cfg, prompts, args.max_tokens, batches, servers)
     print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; {len(prompts)} requests per concurrency, "
-          f"each through both paths, interleaved; relay_chunk_ms {args.relay_chunk_ms}; medians in ms")
+          f"each through every path ({', '.join(servers)} and the engine in this process), interleaved; "
+          f"relay_chunk_ms {args.relay_chunk_ms}; medians in ms")
     _report(results)
 
 
-def _report(results: dict[str, dict]) -> None:
-    print("| server | conc | path | TTFT | whole request | gap between chunks |")
-    print("|---|---|---|---|---|---|")
-    for label, by_conc in results.items():
-        for c, (local, served) in by_conc.items():
-            for path, runs in (("engine", local), (label, served)):
-                r = _summary(runs)
-                print(f"| {label} | {c} | {path} | {r['ttft']:.2f} | {r['total']:.2f} | {r['gap']:.3f} |")
-    for label, by_conc in results.items():
-        for c, (local, served) in by_conc.items():
-            a = _added(local, served)
-            print(f"{label}, concurrency {c}, paired by prompt: adds {a['ttft']:.2f} ms to the first token, "
-                  f"{a['total']:.2f} ms per request, {a['token']:.3f} ms per later streamed token "
-                  f"(targets < 2 ms per request, < 0.5 ms per token)")
+def _report(results: dict[int, dict[str, list[Timed]]]) -> None:
+    print("| conc | path | TTFT | whole request | gap between chunks |")
+    print("|---|---|---|---|---|")
+    for c, by_path in results.items():
+        for label, runs in by_path.items():
+            r = _summary(runs)
+            print(f"| {c} | {label} | {r['ttft']:.2f} | {r['total']:.2f} | {r['gap']:.3f} |")
+    for c, by_path in results.items():
+        for label, served in by_path.items():
+            if label != ENGINE:
+                a = _added(by_path[ENGINE], served)
+                print(f"{label}, concurrency {c}, paired by prompt: adds {a['ttft']:.2f} ms to the first token, "
+                      f"{a['total']:.2f} ms per request, {a['token']:.3f} ms per later streamed token "
+                      f"(targets < 2 ms per request, < 0.5 ms per token; direct: < 2 ms at 1, < 5 ms at 16)")
+        if {"server two-tier", "server direct"} <= set(by_path):
+            a = _added(by_path["server two-tier"], by_path["server direct"])
+            print(f"direct minus two-tier, concurrency {c}, paired by prompt: {a['ttft']:.2f} ms to the first "
+                  f"token, {a['total']:.2f} ms per request, {a['token']:.3f} ms per later streamed token")
+
 
 if __name__ == "__main__":
     main()

@@ -21,6 +21,7 @@ import argparse
 import gc
 import json
 import tempfile
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -61,6 +62,7 @@ class Config:
     tokens: int
     all_reduces: tuple[str, ...]
     micro: bool
+    profile: bool
 
 
 def parse_args(argv: list[str] | None) -> Config:
@@ -73,17 +75,19 @@ def parse_args(argv: list[str] | None) -> Config:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--tokens", type=int, default=64, help="output tokens per request")
-    p.add_argument("--all-reduce", default="nccl,auto",
+    p.add_argument("--all-reduce", default="auto,nccl",
                    help="EngineConfig.tensor_parallel_all_reduce settings to compare, comma-separated")
     p.add_argument("--micro", action="store_true", help="first the all-reduce latency table at each size > 1")
+    p.add_argument("--profile", action="store_true",
+                   help="after each base row, rank 0's kernels of a short run (torch.profiler), top 12 per step")
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, a few tokens: the script runs")
     args = p.parse_args(argv)
     sizes = tuple(int(s) for s in args.sizes.split(","))
     all_reduces = tuple(args.all_reduce.split(","))
     if args.smoke:
-        return Config(SHAPES["tiny"], "cpu", "float32", sizes, 4, 4, 4, 8, 4, all_reduces, args.micro)
+        return Config(SHAPES["tiny"], "cpu", "float32", sizes, 4, 4, 4, 8, 4, all_reduces, args.micro, args.profile)
     return Config(ALL_SHAPES[args.shape], "cuda", "bfloat16", sizes, args.batch, args.adapters, args.rank,
-                  args.prompt, args.tokens, all_reduces, args.micro)
+                  args.prompt, args.tokens, all_reduces, args.micro, args.profile)
 
 
 def random_shard(config_dir: str, dtype: torch.dtype, seed: int, tp: TensorParallel, device: str) -> DecoderModel:
@@ -134,27 +138,66 @@ def _workload(engine: Engine, cfg: Config, adapter_ids: list[str | None], floor:
 
 def run_size(cfg: Config, config_dir: Path, size: int, all_reduce: str, factory: AdapterFactory,
              bandwidth: float) -> list[dict]:
+    """Base measured first, then the adapters added (timed) and the distinct workload: a
+    variant cut short still leaves its base row and the build and hot-load times."""
+    started = time.perf_counter()
     engine = _engine(cfg, config_dir, size, all_reduce)
     label = all_reduce if size > 1 else "-"
+    progress(f"tp={size} {label}: engine built in {time.perf_counter() - started:.1f} s")
     try:
         names = [f"lora{i}" for i in range(cfg.adapters)]
-        adapter_bytes = {}
-        for i, name in enumerate(names):
-            adapter = factory.lora(i, cfg.rank)
-            adapter_bytes[name] = decode_read_bytes(adapter, model_element_size(cfg))
-            engine.add_adapter(name, adapter)
+        adapters = [factory.lora(i, cfg.rank) for i in range(cfg.adapters)]
+        adapter_bytes = {name: decode_read_bytes(a, model_element_size(cfg)) for name, a in zip(names, adapters)}
         floor = _floor(engine, size, adapter_bytes, bandwidth)
-        workloads = [("base", [None] * cfg.batch)]
+        rows = [_row(engine, cfg, size, label, "base", [None] * cfg.batch, floor)]
+        if cfg.profile:
+            profile_steps(engine, cfg)
         if names:
-            workloads.append((f"distinct{cfg.adapters}", [names[i % len(names)] for i in range(cfg.batch)]))
-        return [{"tp": size, "all_reduce": label, "workload": workload, **_workload(engine, cfg, ids, floor)}
-                for workload, ids in workloads]
+            started = time.perf_counter()
+            for name, adapter in zip(names, adapters):
+                engine.add_adapter(name, adapter)
+            progress(f"tp={size} {label}: {len(names)} adapters added in {time.perf_counter() - started:.1f} s")
+            ids = [names[i % len(names)] for i in range(cfg.batch)]
+            rows.append(_row(engine, cfg, size, label, f"distinct{cfg.adapters}", ids, floor))
+        return rows
     finally:
         engine.close()
         del engine
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _row(engine: Engine, cfg: Config, size: int, label: str, workload: str, adapter_ids: list[str | None],
+         floor: Floor) -> dict:
+    started = time.perf_counter()
+    row = {"tp": size, "all_reduce": label, "workload": workload, **_workload(engine, cfg, adapter_ids, floor)}
+    progress(f"tp={size} {label} {workload}: step {row.get('decode_ms', float('nan')):.2f} ms, "
+             f"{row.get('x_floor', float('nan')):.2f}x floor ({time.perf_counter() - started:.1f} s with warm-up)")
+    return row
+
+
+def profile_steps(engine: Engine, cfg: Config, tokens: int = 24) -> None:
+    """Rank 0's busiest kernels over a short base run of short prompts (decode steps), per step."""
+    from torch.profiler import ProfilerActivity, profile
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, engine.model_config.vocab_size, (min(cfg.prompt, 16),), generator=gen).tolist()
+               for _ in range(cfg.batch)]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cfg.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run = run_requests(engine, StepTrace(engine), prompts, [None] * cfg.batch, [tokens] * cfg.batch)
+    steps = max(len(run.steps), 1)
+    key = "self_device_time_total" if cfg.device == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:12]
+    total = sum(getattr(e, key) for e in prof.key_averages()) / steps / 1e3
+    print(f"  profile: {steps} steps, {sum(s.seconds for s in run.steps) / steps * 1e3:.2f} ms wall per step, "
+          f"{total:.2f} ms {'GPU' if cfg.device == 'cuda' else 'CPU'} per step (rank 0)")
+    for e in events:
+        print(f"    {getattr(e, key) / steps / 1e3:8.3f} ms/step {e.count / steps:7.1f} calls/step  {e.key[:90]}")
+
+
+def progress(line: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
 
 
 def model_element_size(cfg: Config) -> int:

@@ -26,10 +26,20 @@ for stage in "$@"; do
       timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/layers/test_symm_allreduce_gpu.py \
         tests/models/test_tp_gpu.py tests/engine/test_tp_gpu.py --tb=line -rfE --timeout 120 2>&1 | tail -12
       timeout 60 python3 -m benchmarks.allreduce_micro --worlds 2 2>&1 | tail -14 ;;
+    tptests)  # 2+ GPUs: tensor-parallel engine, decoder and symmetric all-reduce GPU tests
+      timeout ${STAGE_S:-170} python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_tp_gpu.py \
+        tests/models/test_tp_gpu.py tests/layers/test_symm_allreduce_gpu.py --tb=line -rfE --timeout 100 2>&1 | tail -12 ;;
+    graphtests)  # 1 GPU: graph inputs staging, the engine against transformers with graphs, mixed graphs
+      timeout ${STAGE_S:-170} python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_host_copy.py \
+        tests/engine/test_gpu.py tests/engine/test_mixed_graphs_gpu.py --tb=line -rfE --timeout 100 2>&1 | tail -12 ;;
+    tp8b1)  # 1 GPU: the 8B at TP 1 (the reference for the TP rows: step, floor, adapter tax)
+      timeout ${STAGE_S:-170} python3 -m benchmarks.tp_decode --sizes 1 2>&1 | tee "$OUT/tp8b1.log" | grep -v '^\[{' | tail -8 ;;
+    pinning)  # what pinning costs here, one GPU's context and every GPU's (as under tensor parallelism)
+      python3 benchmarks/host_pinning.py 2>&1 | tail -9; python3 benchmarks/host_pinning.py --all-devices 2>&1 | tail -9 ;;
     tp8b)  # 4 GPUs: the 8B decode step at TP 1, 2, 4, NCCL against the symmetric all-reduce (engines build cold)
-      timeout 540 python3 -m benchmarks.tp_decode --sizes 1,2,4 --all-reduce nccl,auto 2>&1 | tail -16 ;;
+      timeout ${STAGE_S:-540} python3 -m benchmarks.tp_decode --sizes 1,2,4 2>&1 | tee "$OUT/tp8b.log" | grep -v '^\[{' | tail -30 ;;
     tp70b)  # 4 GPUs: the 70B at TP 4 (base and 64 distinct adapters)
-      timeout 540 python3 -m benchmarks.tp_decode --shape 70b --sizes 4 --all-reduce nccl,auto 2>&1 | tail -10 ;;
+      timeout ${STAGE_S:-540} python3 -m benchmarks.tp_decode --shape 70b --sizes 4 2>&1 | tee "$OUT/tp70b.log" | grep -v '^\[{' | tail -20 ;;
     mixed) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_mixed_graphs_gpu.py \
              tests/kernels/test_prefill_attention.py tests/engine/test_warmup_gpu.py --tb=line -rfE 2>&1 | tail -12 ;;
     prefix_on) timeout 240 python3 benchmarks/prefix_cache.py --model 1b --workloads spread --mixed-graphs on 2>&1 | tail -20 ;;

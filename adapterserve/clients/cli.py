@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address of the HTTP and gRPC ports (Serve's "
                    "own gRPC ports bind all interfaces: docs/serving.md)")
     p.add_argument("--replicas", type=int, help="engine replicas (default 1)")
+    p.add_argument("--direct", choices=["auto", "on", "off"], help="on: the engine inside the ingress "
+                   "deployment (one hop per request); off: behind it, routed by adapter; auto (default): on "
+                   "with one replica (docs/serving.md)")
     p.add_argument("--api-keys", help="a tenants file (YAML: keys with scopes, quotas) or a file of 'KEY TENANT' "
                    "lines (docs/tenancy.md); without it the server is open")
     p.add_argument("--device", help="engine device, e.g. cuda (default cpu)")
@@ -248,6 +251,8 @@ def serve_config(args: argparse.Namespace) -> dict:
         config["encoder"] = False if args.no_encoder else args.encoder
     if args.replicas is not None:
         config["replica"] = {**config.get("replica", {}), "num_replicas": args.replicas}
+    if getattr(args, "direct", None) is not None:
+        config["direct"] = {"auto": "auto", "on": True, "off": False}[args.direct]
     if args.grace_period is not None:
         config["drain_grace_s"] = args.grace_period
     if args.metrics_port is not None:

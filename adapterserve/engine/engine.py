@@ -28,6 +28,7 @@ from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.adapters_store.formats.types import BackboneSpec, LoraAdapter
 from adapterserve.config import EngineConfig
 from adapterserve.engine.adapter_host import AdapterHost
+from adapterserve.engine.adapter_shard import AdapterCutter
 from adapterserve.engine.async_front import AsyncFront, Prompt
 from adapterserve.engine.detokenizer import Detokenizer
 from adapterserve.engine.graphs import graph_limits
@@ -87,6 +88,8 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
         self.slots = AdapterSlots(config.max_loras, pools.all(), copy_stream=copy_stream, mirror=lockstep)
         if lockstep is not None:
             lockstep.prefix_pages = lambda slot: self.prefix_pool.pages.get(slot, [])
+            lockstep.cut = AdapterCutter(model.adapter_linears(), model.cfg.num_kv_heads, config.torch_dtype,
+                                         lockstep.tp.world_size)
         self.runner.families_of = self._families_of
         self.runner.prefix_pages = self.prefix_pool.pages.__getitem__
         if config.lora_side_stream and on_gpu:

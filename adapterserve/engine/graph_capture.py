@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from adapterserve.engine.host_copy import PinnedStaging
 from adapterserve.engine.step_device import with_sampled_ids
 from adapterserve.kernels import build_adapter_meta
 from adapterserve.kernels.metadata import AdapterBatchMeta
@@ -36,6 +37,7 @@ class CapturedSteps:
         self.capturable = torch.device(runner.device).type == "cuda"
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.replays = 0  # steps served by a captured graph (or, off CUDA, by its eager twin)
+        self.staging = PinnedStaging()  # the host side of every copy into the graphs' input buffers
 
     @property
     def num_graphs(self) -> int:

@@ -16,7 +16,6 @@ import torch
 
 from adapterserve.engine.attention_meta import longest_first
 from adapterserve.engine.graph_capture import CapturedSteps, GraphPool, _key, _stacked  # noqa: F401 (_key: tests)
-from adapterserve.engine.host_copy import copy_into
 from adapterserve.engine.mixed_graphs import mixed_graph_limit
 from adapterserve.engine.step_device import StepDevice
 from adapterserve.layers.context import AttentionMeta
@@ -96,14 +95,14 @@ class DecodeGraphs(CapturedSteps):
             tables[b, : len(s.pages)] = s.pages
             last = s.context_len - 1
             writes[b] = s.pages[last // page] * page + last % page
-        slots = np.full((3, bucket), -1, dtype=np.int32)
+        slots = np.full(self.family_slots.shape, -1, dtype=np.int32)  # whole: a copy needs it contiguous
         slots[:, :size] = family_slots
         for buffer, values in ((self.ids, ids), (self.sources, sources), (self.positions, positions),
                                (self.lens, lens), (self.starts, starts), (self.write_slots, writes),
                                (self.order, longest_first(lens))):
-            copy_into(buffer[:bucket], values)
-        copy_into(self.tables[:bucket], tables)
-        copy_into(self.family_slots[:, :bucket], slots)
+            self.staging.copy_into(buffer[:bucket], values)
+        self.staging.copy_into(self.tables[:bucket], tables)
+        self.staging.copy_into(self.family_slots, slots)
 
     def _forward(self, bucket: int, families: tuple[bool, bool, bool], expand: str = "tiled") -> torch.Tensor:
         runner = self.runner

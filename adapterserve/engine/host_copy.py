@@ -24,12 +24,56 @@ def to_device(values, device: torch.device | str, dtype: torch.dtype | None = No
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def copy_into(buffer: torch.Tensor, values: np.ndarray) -> None:
-    """Fill a device buffer (a fixed CUDA-graph input) from a host array, without a host sync."""
-    host = torch.from_numpy(values)
-    if buffer.is_cuda:
-        host = host.pin_memory()
-    buffer.copy_(host, non_blocking=True)
+class PinnedStaging:
+    """Pinned host mirrors of fixed device buffers (CUDA-graph inputs), filled and copied from
+    without a host sync and without pinning memory per copy. Pinning a fresh tensor may call
+    cudaHostAlloc, which can wait for the device: under tensor parallelism that made every
+    rank's host wait for the step before, whose collectives wait for the slowest rank.
+    Each buffer has DEPTH mirrors used in turn; a mirror is written again only once the copy
+    that last read it has run (an event), which with DEPTH mirrors is long past."""
+
+    DEPTH = 3
+
+    def __init__(self) -> None:
+        self._rings: dict[int, _Ring] = {}
+
+    def copy_into(self, buffer: torch.Tensor, values: np.ndarray) -> None:
+        """Fill a contiguous device buffer (or a leading slice of one) from a host array."""
+        if not buffer.is_contiguous():
+            raise ValueError(f"staged copies need a contiguous buffer, got shape {tuple(buffer.shape)} "
+                             f"with strides {buffer.stride()}")
+        host = torch.from_numpy(np.ascontiguousarray(values))
+        if not buffer.is_cuda:
+            buffer.copy_(host)
+            return
+        storage = buffer.untyped_storage()
+        ring = self._rings.get(storage.data_ptr())
+        if ring is None:
+            ring = self._rings[storage.data_ptr()] = _Ring(storage.nbytes(), self.DEPTH)
+        ring.copy(buffer, host)
+
+
+class _Ring:
+    """The pinned mirrors of one device storage, and the events of the copies that read them."""
+
+    def __init__(self, nbytes: int, depth: int) -> None:
+        self.mirrors = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
+        self.events: list[torch.cuda.Event | None] = [None] * depth
+        self.turn = 0
+
+    def copy(self, buffer: torch.Tensor, host: torch.Tensor) -> None:
+        turn, self.turn = self.turn, (self.turn + 1) % len(self.mirrors)
+        event = self.events[turn]
+        if event is not None:
+            event.synchronize()  # the copy that last read this mirror (normally done long ago)
+        size = buffer.element_size()
+        start = buffer.storage_offset() * size
+        mirror = self.mirrors[turn][start: start + buffer.numel() * size].view(buffer.dtype).view(buffer.shape)
+        mirror.copy_(host)
+        buffer.copy_(mirror, non_blocking=True)
+        if event is None:
+            event = self.events[turn] = torch.cuda.Event()
+        event.record()
 
 
 @contextmanager

@@ -23,7 +23,6 @@ import torch
 
 from adapterserve.engine.attention_meta import step_arrays
 from adapterserve.engine.graph_capture import CapturedSteps, GraphPool
-from adapterserve.engine.host_copy import copy_into
 from adapterserve.engine.step_device import StepInputs
 from adapterserve.kernels.prefill_tiles import (
     DEFAULT_TILE_TOKENS,
@@ -101,23 +100,23 @@ class MixedGraphs(CapturedSteps):
         token_values = ((self.ids, host.ids, 0), (self.sources, host.sources, -1),
                         (self.positions, host.positions, 0), (self.write_slots, step.write, self.trash_slot))
         for buffer, values, pad in token_values:
-            copy_into(buffer[:bucket], _padded(values, bucket, pad, np.int64))
-        slots = np.full((3, bucket), -1, dtype=np.int32)
+            self.staging.copy_into(buffer[:bucket], _padded(values, bucket, pad, np.int64))
+        slots = np.full(self.family_slots.shape, -1, dtype=np.int32)  # whole: a copy needs it contiguous
         slots[:, :size] = host.family_slots
-        copy_into(self.family_slots[:, :bucket], slots)
+        self.staging.copy_into(self.family_slots, slots)
         tables = np.zeros((requests, self.max_pages), dtype=np.int32)
         tables[: len(step.tables)] = step.tables
-        copy_into(self.tables[:requests], tables)
+        self.staging.copy_into(self.tables[:requests], tables)
         for buffer, values in ((self.lens, step.lens), (self.starts, step.starts)):
-            copy_into(buffer[:requests], _padded(values, requests, 0, np.int32))
+            self.staging.copy_into(buffer[:requests], _padded(values, requests, 0, np.int32))
         cu = np.full(requests + 1, size, dtype=np.int32)
         cu[: len(step.counts) + 1] = np.concatenate([[0], np.cumsum(step.counts)])
-        copy_into(self.cu_q[: requests + 1], cu)
+        self.staging.copy_into(self.cu_q[: requests + 1], cu)
         single, multi = padded_tile_lists(step.counts, step.lens, bucket, requests, DEFAULT_TILE_TOKENS)
-        copy_into(self.single[: len(single)], single)
-        copy_into(self.multi[: len(multi)], multi)
+        self.staging.copy_into(self.single[: len(single)], single)
+        self.staging.copy_into(self.multi[: len(multi)], multi)
         rows = np.asarray(host.last_rows, dtype=np.int64)[np.asarray(host.generating, dtype=np.int64)]
-        copy_into(self.logits_rows[:requests], _padded(rows, requests, 0, np.int64))
+        self.staging.copy_into(self.logits_rows[:requests], _padded(rows, requests, 0, np.int64))
 
     def _forward(self, bucket: int, families: tuple[bool, bool, bool], expand: str = "tiled") -> torch.Tensor:
         runner, requests = self.runner, self.max_requests(bucket)

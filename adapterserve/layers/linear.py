@@ -11,8 +11,9 @@ Tensor parallelism (``parallel``, Megatron style, over ``tp``'s ranks):
           update is linear in it, sum_r (x_r A_r^T) B^T = (x A^T) B^T, so each rank adds
           its partial update to its partial base output and the layer's one all-reduce
           sums both. (IA)^3: input scales split.
-Pools hand these layers full (unsharded) adapter tensors through ``shard_input`` and
-``shard_output``, which keep this rank's part.
+Which part of an adapter's tensors a rank keeps comes from the layer's ``layout``
+(layers/linear_spans.py): its ``spans`` for this rank, and rank 0's ``layout.spans`` of
+any other rank when it cuts an adapter for that rank (engine/adapter_shard.py).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from adapterserve.layers.base_gemm import (
     resolve_fp8_gemm,
 )
 from adapterserve.layers.context import get_context
+from adapterserve.layers.linear_spans import LinearLayout
 from adapterserve.layers.parallel import SINGLE, TensorParallel
 
 PARALLEL_MODES = (None, "column", "row")
@@ -50,8 +52,8 @@ class AdapterLinear(torch.nn.Module):
     channel (bias, adapters and activations stay in ``dtype``).
     Sizes are the unsharded ones; with ``parallel`` over several ranks, ``in_features`` and
     ``slice_widths`` become this rank's (see the module docstring). A column-parallel layer
-    splits each slice evenly unless ``output_spans`` gives each slice's (start, length)
-    (replicated KV heads).
+    splits each slice evenly, or by whole heads where ``slice_heads`` gives its head count
+    (LinearLayout: KV heads, replicated when there are fewer than ranks).
     """
 
     def __init__(
@@ -65,7 +67,7 @@ class AdapterLinear(torch.nn.Module):
         fp8: bool = False,
         parallel: str | None = None,
         tp: TensorParallel = SINGLE,
-        output_spans: tuple[tuple[int, int], ...] | None = None,
+        slice_heads: tuple[int | None, ...] | None = None,
     ) -> None:
         super().__init__()
         if parallel not in PARALLEL_MODES:
@@ -73,14 +75,9 @@ class AdapterLinear(torch.nn.Module):
         self.parallel = parallel if tp.world_size > 1 else None
         self.tp = tp
         self.full_in_features, self.full_slice_widths = in_features, slice_widths
-        # this rank's (start, length) of the full input, and of each slice's full output
-        self.input_span = (0, in_features)
-        self.output_spans = tuple((0, w) for w in slice_widths)
-        if self.parallel == "row":
-            self.input_span = tp.span(in_features, f"the input of {'|'.join(slice_kinds)}")
-        elif self.parallel == "column":
-            self.output_spans = output_spans or tuple(
-                tp.span(w, f"the output of {kind}") for w, kind in zip(slice_widths, slice_kinds))
+        self.layout = LinearLayout(parallel, in_features, slice_widths, slice_kinds, slice_heads)
+        self.spans = self.layout.spans(tp.rank, tp.world_size)  # this rank's part of the full tensors
+        self.input_span, self.output_spans = self.spans.input, self.spans.outputs
         in_features = self.input_span[1]
         slice_widths = tuple(length for _, length in self.output_spans)
         out_features = sum(slice_widths)
@@ -129,16 +126,6 @@ class AdapterLinear(torch.nn.Module):
         if ia3 is not None:
             ia3_scale(y, self.ia3_out, ia3)
         return y
-
-    def shard_input(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's part of a tensor indexed by the full input features along dim
-        (LoRA A's columns, (IA)^3 input scales): split on a row-parallel layer."""
-        return t.narrow(dim, *self.input_span) if self.parallel == "row" else t
-
-    def shard_output(self, t: torch.Tensor, dim: int, slice_index: int) -> torch.Tensor:
-        """This rank's part of a tensor indexed by one slice's full output width along dim
-        (LoRA B's rows, (IA)^3 output scales): split on a column-parallel layer."""
-        return t.narrow(dim, *self.output_spans[slice_index]) if self.parallel == "column" else t
 
     def takes_quantized_input(self, tokens: int) -> bool:
         """Whether this batch's input should come quantized with it (one fused launch in the

@@ -41,10 +41,8 @@ class DecoderLayer(torch.nn.Module):
         self.rope = rope
         h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
-        first_kv, kv_heads = tp.kv_heads(cfg.num_kv_heads)
-        kv_span = (first_kv * cfg.head_dim, kv_heads * cfg.head_dim)
         self.qkv_proj = AdapterLinear(h, (q, kv, kv), ("q_proj", "k_proj", "v_proj"), cfg.qkv_bias, dtype, device,
-                                      fp8, "column", tp, (tp.span(q, "q_proj's output"), kv_span, kv_span))
+                                      fp8, "column", tp, (None, cfg.num_kv_heads, cfg.num_kv_heads))
         self.o_proj = AdapterLinear(q, (h,), ("o_proj",), cfg.o_bias, dtype, device, fp8, "row", tp)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)

@@ -4,6 +4,8 @@ The generation backbone (`model`) answers Generate; the encoder (`encoder`, when
 configured) answers Classify and Embed. An adapter is recorded at upload with the
 backbone it was validated for, so a call that names one goes to that backbone;
 a call the chosen backbone cannot serve is refused with FAILED_PRECONDITION.
+In direct mode (server/direct.py) the generation backbone's handle is a LocalHandle,
+to the engine replica in the ingress's own process.
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from adapterserve.adapters_store.records import AdapterVersion
+from adapterserve.server.local_handle import LocalHandle
 
+Handle = DeploymentHandle | LocalHandle  # a Serve handle, or one to a replica in this process (direct mode)
 _HINTS = {
     "generate": "use `adapterserve generate` with an adapter made for the generation backbone",
     "classify": "use `adapterserve classify` with an adapter made for the encoder",
@@ -26,15 +30,18 @@ class NotServed(Exception):
     """The call needs a backbone (or a task) this server does not run for it."""
 
 
-def own_handle(bound: DeploymentHandle) -> DeploymentHandle:
-    """A handle to the same deployment with this process's Serve options. A bound handle
-    carries the options of the driver that built the app, and a driver that imported Serve
-    before SERVE_ENV was set calls by object reference, not over Serve's gRPC transport."""
+def own_handle(bound: Handle) -> Handle:
+    """A handle to the same deployment with this process's Serve options (a LocalHandle, to a
+    replica in this process, as it is). A bound handle carries the options of the driver that
+    built the app, and a driver that imported Serve before SERVE_ENV was set calls by object
+    reference, not over Serve's gRPC transport."""
+    if isinstance(bound, LocalHandle):
+        return bound
     return serve.get_deployment_handle(bound.deployment_name, bound.app_name, _check_exists=False)
 
 
 class Backends:
-    def __init__(self, model: DeploymentHandle, encoder: DeploymentHandle | None, config: Mapping[str, Any]) -> None:
+    def __init__(self, model: Handle, encoder: DeploymentHandle | None, config: Mapping[str, Any]) -> None:
         self.model_id: str = config["model_id"]
         self.encoder_id: str | None = config["encoder_id"] if encoder is not None else None
         self._handles = {self.model_id: own_handle(model)}
@@ -43,14 +50,14 @@ class Backends:
         self._static: dict[str, dict[str, Any]] = {}
 
     @property
-    def model(self) -> DeploymentHandle:
+    def model(self) -> Handle:
         return self._handles[self.model_id]
 
-    def deployments(self) -> dict[str, DeploymentHandle]:
+    def deployments(self) -> dict[str, Handle]:
         """Deployment name -> handle, for every engine deployment (what health asks)."""
         return {handle.deployment_name: handle for handle in self._handles.values()}
 
-    def handle(self, backbone: str) -> DeploymentHandle:
+    def handle(self, backbone: str) -> Handle:
         return self._handles[backbone]
 
     async def static(self, backbone: str) -> dict[str, Any]:
@@ -63,7 +70,7 @@ class Backends:
         """Every backbone's facts, the generation backbone first (the upload validation order)."""
         return [await self.static(b) for b in self._handles]
 
-    async def for_call(self, task: str, version: AdapterVersion | None) -> DeploymentHandle:
+    async def for_call(self, task: str, version: AdapterVersion | None) -> Handle:
         """The deployment for `task` with `version`; NotServed if none can serve it."""
         backbone = self._backbone_of(version) if version else self._default_for(task)
         static = await self.static(backbone)

@@ -9,7 +9,9 @@ to an immutable version, tokenize and length-check the prompt
 version's content hash as `multiplexed_model_id`, so replicas that hold it are preferred
 (routing.py; routing mode "pow2" sends none: Serve's power of two choices).
 Generate goes to the generation backbone, Classify and Embed to the encoder
-(backends.py picks the deployment; an adapter goes where it was validated).
+(backends.py picks the deployment; an adapter goes where it was validated). In direct
+mode the generation engine runs in this replica's process (direct.py) and `replica` is
+a LocalHandle to it.
 Errors become gRPC status codes (see status.py; a failed call ends with its status and
 retry metadata rather than raising, which would lose the metadata). The HTTP routes
 (OpenAI-compatible, vLLM's adapter routes, GET /health) are openai_routes.py's, mixed in;
@@ -36,7 +38,7 @@ from adapterserve.proto import adapterserve_pb2 as pb
 from adapterserve.server import messages
 from adapterserve.server.admission import Admission
 from adapterserve.server.auth import grpc_caller, load_keys
-from adapterserve.server.backends import Backends
+from adapterserve.server.backends import Backends, Handle
 from adapterserve.server.grpc_services import hold_pending_calls, refuse_undecodable
 from adapterserve.server.health import DeploymentHealth
 from adapterserve.server.health_rpc import HealthRpc
@@ -70,7 +72,7 @@ def _empty_reply(method: str):
 @serve.deployment
 @serve.ingress(http_app)
 class Ingress(HealthRpc, OpenAIRoutes):
-    def __init__(self, replica: DeploymentHandle, config: dict[str, Any],
+    def __init__(self, replica: Handle, config: dict[str, Any],
                  encoder: DeploymentHandle | None = None, metrics_hub: DeploymentHandle | None = None) -> None:
         hold_pending_calls()  # before Serve starts this replica's gRPC server
         self.backends = Backends(replica, encoder, config)

@@ -107,6 +107,9 @@ DEFAULTS: dict[str, Any] = {
     # (a replica holding the request's adapter, spilling past replicas whose queue depth reaches
     # spill_queue_depth; null: the engine's max_num_seqs) or "pow2" (Serve's power of two choices)
     "routing": {"mode": "adapter", "spill_queue_depth": None},
+    # the generation engine inside the ingress deployment (one hop: server/direct_settings.py), true, false
+    # (behind it, reached through a Serve handle that routes by adapter) or "auto": true with one replica
+    "direct": "auto",
     "replica": {  # Ray Serve options of the engine deployment
         "num_replicas": 1,
         # None: the engine's max_num_seqs + max_queued_requests + a few health and adapter calls,

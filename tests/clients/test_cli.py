@@ -113,3 +113,11 @@ def test_stdin_that_is_not_text_is_a_local_error(capsys, monkeypatch):
     assert cli.main(["embed", "-", "--server", "127.0.0.1:1"]) == 2
     assert capsys.readouterr().err == "error: stdin is not utf-8 text: invalid continuation byte at byte 3\n"
 
+
+
+def test_serve_direct_flag_maps_to_the_setting():
+    assert cli.serve_config(_serve_args("--direct", "on")) == {"direct": True}
+    assert cli.serve_config(_serve_args("--direct", "off")) == {"direct": False}
+    assert cli.serve_config(_serve_args("--direct", "auto")) == {"direct": "auto"}
+    with pytest.raises(SystemExit):
+        _serve_args("--direct", "yes")

@@ -2,16 +2,22 @@
 (rank 0 here, rank 1 a spawned local process) against the same engine at size 1, on one
 mixed batch of every family: greedy tokens identical, seeded sampling identical,
 classifier probabilities within float32 tolerance; adapters hot-loaded and evicted while
-requests run (more adapters than slots). Failures and hostile sizes: test_tp_failures.py."""
+requests run (more adapters than slots); each worker is sent only its part of an adapter
+(bytes counted from the shapes), when it is added or, not shared, with its placement.
+Failures and hostile sizes: test_tp_failures.py; the cut's pools: test_tp_shards.py."""
 from __future__ import annotations
 
+import dataclasses
+import pickle
 from collections.abc import Iterator
-
 from pathlib import Path
 
 import pytest
 
 from adapterserve import Engine, SamplingParams
+from adapterserve.adapters_store.cache import host_copy_bytes
+from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.models.decoder_config import DecoderConfig
 from tests.engine.test_all_families import _head_adapter
 from tests.helpers.families import family_configs, make_peft_adapter
 from tests.helpers.lora import make_peft_lora
@@ -115,3 +121,43 @@ def test_choices_forked_from_one_prompt_equal_one_rank(engines):
     one, two = (engine.generate([[11, 12, 13, 14, 15, 16, 17]], sampling, ["lora-8"]) for engine in engines)
     assert [o.token_ids for o in one] == [o.token_ids for o in two]
     assert len({tuple(o.token_ids) for o in one}) > 1, "the choices are all alike: a vacuous check"
+
+
+ROW_PARALLEL = ("o_proj", "down_proj")  # the others are column-parallel
+
+
+def _part_bytes(adapter: Adapter, cfg: DecoderConfig, world: int) -> int:
+    """Bytes of one worker's part of a LoRA from the shapes alone: A whole and B's rows split
+    on column-parallel projections, A's columns split and B whole on row-parallel ones."""
+    total = 0
+    for (_, kind), module in adapter.lora.modules.items():
+        (rank, cols), (rows, _) = module.a.shape, module.b.shape
+        split_a, split_b = (world, 1) if kind in ROW_PARALLEL else (1, world)
+        total += (rank * cols // split_a + rows * rank // split_b) * module.a.element_size()
+    return total
+
+
+def test_workers_are_sent_only_their_part(engines, adapter_dirs):
+    """A rank-8 LoRA on every projection: shared when added, then (the workers told to forget
+    it) sent again with its placement; each message carries the worker's part and the
+    overhead of the whole adapter's message at most, and the tokens equal TP=1's."""
+    two = engines[1]
+    sent = two.lockstep.adapter_bytes
+    before = sent[1]
+    for engine in engines:
+        engine.load_adapter("cut-lora", adapter_dirs["lora-8"])
+    adapter = two.adapters["cut-lora"]
+    shared = sent[1] - before
+    two.lockstep.forget(adapter)  # its placement now carries its part
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    outs = [engine.generate([[9, 8, 7, 6, 5]], greedy, ["cut-lora"])[0].token_ids for engine in engines]
+    placed = sent[1] - before - shared
+    for engine in engines:
+        engine.unload_adapter("cut-lora")
+    assert outs[0] == outs[1]
+    whole = len(pickle.dumps((0, dataclasses.replace(adapter, staged={})), protocol=pickle.HIGHEST_PROTOCOL))
+    part = _part_bytes(adapter, two.model_config, 2)
+    overhead = whole - host_copy_bytes(adapter)  # pickling's, for the same count of tensors
+    assert part < 0.75 * host_copy_bytes(adapter)
+    for message in (shared, placed):
+        assert part <= message <= part + overhead + 1024, (message, part, whole)

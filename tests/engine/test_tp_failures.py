@@ -1,5 +1,6 @@
 """Tensor parallelism's failures (CPU, gloo): a killed worker makes the engine raise
-EngineBroken (never a hang), and hostile sizes are refused with errors naming the size."""
+EngineBroken (never a hang), so does a worker sent an adapter cut for another rank, and
+hostile sizes are refused with errors naming the size."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,7 @@ from adapterserve.errors import EngineBroken
 from adapterserve.models.decoder_config import read_decoder_config
 from tests.engine.test_tp_engine import MODEL, SETTINGS
 from tests.engine.test_tp_gpu import GPU
+from tests.helpers.lora import make_peft_lora
 
 BREAK_WAIT_S = 60.0  # a killed worker must break the engine well within this
 
@@ -65,6 +67,20 @@ def test_a_worker_dead_while_idle_shows_in_health():
         assert engine.broken is not None and "worker 1" in engine.broken
         with pytest.raises(EngineBroken, match="worker 1"):
             engine.add_request([1, 2], SamplingParams(max_tokens=1))
+    finally:
+        engine.close()
+
+
+def test_a_part_cut_for_another_rank_breaks_the_engine(tmp_path):
+    """The cut names its rank: a worker given rank 0's part refuses to place it."""
+    lora = make_peft_lora(MODEL, tmp_path / "lora", r=4, lora_alpha=8, target_modules="all-linear")
+    engine = Engine.from_pretrained(MODEL, tensor_parallel_size=2, **SETTINGS)
+    try:
+        cut = engine.lockstep.cut
+        engine.lockstep.cut = lambda adapter, rank: cut(adapter, 0)
+        engine.load_adapter("lora", lora)
+        with pytest.raises(EngineBroken, match="rank 1 of 2 was sent the part of an adapter cut for rank 0 of 2"):
+            engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0), ["lora"])
     finally:
         engine.close()
 

@@ -139,6 +139,8 @@ def server(ray_session, tiny_model, moto_s3, otlp_collector, tmp_path_factory) -
                    "max_num_batched_tokens": STEP_BUDGET},
         "max_in_flight": MAX_IN_FLIGHT,
         "max_health_watches": MAX_HEALTH_WATCHES,
+        # two tiers (Ingress -> EngineReplica deployment); direct mode: tests/server/test_direct_served.py
+        "direct": False,
         "encoder_pinned_adapters": ["sentiment"],  # an example adapter, published by the encoder at start
         "lora_sources": [str(root / "sources"), f"s3://{moto_s3.bucket}/{S3_ALLOWED}"],
         "lora_s3_options": moto_s3.options,

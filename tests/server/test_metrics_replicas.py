@@ -15,12 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.helpers.live_server import ALICE, NUM_KV_BLOCKS
+from tests.helpers.live_server import ALICE, MAX_WAITING, NUM_KV_BLOCKS
 from tests.helpers.scrape import Scrape, parse
 
 APP, PREFIX = "metrics2", "/metrics2"
 PLAN = [("sql", 3), ("chat", 2), ("poem", 2)]  # in this order: the first two get names
-BASE_CALLS = 10  # at once, so that both replicas take some
+BASE_CALLS = 10  # MAX_WAITING at a time: more arriving between two steps of one engine would be shed (429)
 MODEL = "tiny-llama"
 
 
@@ -65,7 +65,7 @@ def test_two_engine_replicas_add_up(two_replicas):
     for adapter, calls in PLAN:
         for _ in range(calls):
             _complete(two_replicas, adapter)
-    with ThreadPoolExecutor(BASE_CALLS) as pool:
+    with ThreadPoolExecutor(MAX_WAITING) as pool:
         list(pool.map(lambda _: _complete(two_replicas, MODEL, 8), range(BASE_CALLS)))
     calls = sum(n for _, n in PLAN) + BASE_CALLS
     found = _scrape_when(two_replicas, lambda s: s.total("adapterserve_request_queue_seconds_count") >= calls

@@ -3,7 +3,8 @@
 Rows of slots without (IA)^3 stay at 1; the ia3 op only touches tokens whose
 adapter is (IA)^3, so other families never pay for it. On tensor-parallel linears each
 rank keeps its part of the scales (input scales of row-parallel layers, output scales of
-column-parallel ones; a row-parallel layer's output scales apply after its all-reduce).
+column-parallel ones; a row-parallel layer's output scales apply after its all-reduce), from
+a whole adapter or all of an AdapterShard cut for it.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.engine.adapter_shard import linear_part
 from adapterserve.layers.linear import AdapterLinear
 
 
@@ -36,14 +38,14 @@ class Ia3Pool:
         ia3 = adapter.ia3
         with torch.no_grad():
             for layer, linear in self.linears:
-                offset = 0
+                spans, offset = linear_part(linear, adapter), 0
                 for index, (kind, width) in enumerate(zip(linear.slice_kinds, linear.slice_widths)):
                     scale = ia3.scales.get((layer, kind))
                     if scale is not None and kind in ia3.feedforward:
-                        linear.ia3_in[slot] = linear.shard_input(scale, 0).to(linear.ia3_in.device,
-                                                                               linear.ia3_in.dtype)
+                        linear.ia3_in[slot] = spans.input_part(scale, 0).to(linear.ia3_in.device,
+                                                                             linear.ia3_in.dtype)
                     elif scale is not None:
-                        part = linear.shard_output(scale, 0, index)
+                        part = spans.output_part(scale, 0, index)
                         linear.ia3_out[slot, offset : offset + width] = part.to(linear.ia3_out.device,
                                                                                 linear.ia3_out.dtype)
                     offset += width

@@ -8,9 +8,9 @@ copies per projection, not one per layer. In the stacked layout (kernels/stacked
 each linear's A rows live under its own base weight instead, copied layer by layer,
 and the pool keeps the row bucket its stacked GEMMs cover.
 
-Adapters come unsharded; on tensor-parallel linears each rank keeps its part
-(AdapterLinear.shard_input / shard_output: A's columns on row-parallel layers, B's
-rows on column-parallel ones), in the host copy it stages.
+On tensor-parallel linears each rank keeps its part (A's columns on row-parallel layers,
+B's rows on column-parallel ones) in the host copy it stages: through its layers' spans
+from a whole adapter (rank 0), or all of an AdapterShard cut for it (engine/adapter_shard.py).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
-from adapterserve.adapters_store.formats.types import LoraAdapter
+from adapterserve.engine.adapter_shard import linear_part
 from adapterserve.engine.row_allocator import RowAllocator
 from adapterserve.kernels import LoraSlices
 from adapterserve.kernels.stacked import RowsInUse, row_bucket, stack_weight
@@ -59,7 +59,7 @@ class _Stack:
         self.a_layers = a_layers  # [n, pool_rows, K] per layer
 
     @torch.no_grad()
-    def write(self, slot: int, adapter: LoraAdapter, rows: dict[str, tuple[int, int]], staged: dict) -> None:
+    def write(self, slot: int, adapter: Adapter, rows: dict[str, tuple[int, int]], staged: dict) -> None:
         """Copy an adapter in; the copies are asynchronous from pinned memory on a GPU, so the
         host goes on scheduling and the next step's kernels queue behind them."""
         for s, kind in enumerate(self.kinds):
@@ -78,29 +78,31 @@ class _Stack:
                     a_layer[s, start : start + width].copy_(a_rows, non_blocking=True)
             self.b[:, start : start + width, self.offsets[s] : self.offsets[s + 1]].copy_(b, non_blocking=True)
 
-    def stage(self, adapter: LoraAdapter) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def stage(self, adapter: Adapter) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per kind: ranks [layers], A [layers, r, in], scaled B^T [layers, r, out] in the pool's
         dtype, in pinned host memory on a GPU: the host copy that loads fast."""
         staged = {}
         for s, kind in enumerate(self.kinds):
-            width = adapter.kind_rank(kind)
-            ranks = torch.tensor([adapter.modules[(l, kind)].rank if (l, kind) in adapter.modules else 0
-                                  for l in self.layers], dtype=torch.int32)
+            width = adapter.lora.kind_rank(kind)
+            modules = adapter.lora.modules
+            ranks = torch.tensor([modules[(l, kind)].rank if (l, kind) in modules else 0 for l in self.layers],
+                                 dtype=torch.int32)
             a, b = self._packed(adapter, s, width)
             staged[kind] = (ranks.pin_memory(), a, b) if self.b.is_cuda else (ranks, a, b)
         return staged
 
-    def _packed(self, adapter: LoraAdapter, s: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _packed(self, adapter: Adapter, s: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Host tensors [layers, width, in] of A and [layers, width, out] of scaled B^T for slice s,
         zero-padded (this rank's part under tensor parallelism)."""
         kind, out = self.kinds[s], self.offsets[s + 1] - self.offsets[s]
+        spans = linear_part(self.linear, adapter)
         a = torch.zeros(len(self.layers), width, self.in_features, dtype=self.b.dtype)
         b = torch.zeros(len(self.layers), width, out, dtype=self.b.dtype)
         for i, layer in enumerate(self.layers):
-            module = adapter.modules.get((layer, kind))
+            module = adapter.lora.modules.get((layer, kind))
             if module is not None:
-                a[i, : module.rank] = self.linear.shard_input(module.a, 1)
-                b[i, : module.rank] = self.linear.shard_output((module.b * module.scaling).T, 1, s)
+                a[i, : module.rank] = spans.input_part(module.a, 1)
+                b[i, : module.rank] = spans.output_part((module.b * module.scaling).T, 1, s)
         if self.b.is_cuda:
             a, b = a.pin_memory(), b.pin_memory()
         return a, b
@@ -152,7 +154,7 @@ class LoraPool:
         self._rows[slot] = rows
         staged = adapter.staged.setdefault("lora", [{} for _ in self.stacks])
         for stack, stack_staged in zip(self.stacks, staged):
-            stack.write(slot, adapter.lora, rows, stack_staged)
+            stack.write(slot, adapter, rows, stack_staged)
         self._update_rows_in_use()
         return True
 
@@ -162,7 +164,7 @@ class LoraPool:
     def prepare(self, adapter: Adapter) -> None:
         """Stage the adapter's host copy now (on add), so placing it later only copies."""
         if adapter.lora is not None and "lora" not in adapter.staged:
-            adapter.staged["lora"] = [stack.stage(adapter.lora) for stack in self.stacks]
+            adapter.staged["lora"] = [stack.stage(adapter) for stack in self.stacks]
 
     def clear(self, slot: int) -> None:
         rows = self._rows.pop(slot, None)

@@ -1,7 +1,8 @@
 """Prefix-tuning pool: an adapter's per-layer keys and values written once into
 KV-cache blocks that every request of that adapter attends first. The blocks are
 held while the adapter sits in its slot and freed when the slot is cleared.
-Under tensor parallelism each rank writes its KV heads' part of the prefix."""
+Under tensor parallelism each rank writes its KV heads' part of the prefix (of a whole
+adapter, or all of an AdapterShard cut for it)."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.engine.adapter_shard import kv_part
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.layers.attention import PagedAttention
 
@@ -35,8 +37,9 @@ class PrefixPool:
         index = torch.tensor(slots, device=self.attention[0].k_cache.device)
         with torch.no_grad():
             for layer, attn in enumerate(self.attention):
-                attn.k_cache[index] = attn.shard_kv(prefix.keys[layer]).to(attn.k_cache.device, attn.k_cache.dtype)
-                attn.v_cache[index] = attn.shard_kv(prefix.values[layer]).to(attn.v_cache.device, attn.v_cache.dtype)
+                keys, values = (kv_part(attn, adapter, t[layer]) for t in (prefix.keys, prefix.values))
+                attn.k_cache[index] = keys.to(attn.k_cache.device, attn.k_cache.dtype)
+                attn.v_cache[index] = values.to(attn.v_cache.device, attn.v_cache.dtype)
         self.pages[slot] = table
         return True
 

@@ -5,7 +5,8 @@ does it: each step's host inputs (``StepInputs``), slot fills and clears, KV blo
 copies, decode-graph setup and capture, shutdown. One pickled message per command,
 sent to every worker over its own connection; workers run them in order, so their
 collectives meet rank 0's. Adapters' tensors travel apart, on a second connection, when
-an adapter is added (``share``): a slot fill then names the adapter by key.
+an adapter is added (``share``): a slot fill then names the adapter by key. Each worker
+receives only its part of an adapter (``cut``, an AdapterCutter set by the engine).
 
 A worker that raises sends its error and exits; one that dies closes its connection.
 Rank 0 looks for either before every command and while it waits for a step's
@@ -19,6 +20,7 @@ import dataclasses
 import pickle
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -59,6 +61,11 @@ class Lockstep:
         self._adapters_lock = threading.Lock()
         self._keys: dict[int, int] = {}  # id(adapter) -> the key workers know it by
         self._next_key = 0
+        # what worker `rank` receives of an adapter: the engine sets its AdapterCutter (the
+        # rank's part only); until then the whole adapter, which the worker's pools cut
+        self.cut: Callable[[Adapter, int], Adapter] = lambda adapter, rank: dataclasses.replace(adapter, staged={})
+        self.adapter_bytes: Counter[int] = Counter()  # rank -> bytes of adapters' messages sent to it
+        self._bytes_lock = threading.Lock()
 
     # commands
 
@@ -66,11 +73,12 @@ class Lockstep:
         self._send(("step", inputs))
 
     def share(self, adapter: Adapter) -> None:
-        """Send an adapter's tensors to every worker now (when it is added, not in the step that
+        """Send each worker its part of an adapter now (when it is added, not in the step that
         places it), on the adapter connections; its placements then name it by key."""
         with self._adapters_lock:
             key, self._next_key = self._next_key, self._next_key + 1
-            self._send_all((key, dataclasses.replace(adapter, staged={})), lambda worker: worker.adapters)
+            for worker in self.workers:
+                self._send_adapter(worker, worker.adapters, lambda part: (key, part), adapter)
             self._keys[id(adapter)] = key
 
     def forget(self, adapter: Adapter) -> None:
@@ -81,10 +89,16 @@ class Lockstep:
 
     def place(self, slot: int, adapter: Adapter) -> None:
         """The adapter placed in `slot` on rank 0 (its prefix in the KV blocks rank 0 chose):
-        by key when shared, else its tensors with the command."""
+        by key when shared, else each worker's part with the command."""
         key = self._keys.get(id(adapter))
-        sent = key if key is not None else dataclasses.replace(adapter, staged={})
-        self._send(("place", slot, sent, list(self.prefix_pages(slot))))
+        pages = list(self.prefix_pages(slot))
+        if key is not None:
+            self._send(("place", slot, key, pages))
+            return
+        with self._lock:
+            self.check()
+            for worker in self.workers:
+                self._send_adapter(worker, worker.conn, lambda part: ("place", slot, part, pages), adapter)
 
     def clear(self, slot: int) -> None:
         self._send(("clear", slot))
@@ -179,14 +193,26 @@ class Lockstep:
             self._send_all(message, lambda worker: worker.conn)
 
     def _send_all(self, message: object, connection: Callable[[WorkerLink], Connection]) -> None:
-        """message, pickled once, to every worker on the connection chosen; an unreachable one breaks the engine."""
+        """message, pickled once, to every worker on the connection chosen."""
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for worker in self.workers:
-            try:
-                connection(worker).send_bytes(data)
-            except OSError as exc:
-                raise self._break(f"tensor-parallel worker {worker.rank} ({worker.describe}) is unreachable: "
-                                  f"{type(exc).__name__}: {exc}") from exc
+            self._send_bytes(worker, connection(worker), data)
+
+    def _send_adapter(self, worker: WorkerLink, conn: Connection, message: Callable[[Adapter], object],
+                      adapter: Adapter) -> None:
+        """The message around the worker's part of `adapter`, pickled for it alone, counted in adapter_bytes."""
+        data = pickle.dumps(message(self.cut(adapter, worker.rank)), protocol=pickle.HIGHEST_PROTOCOL)
+        self._send_bytes(worker, conn, data)
+        with self._bytes_lock:
+            self.adapter_bytes[worker.rank] += len(data)
+
+    def _send_bytes(self, worker: WorkerLink, conn: Connection, data: bytes) -> None:
+        """An unreachable worker breaks the engine."""
+        try:
+            conn.send_bytes(data)
+        except OSError as exc:
+            raise self._break(f"tensor-parallel worker {worker.rank} ({worker.describe}) is unreachable: "
+                              f"{type(exc).__name__}: {exc}") from exc
 
     def _receive(self, worker: WorkerLink) -> object:
         """A worker's next message: ("ready",), or its error's text, or why it has none."""

@@ -2,8 +2,9 @@
 backbone, builds its adapter pools and step state as rank 0 does, then runs rank 0's
 commands in order until "close" or until rank 0's connection closes. It never sees a
 request: a step arrives as its host inputs, a slot fill as the key of an adapter whose
-full tensors arrived before (each pool keeps this rank's shard). On an error it sends the traceback to rank 0 and
-exits, so no collective of the other ranks waits on it for long.
+part for this rank (an AdapterShard, engine/adapter_shard.py) arrived before. On an error
+it sends the traceback to rank 0 and exits, so no collective of the other ranks waits on it
+for long.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.config import EngineConfig
+from adapterserve.engine.adapter_shard import AdapterShard
 from adapterserve.engine.host_copy import on_copy_stream
 from adapterserve.engine.pool_set import build_pools
 from adapterserve.engine.step_device import StepDevice, StepInputs, attach_lora_side_stream
@@ -113,7 +115,7 @@ class WorkerState:
     def __init__(self, spec: WorkerSpec, tp: TensorParallel, inbox: AdapterInbox) -> None:
         self.inbox = inbox
         config = spec.config
-        self.rank = spec.rank
+        self.rank, self.world_size = spec.rank, spec.world_size
         self.model = spec.build_model(tp, config.device)
         self.blocks = GivenBlocks(config.block_size)
         self.pools = build_pools(config, self.model, self.blocks, with_head=False)
@@ -133,9 +135,13 @@ class WorkerState:
         self.device.keep_sampled(None, len(inputs.generating))
 
     def place(self, slot: int, adapter: Adapter | int, prefix_pages: list[int]) -> None:
-        """`adapter`: itself, or the key it was shared under."""
+        """`adapter`: this rank's part of it (or the whole, which the pools cut), or the key it
+        was shared under."""
         if isinstance(adapter, int):
             adapter = self.inbox.take(adapter)
+        if isinstance(adapter, AdapterShard) and (adapter.rank, adapter.world_size) != (self.rank, self.world_size):
+            raise RuntimeError(f"rank {self.rank} of {self.world_size} was sent the part of an adapter cut for rank "
+                               f"{adapter.rank} of {adapter.world_size}")
         self.blocks.next_table = prefix_pages
         with on_copy_stream(self.copy_stream, self._landing):
             for pool in self.pools.all():

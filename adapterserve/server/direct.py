@@ -1,0 +1,63 @@
+"""Direct mode (setting `direct`, server/direct_settings.py): the generation engine inside the
+ingress deployment, one hop from HAProxy to the replica that runs the request.
+
+Each replica of the `Ingress` deployment is an Ingress (auth, quotas, admission, resolution,
+tokenization, tracing, metrics, health, drain, uploads, the OpenAI routes: ingress.py,
+unchanged) that owns an EngineReplica (replica.py: the engine child process, adapters,
+pinned adapters, its own metrics and spans) and calls it through a LocalHandle
+(local_handle.py) where the two-tier Ingress holds a Serve handle. Serve's health checks of
+the deployment probe the engine as the EngineReplica deployment's do. The encoder stays a
+deployment of its own, behind a Serve handle.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from adapterserve.server.grpc_services import hold_pending_calls
+from adapterserve.server.ingress import Ingress
+from adapterserve.server.local_handle import LocalHandle
+from adapterserve.server.replica import EngineReplica
+
+ENGINE_NAME = "EngineReplica"  # the local engine's name in health reports, as the two-tier deployment's
+
+
+async def start_engine_replica(config: dict[str, Any], role: str, metrics_hub: Any | None) -> Any:
+    """An EngineReplica object in this process (its engine started, adapters pinned)."""
+    cls = EngineReplica.func_or_class
+    replica = cls.__new__(cls)
+    await replica.__init__(config, role, metrics_hub)
+    return replica
+
+
+def ingress_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """`config` as the Ingress reads it here: its replicas are the generation replicas (for the
+    tenants' per-replica share of their quotas)."""
+    replicas = config["replica"]["num_replicas"]
+    ingress = {**config["ingress"], "num_replicas": replicas if isinstance(replicas, int) else 1}
+    return {**config, "ingress": ingress}
+
+
+@serve.deployment
+class DirectIngress(Ingress.func_or_class):
+    async def __init__(self, config: dict[str, Any], encoder: DeploymentHandle | None = None,
+                       metrics_hub: DeploymentHandle | None = None) -> None:
+        hold_pending_calls()  # before Serve starts this replica's gRPC server, as the Ingress does
+        self.engine_replica = await start_engine_replica(config, "model", metrics_hub)
+        local = LocalHandle(ENGINE_NAME, self.engine_replica)
+        await super().__init__(local, ingress_config(config), encoder, metrics_hub)
+
+    async def check_health(self) -> None:
+        """Serve's health check: the engine's (replica.py); raises when this replica must be replaced."""
+        await self.engine_replica.check_health()
+
+    async def __del__(self) -> None:  # Serve calls it on a graceful shutdown: the engine goes with the replica
+        try:
+            await super().__del__()
+        finally:
+            engine = getattr(self, "engine_replica", None)
+            if engine is not None:
+                engine.__del__()
