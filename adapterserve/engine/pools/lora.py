@@ -23,6 +23,7 @@ import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.engine.adapter_shard import linear_part
+from adapterserve.engine.host_copy import pinned_copy
 from adapterserve.engine.row_allocator import RowAllocator
 from adapterserve.kernels import LoraSlices
 from adapterserve.kernels.stacked import RowsInUse, row_bucket, stack_weight
@@ -88,7 +89,7 @@ class _Stack:
             ranks = torch.tensor([modules[(l, kind)].rank if (l, kind) in modules else 0 for l in self.layers],
                                  dtype=torch.int32)
             a, b = self._packed(adapter, s, width)
-            staged[kind] = (ranks.pin_memory(), a, b) if self.b.is_cuda else (ranks, a, b)
+            staged[kind] = (pinned_copy(ranks), a, b) if self.b.is_cuda else (ranks, a, b)
         return staged
 
     def _packed(self, adapter: Adapter, s: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,15 +97,14 @@ class _Stack:
         zero-padded (this rank's part under tensor parallelism)."""
         kind, out = self.kinds[s], self.offsets[s + 1] - self.offsets[s]
         spans = linear_part(self.linear, adapter)
-        a = torch.zeros(len(self.layers), width, self.in_features, dtype=self.b.dtype)
-        b = torch.zeros(len(self.layers), width, out, dtype=self.b.dtype)
+        pin = self.b.is_cuda  # staged in pinned memory from the start: the copies to the GPU are asynchronous
+        a = torch.zeros(len(self.layers), width, self.in_features, dtype=self.b.dtype, pin_memory=pin)
+        b = torch.zeros(len(self.layers), width, out, dtype=self.b.dtype, pin_memory=pin)
         for i, layer in enumerate(self.layers):
             module = adapter.lora.modules.get((layer, kind))
             if module is not None:
                 a[i, : module.rank] = spans.input_part(module.a, 1)
                 b[i, : module.rank] = spans.output_part((module.b * module.scaling).T, 1, s)
-        if self.b.is_cuda:
-            a, b = a.pin_memory(), b.pin_memory()
         return a, b
 
     def clear(self, slot: int) -> None:
