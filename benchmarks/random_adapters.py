@@ -44,11 +44,11 @@ class AdapterFactory:
             ]
         return self._lora_banks[rank]
 
-    def lora(self, index: int, rank: int = 16) -> Adapter:
-        """Rank ``rank`` LoRA on all seven projections of every layer."""
+    def lora(self, index: int, rank: int = 16, targets: tuple[str, ...] | None = None) -> Adapter:
+        """Rank ``rank`` LoRA on every layer's ``targets`` (None: all seven projections)."""
         bank = self._lora_bank(rank)[index % self.variants]
         scaling = 1.0 + (index % 13) / 13
-        modules = {key: LoraModule(a, b, scaling) for key, (a, b) in bank.items()}
+        modules = {key: LoraModule(a, b, scaling) for key, (a, b) in bank.items() if targets is None or key[1] in targets}
         return Adapter("lora", lora=LoraAdapter(modules, {"r": rank}))
 
     def ia3(self, index: int) -> Adapter:

@@ -58,6 +58,7 @@ class Config:
     batch: int
     adapters: int
     rank: int
+    targets: tuple[str, ...] | None
     prompt: int
     tokens: int
     all_reduces: tuple[str, ...]
@@ -73,6 +74,8 @@ def parse_args(argv: list[str] | None) -> Config:
     p.add_argument("--adapters", type=int, default=64,
                    help="distinct LoRA adapters (one per request, cycling); 0: base only")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--targets", default=None,
+                   help="LoRA target projections, comma-separated (default: all seven, as engine_throughput.py)")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--all-reduce", default="auto,nccl",
@@ -84,9 +87,11 @@ def parse_args(argv: list[str] | None) -> Config:
     args = p.parse_args(argv)
     sizes = tuple(int(s) for s in args.sizes.split(","))
     all_reduces = tuple(args.all_reduce.split(","))
+    targets = tuple(args.targets.split(",")) if args.targets else None
     if args.smoke:
-        return Config(SHAPES["tiny"], "cpu", "float32", sizes, 4, 4, 4, 8, 4, all_reduces, args.micro, args.profile)
-    return Config(ALL_SHAPES[args.shape], "cuda", "bfloat16", sizes, args.batch, args.adapters, args.rank,
+        return Config(SHAPES["tiny"], "cpu", "float32", sizes, 4, 4, 4, targets, 8, 4, all_reduces, args.micro,
+                      args.profile)
+    return Config(ALL_SHAPES[args.shape], "cuda", "bfloat16", sizes, args.batch, args.adapters, args.rank, targets,
                   args.prompt, args.tokens, all_reduces, args.micro, args.profile)
 
 
@@ -146,7 +151,7 @@ def run_size(cfg: Config, config_dir: Path, size: int, all_reduce: str, factory:
     progress(f"tp={size} {label}: engine built in {time.perf_counter() - started:.1f} s")
     try:
         names = [f"lora{i}" for i in range(cfg.adapters)]
-        adapters = [factory.lora(i, cfg.rank) for i in range(cfg.adapters)]
+        adapters = [factory.lora(i, cfg.rank, cfg.targets) for i in range(cfg.adapters)]
         adapter_bytes = {name: decode_read_bytes(a, model_element_size(cfg)) for name, a in zip(names, adapters)}
         floor = _floor(engine, size, adapter_bytes, bandwidth)
         rows = [_row(engine, cfg, size, label, "base", [None] * cfg.batch, floor)]
@@ -246,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.micro:
         print(micro)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s per GPU; {cfg.shape.name}, prompts {cfg.prompt}, "
-          f"{cfg.tokens} output tokens, LoRA rank {cfg.rank} on all projections")
+          f"{cfg.tokens} output tokens, LoRA rank {cfg.rank} on {','.join(cfg.targets or ('all projections',))}")
     print(table(rows, device))
 
 

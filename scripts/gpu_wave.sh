@@ -28,10 +28,12 @@ for stage in "$@"; do
       timeout 60 python3 -m benchmarks.allreduce_micro --worlds 2 2>&1 | tail -14 ;;
     tptests)  # 2+ GPUs: tensor-parallel engine, decoder and symmetric all-reduce GPU tests
       timeout ${STAGE_S:-170} python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_tp_gpu.py \
-        tests/models/test_tp_gpu.py tests/layers/test_symm_allreduce_gpu.py --tb=line -rfE --timeout 100 2>&1 | tail -12 ;;
+        tests/models/test_tp_gpu.py tests/layers/test_symm_allreduce_gpu.py --tb=short -rfE --timeout 100 2>&1 \
+        | tee "$OUT/tptests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -12 ;;
     graphtests)  # 1 GPU: graph inputs staging, the engine against transformers with graphs, mixed graphs
       timeout ${STAGE_S:-170} python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_host_copy.py \
-        tests/engine/test_gpu.py tests/engine/test_mixed_graphs_gpu.py --tb=line -rfE --timeout 100 2>&1 | tail -12 ;;
+        tests/engine/test_gpu.py tests/engine/test_mixed_graphs_gpu.py --tb=short -rfE --timeout 100 2>&1 \
+        | tee "$OUT/graphtests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -12 ;;
     tp8b1)  # 1 GPU: the 8B at TP 1 (the reference for the TP rows: step, floor, adapter tax)
       timeout ${STAGE_S:-170} python3 -m benchmarks.tp_decode --sizes 1 2>&1 | tee "$OUT/tp8b1.log" | grep -v '^\[{' | tail -8 ;;
     pinning)  # what pinning costs here, one GPU's context and every GPU's (as under tensor parallelism)
