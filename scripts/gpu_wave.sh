@@ -38,6 +38,17 @@ for stage in "$@"; do
       timeout ${STAGE_S:-170} python3 -m benchmarks.tp_decode --sizes 1 2>&1 | tee "$OUT/tp8b1.log" | grep -v '^\[{' | tail -8 ;;
     pinning)  # what pinning costs here, one GPU's context and every GPU's (as under tensor parallelism)
       python3 benchmarks/host_pinning.py 2>&1 | tail -9; python3 benchmarks/host_pinning.py --all-devices 2>&1 | tail -9 ;;
+    scale2)  # 2 GPUs, Ray installed (scripts/ray_wheels.sh): 2 replicas, adapter affinity against pow2
+      PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-560} python3 benchmarks/scale.py --model 8b \
+        --replicas 2 --routing adapter pow2 --requests-per-replica 256 --grpc-port 50151 --workdir /dev/shm/scale2 \
+        --out "$OUT/scale2.md" 2>&1 | tail -12 ;;
+    scale1)  # 1 GPU, Ray installed: the 1-replica baseline (run beside scale2 on the same host)
+      PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-560} python3 benchmarks/scale.py --model 8b \
+        --replicas 1 --requests-per-replica 256 --grpc-port 50161 --workdir /dev/shm/scale1 --out "$OUT/scale1.md" \
+        2>&1 | tail -8 ;;
+    overhead)  # 1 GPU, Ray installed: the server path, two tiers against direct, paired with the engine
+      PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-560} python3 benchmarks/server_overhead.py \
+        --model 1b --device cuda --no-inproc 2>&1 | tail -30 ;;
     tp8b)  # 4 GPUs: the 8B decode step at TP 1, 2, 4, NCCL against the symmetric all-reduce (engines build cold)
       timeout ${STAGE_S:-540} python3 -m benchmarks.tp_decode --sizes 1,2,4 2>&1 | tee "$OUT/tp8b.log" | grep -v '^\[{' | tail -30 ;;
     tp70b)  # 4 GPUs: the 70B at TP 4 (base and 64 distinct adapters)
