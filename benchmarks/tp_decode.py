@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import torch
 
 from adapterserve.config import EngineConfig
 from adapterserve.engine.engine import Engine
+from adapterserve.engine.tp.worker import PROFILE_ENV
 from adapterserve.layers.parallel import TensorParallel
 from adapterserve.models.decoder import DecoderModel
 from adapterserve.models.decoder_config import read_decoder_config
@@ -169,6 +171,8 @@ def run_size(cfg: Config, config_dir: Path, size: int, all_reduce: str, factory:
         engine.close()
         del engine
         gc.collect()
+        if cfg.profile and size > 1:
+            print_worker_profiles(Path(os.environ[PROFILE_ENV]))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -183,14 +187,21 @@ def _row(engine: Engine, cfg: Config, size: int, label: str, workload: str, adap
 
 
 def profile_steps(engine: Engine, cfg: Config, tokens: int = 24) -> None:
-    """Rank 0's busiest kernels over a short base run of short prompts (decode steps), per step."""
+    """Rank 0's busiest kernels (torch.profiler) and Python functions (cProfile) over a short
+    base run of short prompts (decode steps), per step."""
+    import cProfile
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, engine.model_config.vocab_size, (min(cfg.prompt, 16),), generator=gen).tolist()
                for _ in range(cfg.batch)]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cfg.device == "cuda" else [])
+    host = cProfile.Profile()
     with profile(activities=activities) as prof:
+        host.enable()
         run = run_requests(engine, StepTrace(engine), prompts, [None] * cfg.batch, [tokens] * cfg.batch)
+        host.disable()
     steps = max(len(run.steps), 1)
     key = "self_device_time_total" if cfg.device == "cuda" else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:12]
@@ -199,6 +210,22 @@ def profile_steps(engine: Engine, cfg: Config, tokens: int = 24) -> None:
           f"{total:.2f} ms {'GPU' if cfg.device == 'cuda' else 'CPU'} per step (rank 0)")
     for e in events:
         print(f"    {getattr(e, key) / steps / 1e3:8.3f} ms/step {e.count / steps:7.1f} calls/step  {e.key[:90]}")
+    print("  rank 0's host, by own time:")
+    stats = pstats.Stats(host).stats  # {(file, line, function): (calls, primitive calls, own s, cumulative s, callers)}
+    for (file, line, function), (calls, _, own, _, _) in sorted(stats.items(), key=lambda i: -i[1][2])[:12]:
+        print(f"    {1e3 * own / steps:8.3f} ms/step {calls / steps:7.1f} calls/step  "
+              f"{function} ({Path(file).name}:{line})")
+
+
+def print_worker_profiles(directory: Path, rows: int = 12) -> None:
+    """The TP workers' busiest functions (their whole life: build, capture, runs), then forget them."""
+    for path in sorted(directory.glob("tp_worker*.txt")):
+        lines = path.read_text().splitlines()
+        start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), len(lines))
+        print(f"  {path.stem}, whole life, by own time:")
+        for line in lines[start: start + 1 + rows]:
+            print(f"    {line[:150]}")
+        path.unlink()
 
 
 def progress(line: str) -> None:
@@ -240,6 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     factory = AdapterFactory(cfg.shape, cfg.device)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
+        if cfg.profile:  # the local TP workers write their profiles here (engine/tp/worker.py)
+            os.environ[PROFILE_ENV] = tmp
         cfg.shape.hf_config().save_pretrained(tmp)  # config.json only: the weights are drawn per rank
         for size in cfg.sizes:
             for all_reduce in cfg.all_reduces if size > 1 else cfg.all_reduces[:1]:

@@ -32,6 +32,9 @@ from adapterserve.models.loader import load_decoder
 
 
 ModelBuilder = Callable[[TensorParallel, str], DecoderModel]  # (rank's place, device) -> its shard; picklable
+# A directory: each local worker profiles its command loop (cProfile) and writes its busiest functions
+# there when it closes (tp_worker<rank>.txt). For diagnosis: benchmarks/tp_decode.py --profile sets it.
+PROFILE_ENV = "ADAPTERSERVE_TP_PROFILE"
 
 
 def checkpoint_shard(model_dir: str, dtype: torch.dtype, fp8_gemm: str | None, tp: TensorParallel, device: str
@@ -188,7 +191,11 @@ def run_worker(spec: WorkerSpec, device: str) -> None:
                         spec.config.tensor_parallel_all_reduce, spec.all_reduce_bytes)
         state = WorkerState(replace(spec, config=replace(spec.config, device=device)), tp, inbox)
         conn.send_bytes(pickle.dumps(("ready",)))
-        _serve(conn, state)
+        profile_dir = os.environ.get(PROFILE_ENV)
+        if profile_dir:
+            _serve_profiled(conn, state, profile_dir)
+        else:
+            _serve(conn, state)
     except BaseException:
         try:
             conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
@@ -208,3 +215,21 @@ def _serve(conn: Connection, state: WorkerState) -> None:
         if op == "close":
             return
         getattr(state, op)(*args)
+
+
+def _serve_profiled(conn: Connection, state: WorkerState, out_dir: str) -> None:
+    """_serve under cProfile; the functions by their own time go to out_dir/tp_worker<rank>.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        _serve(conn, state)
+    finally:
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+        with open(os.path.join(out_dir, f"tp_worker{state.rank}.txt"), "w") as out:
+            out.write(text.getvalue())
