@@ -1,8 +1,9 @@
 """A tensor-parallel engine replica through the real server: an application on the session's
 Serve whose one replica runs its engine at tensor_parallel_size 2 (in its child process, or in
 the replica's own process with engine_process false), its worker a Ray actor in bundle 1 of the
-replica's own placement group. Its greedy text for a LoRA adapter and for the base equals the
-session server's (size 1)."""
+replica's own placement group; or, in direct mode (server/direct.py), inside the ingress's
+replica, which then holds the placement group. Its greedy text for a LoRA adapter and for the
+base equals the session server's (size 1)."""
 from __future__ import annotations
 
 import copy
@@ -14,7 +15,7 @@ import requests
 
 from tests.helpers.live_server import ALICE
 
-APP = "tp2"  # the applications: tp2-child, tp2-inproc
+APP = "tp2"  # the applications: tp2-child, tp2-inproc, tp2-direct
 PROMPT = "split me"
 
 
@@ -31,16 +32,18 @@ def _complete(base: str, model: str) -> str:
     return reply.json()["choices"][0]["text"]
 
 
-@pytest.mark.parametrize("engine_process", [True, False])
-def test_a_tensor_parallel_replica_serves_what_one_gpu_serves(server, uploaded, engine_process):
+@pytest.mark.parametrize("engine_process, direct", [(True, False), (False, False), (True, True)],
+                         ids=["child", "inproc", "direct"])
+def test_a_tensor_parallel_replica_serves_what_one_gpu_serves(server, uploaded, engine_process, direct):
     from ray import serve
     from ray.util import placement_group_table
 
     from adapterserve.server.app import build_app
 
     config = copy.deepcopy(server.config)
-    app = f"{APP}-{'child' if engine_process else 'inproc'}"
-    config.update(app_name=app, encoder=False, encoder_pinned_adapters=[], engine_process=engine_process)
+    app = f"{APP}-{'direct' if direct else 'child' if engine_process else 'inproc'}"
+    config.update(app_name=app, encoder=False, encoder_pinned_adapters=[], engine_process=engine_process,
+                  direct=direct)
     config["engine"] = {**config["engine"], "tensor_parallel_size": 2}
     config["replica"] = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}}
     config["metrics"] = {"http_route": "off", "push_interval_s": 0.25, "port": None}
