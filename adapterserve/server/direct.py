@@ -54,10 +54,7 @@ class DirectIngress(Ingress.func_or_class):
         """Serve's health check: the engine's (replica.py); raises when this replica must be replaced."""
         await self.engine_replica.check_health()
 
-    async def __del__(self) -> None:  # Serve calls it on a graceful shutdown: the engine goes with the replica
-        try:
-            await super().__del__()
-        finally:
-            engine = getattr(self, "engine_replica", None)
-            if engine is not None:
-                engine.__del__()
+    def __del__(self) -> None:  # Serve calls it on a graceful shutdown (and Python at collection)
+        engine = getattr(self, "engine_replica", None)
+        if engine is not None:
+            engine.__del__()  # the engine goes with the replica (the Ingress itself has nothing to close)
