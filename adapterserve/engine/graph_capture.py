@@ -108,6 +108,13 @@ class CapturedSteps:
     def _forward(self, bucket: int, families: tuple[bool, bool, bool], expand: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def _copy_family_slots(self, family_slots: np.ndarray) -> None:
+        """Each family's slot per token [3, T] into the whole family_slots buffer, padded with -1
+        (the whole buffer: a staged copy needs it contiguous)."""
+        slots = np.full(self.family_slots.shape, -1, dtype=np.int32)
+        slots[:, : family_slots.shape[1]] = family_slots
+        self.staging.copy_into(self.family_slots, slots)
+
     def _logits(self, bucket: int, attention: AttentionMeta, families: tuple[bool, bool, bool], expand: str,
                 rows: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         """The backbone over the bucket's token buffers, then the logits of ``rows`` (None:

@@ -95,14 +95,12 @@ class DecodeGraphs(CapturedSteps):
             tables[b, : len(s.pages)] = s.pages
             last = s.context_len - 1
             writes[b] = s.pages[last // page] * page + last % page
-        slots = np.full(self.family_slots.shape, -1, dtype=np.int32)  # whole: a copy needs it contiguous
-        slots[:, :size] = family_slots
         for buffer, values in ((self.ids, ids), (self.sources, sources), (self.positions, positions),
                                (self.lens, lens), (self.starts, starts), (self.write_slots, writes),
                                (self.order, longest_first(lens))):
             self.staging.copy_into(buffer[:bucket], values)
         self.staging.copy_into(self.tables[:bucket], tables)
-        self.staging.copy_into(self.family_slots, slots)
+        self._copy_family_slots(family_slots)
 
     def _forward(self, bucket: int, families: tuple[bool, bool, bool], expand: str = "tiled") -> torch.Tensor:
         runner = self.runner

@@ -101,9 +101,7 @@ class MixedGraphs(CapturedSteps):
                         (self.positions, host.positions, 0), (self.write_slots, step.write, self.trash_slot))
         for buffer, values, pad in token_values:
             self.staging.copy_into(buffer[:bucket], _padded(values, bucket, pad, np.int64))
-        slots = np.full(self.family_slots.shape, -1, dtype=np.int32)  # whole: a copy needs it contiguous
-        slots[:, :size] = host.family_slots
-        self.staging.copy_into(self.family_slots, slots)
+        self._copy_family_slots(host.family_slots)
         tables = np.zeros((requests, self.max_pages), dtype=np.int32)
         tables[: len(step.tables)] = step.tables
         self.staging.copy_into(self.tables[:requests], tables)

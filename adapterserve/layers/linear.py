@@ -77,9 +77,8 @@ class AdapterLinear(torch.nn.Module):
         self.full_in_features, self.full_slice_widths = in_features, slice_widths
         self.layout = LinearLayout(parallel, in_features, slice_widths, slice_kinds, slice_heads)
         self.spans = self.layout.spans(tp.rank, tp.world_size)  # this rank's part of the full tensors
-        self.input_span, self.output_spans = self.spans.input, self.spans.outputs
-        in_features = self.input_span[1]
-        slice_widths = tuple(length for _, length in self.output_spans)
+        in_features = self.spans.input[1]
+        slice_widths = tuple(length for _, length in self.spans.outputs)
         out_features = sum(slice_widths)
         self.in_features = in_features
         self.slice_widths = slice_widths

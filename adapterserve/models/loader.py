@@ -136,9 +136,9 @@ def _linear_part(linear: AdapterLinear, index: int, param: str) -> Part | None:
     """Column-parallel: the slice's output rows (weight and bias); row-parallel: the weight's
     input columns, the bias whole (added once, after the all-reduce)."""
     if linear.parallel == "column":
-        return Part(0, *linear.output_spans[index], linear.full_slice_widths[index])
+        return Part(0, *linear.spans.outputs[index], linear.full_slice_widths[index])
     if linear.parallel == "row" and param == "weight":
-        return Part(1, *linear.input_span, linear.full_in_features)
+        return Part(1, *linear.spans.input, linear.full_in_features)
     return None
 
 
