@@ -59,6 +59,9 @@ class EngineConfig:
     tensor_parallel_all_reduce: "nccl" (the process group's own all-reduce for every sum) or
                       "auto" (opt-in: small sums over peer-to-peer symmetric memory on GPUs that
                       reach each other's memory, NCCL for the rest; docs/tensor_parallel.md)
+    host_threads:     torch's CPU threads in each process of the engine (process-wide); None: on a
+                      GPU, the process's share of the host's cores, at most 8, unless
+                      OMP_NUM_THREADS is set; on CPU, torch's own (engine/host_threads.py)
     """
 
     device: str = "cpu"
@@ -88,6 +91,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tensor_parallel_launch: str = "auto"
     tensor_parallel_all_reduce: str = "nccl"
+    host_threads: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -118,6 +122,9 @@ class EngineConfig:
         if self.tensor_parallel_all_reduce not in TP_ALL_REDUCES:
             raise ValueError(f"tensor_parallel_all_reduce must be one of {list(TP_ALL_REDUCES)}, "
                              f"got {self.tensor_parallel_all_reduce!r}")
+        threads = self.host_threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"host_threads must be an integer of at least 1, or null (automatic), got {threads!r}")
         if self.warmup not in (True, False, "force"):
             raise ValueError(f"warmup must be true, false or 'force', got {self.warmup!r}")
         if self.lora_pool_rows is not None and self.lora_pool_rows < self.max_lora_rank:

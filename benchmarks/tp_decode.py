@@ -18,9 +18,11 @@ Every variant runs once untimed first (kernels compiled, decode graphs captured)
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import os
+import pstats
 import tempfile
 import time
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.config import EngineConfig
 from adapterserve.engine.engine import Engine
 from adapterserve.engine.tp.worker import PROFILE_ENV
@@ -160,10 +163,7 @@ def run_size(cfg: Config, config_dir: Path, size: int, all_reduce: str, factory:
         if cfg.profile:
             profile_steps(engine, cfg)
         if names:
-            started = time.perf_counter()
-            for name, adapter in zip(names, adapters):
-                engine.add_adapter(name, adapter)
-            progress(f"tp={size} {label}: {len(names)} adapters added in {time.perf_counter() - started:.1f} s")
+            add_adapters(engine, dict(zip(names, adapters)), f"tp={size} {label}", cfg.profile)
             ids = [names[i % len(names)] for i in range(cfg.batch)]
             rows.append(_row(engine, cfg, size, label, f"distinct{cfg.adapters}", ids, floor))
         return rows
@@ -175,6 +175,24 @@ def run_size(cfg: Config, config_dir: Path, size: int, all_reduce: str, factory:
             print_worker_profiles(Path(os.environ[PROFILE_ENV]))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def add_adapters(engine: Engine, adapters: dict[str, Adapter], label: str, profile: bool) -> None:
+    """Add the adapters (timed, with progress every 16); ``profile``: rank 0's busiest functions."""
+    host = cProfile.Profile()
+    started = time.perf_counter()
+    if profile:
+        host.enable()
+    for i, (name, adapter) in enumerate(adapters.items(), 1):
+        engine.add_adapter(name, adapter)
+        if i % 16 == 0 or i == len(adapters):
+            progress(f"{label}: {i} adapters added in {time.perf_counter() - started:.1f} s")
+    host.disable()
+    if profile:
+        print("  rank 0's host adding them, by own time:")
+        stats = pstats.Stats(host).stats
+        for (file, line, function), (calls, _, own, cum, _) in sorted(stats.items(), key=lambda i: -i[1][2])[:14]:
+            print(f"    {own:8.3f} s own {cum:8.3f} s cum {calls:7d} calls  {function} ({Path(file).name}:{line})")
 
 
 def _row(engine: Engine, cfg: Config, size: int, label: str, workload: str, adapter_ids: list[str | None],
@@ -189,9 +207,6 @@ def _row(engine: Engine, cfg: Config, size: int, label: str, workload: str, adap
 def profile_steps(engine: Engine, cfg: Config, tokens: int = 24) -> None:
     """Rank 0's busiest kernels (torch.profiler) and Python functions (cProfile) over a short
     base run of short prompts (decode steps), per step."""
-    import cProfile
-    import pstats
-
     from torch.profiler import ProfilerActivity, profile
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, engine.model_config.vocab_size, (min(cfg.prompt, 16),), generator=gen).tolist()

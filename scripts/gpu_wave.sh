@@ -28,14 +28,14 @@ for stage in "$@"; do
       timeout 60 python3 -m benchmarks.allreduce_micro --worlds 2 2>&1 | tail -14 ;;
     tptests)  # 2+ GPUs: tensor-parallel engine, decoder and symmetric all-reduce GPU tests
       timeout ${STAGE_S:-170} python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_tp_gpu.py \
-        tests/models/test_tp_gpu.py tests/layers/test_symm_allreduce_gpu.py --tb=short -rfE --timeout 100 2>&1 \
+        tests/models/test_tp_gpu.py tests/layers/test_symm_allreduce_gpu.py --tb=short -rfE --timeout ${TEST_TIMEOUT:-100} 2>&1 \
         | tee "$OUT/tptests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -12 ;;
     graphtests)  # 1 GPU: graph inputs staging, the engine against transformers with graphs, mixed graphs
       timeout ${STAGE_S:-170} python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_host_copy.py \
-        tests/engine/test_gpu.py tests/engine/test_mixed_graphs_gpu.py --tb=short -rfE --timeout 100 2>&1 \
+        tests/engine/test_gpu.py tests/engine/test_mixed_graphs_gpu.py --tb=short -rfE --timeout ${TEST_TIMEOUT:-100} 2>&1 \
         | tee "$OUT/graphtests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -12 ;;
     tp8b1)  # 1 GPU: the 8B at TP 1 (the reference for the TP rows: step, floor, adapter tax)
-      timeout ${STAGE_S:-170} python3 -m benchmarks.tp_decode --sizes 1 2>&1 | tee "$OUT/tp8b1.log" | grep -v '^\[{' | tail -8 ;;
+      timeout ${STAGE_S:-170} python3 -m benchmarks.tp_decode --sizes 1 ${TP_ARGS:-} 2>&1 | tee "$OUT/tp8b1.log" | grep -v '^\[{' | tail -40 ;;
     pinning)  # what pinning costs here, one GPU's context and every GPU's (as under tensor parallelism)
       python3 benchmarks/host_pinning.py 2>&1 | tail -9; python3 benchmarks/host_pinning.py --all-devices 2>&1 | tail -9 ;;
     scale2)  # 2 GPUs, Ray installed (scripts/ray_wheels.sh): 2 replicas, adapter affinity against pow2
@@ -45,14 +45,14 @@ for stage in "$@"; do
     scale1)  # 1 GPU, Ray installed: the 1-replica baseline (run beside scale2 on the same host)
       PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-560} python3 benchmarks/scale.py --model 8b \
         --replicas 1 --requests-per-replica 256 --grpc-port 50161 --workdir /dev/shm/scale1 --out "$OUT/scale1.md" \
-        2>&1 | tail -8 ;;
+        2>&1 | tail -40 ;;
     overhead)  # 1 GPU, Ray installed: the server path, two tiers against direct, paired with the engine
       PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-560} python3 benchmarks/server_overhead.py \
         --model 1b --device cuda --no-inproc 2>&1 | tail -30 ;;
     tp8b)  # 4 GPUs: the 8B decode step at TP 1, 2, 4, NCCL against the symmetric all-reduce (engines build cold)
-      timeout ${STAGE_S:-540} python3 -m benchmarks.tp_decode --sizes 1,2,4 2>&1 | tee "$OUT/tp8b.log" | grep -v '^\[{' | tail -30 ;;
+      timeout ${STAGE_S:-540} python3 -m benchmarks.tp_decode --sizes 1,2,4 ${TP_ARGS:-} 2>&1 | tee "$OUT/tp8b.log" | grep -v '^\[{' | tail -30 ;;
     tp70b)  # 4 GPUs: the 70B at TP 4 (base and 64 distinct adapters)
-      timeout ${STAGE_S:-540} python3 -m benchmarks.tp_decode --shape 70b --sizes 4 2>&1 | tee "$OUT/tp70b.log" | grep -v '^\[{' | tail -20 ;;
+      timeout ${STAGE_S:-540} python3 -m benchmarks.tp_decode --shape 70b --sizes 4 ${TP_ARGS:-} 2>&1 | tee "$OUT/tp70b.log" | grep -v '^\[{' | tail -20 ;;
     mixed) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_mixed_graphs_gpu.py \
              tests/kernels/test_prefill_attention.py tests/engine/test_warmup_gpu.py --tb=line -rfE 2>&1 | tail -12 ;;
     prefix_on) timeout 240 python3 benchmarks/prefix_cache.py --model 1b --workloads spread --mixed-graphs on 2>&1 | tail -20 ;;
@@ -63,7 +63,7 @@ for stage in "$@"; do
     fp8engine) python3 benchmarks/engine_throughput.py --models 8b --dtype fp8 --hf-models '' --budget-s 300 \
                 --workloads base,one,distinct --out "$OUT/et8b_fp8.md" 2>&1 | tail -16
                python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 100 \
-                --workloads base --out "$OUT/et8b_bf16_base.md" 2>&1 | tail -8 ;;
+                --workloads base --out "$OUT/et8b_bf16_base.md" 2>&1 | tail -40 ;;
     prefix) python3 benchmarks/prefix_cache.py --model 1b 2>&1 | tail -25 ;;
     quality) python3 benchmarks/fp8_quality.py --shape 8b 2>&1 | tail -20 ;;
     *) echo "unknown stage $stage" ;;

@@ -25,6 +25,7 @@ from adapterserve.engine.pools.ia3 import Ia3Pool
 from adapterserve.engine.pools.lora import LoraPool
 from adapterserve.engine.request import ClassifyOutput, EmbedOutput
 from adapterserve.engine.slots import AdapterSlots
+from adapterserve.engine.host_threads import apply_host_threads
 from adapterserve.errors import AdapterNotFound, CapacityError, RequestError
 from adapterserve.layers.bottleneck import encoder_adapter_meta
 from adapterserve.layers.context import BatchContext, set_context
@@ -62,6 +63,7 @@ class EncoderEngine(AdapterHost):
         if config.fp8:
             raise ValueError(f"dtype fp8 is for Llama-family decoders; {model_dir} is an encoder: "
                              "use bfloat16, float16 or float32")
+        apply_host_threads(config, 1)
         model, _ = load_encoder(model_dir, config.torch_dtype, device)
         return cls(model, AutoTokenizer.from_pretrained(str(model_dir)), config)
 

@@ -32,6 +32,7 @@ from adapterserve.engine.adapter_shard import AdapterCutter
 from adapterserve.engine.async_front import AsyncFront, Prompt
 from adapterserve.engine.detokenizer import Detokenizer
 from adapterserve.engine.graphs import graph_limits
+from adapterserve.engine.host_threads import apply_host_threads
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.pool_set import build_pools
 from adapterserve.engine.prefix_cache import BASE, KvIdentities, PrefixCache, chain_root
@@ -141,6 +142,7 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
         """An engine whose backbone ``build_model(tp, device)`` makes (a picklable callable: with
         tensor_parallel_size N > 1 every rank calls it for its shard, rank 0 here, ranks 1..N-1
         in their workers, engine/tp/launch.py)."""
+        apply_host_threads(config, config.tensor_parallel_size)
         if config.tensor_parallel_size == 1:
             return cls(build_model(SINGLE, config.device), tokenizer, config)
         check_shardable(model_config, config.tensor_parallel_size)

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import threading
 from array import array
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -35,6 +37,7 @@ from adapterserve.engine.request import Request
 BASE = b"base"  # the KV identity of the base model, and of adapters that leave its K/V unchanged
 _KV_KINDS = ("k_proj", "v_proj")
 _NOT_CONTENT = ("staged", "head")  # host copies; a classifier head acts after the last layer
+_HASH_THREADS = min(8, os.cpu_count() or 1)
 
 
 def _digest(*parts: bytes) -> bytes:
@@ -61,33 +64,62 @@ def kv_identity(adapter: Adapter | None, num_layers: int) -> bytes:
     if adapter is None or not changes_kv(adapter, num_layers):
         return BASE
     h = hashlib.blake2b(digest_size=16)
-    _feed(h, adapter)
+    _feed(h, adapter, _tensor_digests(adapter))
     return h.digest()
 
 
-def _feed(h, value) -> None:
-    """Hash a value's content: tensors by dtype, shape and bytes; containers in a fixed order."""
+def _tensor_digests(value) -> dict[int, bytes]:
+    """id(tensor) -> the digest of its dtype, shape and bytes, for every tensor in `value`,
+    hashed on a thread pool (hashlib lets go of the GIL): a 70B LoRA is about 1 GB of bytes."""
+    tensors: dict[int, torch.Tensor] = {}
+    _collect(value, tensors)
+    if len(tensors) < 2:
+        return {key: _tensor_digest(t) for key, t in tensors.items()}
+    with ThreadPoolExecutor(min(_HASH_THREADS, len(tensors))) as pool:
+        return dict(zip(tensors, pool.map(_tensor_digest, tensors.values())))
+
+
+def _tensor_digest(tensor: torch.Tensor) -> bytes:
+    t = tensor.detach().cpu().contiguous()
+    return _digest(f"tensor {t.dtype} {tuple(t.shape)};".encode(), t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _collect(value, tensors: dict[int, torch.Tensor]) -> None:
     if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        h.update(f"tensor {t.dtype} {tuple(t.shape)};".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        tensors[id(value)] = value
+    elif dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            if f.name not in _NOT_CONTENT:
+                _collect(getattr(value, f.name), tensors)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect(item, tensors)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _collect(item, tensors)
+
+
+def _feed(h, value, digests: dict[int, bytes]) -> None:
+    """Hash a value's content: tensors by their digest; containers in a fixed order."""
+    if isinstance(value, torch.Tensor):
+        h.update(digests[id(value)])
     elif dataclasses.is_dataclass(value):
         h.update(f"{type(value).__name__}(".encode())
         for f in dataclasses.fields(value):
             if f.name not in _NOT_CONTENT:
                 h.update(f"{f.name}=".encode())
-                _feed(h, getattr(value, f.name))
+                _feed(h, getattr(value, f.name), digests)
         h.update(b")")
     elif isinstance(value, dict):
         h.update(b"{")
         for key in sorted(value, key=repr):
             h.update(f"{key!r}:".encode())
-            _feed(h, value[key])
+            _feed(h, value[key], digests)
         h.update(b"}")
     elif isinstance(value, (list, tuple)):
         h.update(b"[")
         for item in value:
-            _feed(h, item)
+            _feed(h, item, digests)
         h.update(b"]")
     elif isinstance(value, (set, frozenset)):
         h.update(repr(sorted(value, key=repr)).encode())

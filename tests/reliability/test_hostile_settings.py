@@ -68,3 +68,9 @@ def test_a_bad_tensor_parallel_all_reduce_is_refused_before_anything_starts(valu
     with pytest.raises(ValueError, match=r"tensor_parallel_all_reduce must be one of \['auto', 'nccl'\]"):
         build_app({"model": str(MODEL), "encoder": False,
                    "engine": {"tensor_parallel_size": 2, "tensor_parallel_all_reduce": value}})
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, "8", True, [], {"n": 1}, math.nan, math.inf])
+def test_host_threads_takes_a_positive_integer_or_null_only(value):
+    with pytest.raises(ValueError, match="host_threads must be an integer of at least 1, or null"):
+        build_app({"model": str(MODEL), "encoder": False, "engine": {"host_threads": value}})

@@ -23,6 +23,7 @@ from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.config import EngineConfig
 from adapterserve.engine.adapter_shard import AdapterShard
 from adapterserve.engine.host_copy import on_copy_stream
+from adapterserve.engine.host_threads import apply_host_threads
 from adapterserve.engine.pool_set import build_pools
 from adapterserve.engine.step_device import StepDevice, StepInputs, attach_lora_side_stream
 from adapterserve.engine.tp.group import COLLECTIVE_TIMEOUT_S, join_group, leave_group
@@ -183,6 +184,7 @@ def _nothing() -> Iterator[None]:
 def run_worker(spec: WorkerSpec, device: str) -> None:
     """A worker's life: connect to rank 0, join the group on `device`, load, serve commands.
     Exits the process on an error (after sending it to rank 0)."""
+    apply_host_threads(spec.config, spec.world_size)
     conn = Client(spec.control_address, authkey=spec.authkey)
     conn.send((spec.rank, "commands"))
     inbox = AdapterInbox(Client(spec.control_address, authkey=spec.authkey), spec.rank)
