@@ -49,6 +49,12 @@ for stage in "$@"; do
     overhead)  # 1 GPU, Ray installed: the server path, two tiers against direct, paired with the engine
       PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-560} python3 benchmarks/server_overhead.py \
         --model 1b --device cuda --no-inproc 2>&1 | tail -30 ;;
+    overhead_relay)  # 1 GPU, Ray installed, alone on the host: direct mode, the engine in its own process and in the
+      # replica's, with the relay's chunk pacing off and on; then the per-hop medians from the server's spans
+      for ms in 0 0.5; do PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-200} python3 \
+        benchmarks/server_overhead.py --model 1b --device cuda --direct on --relay-chunk-ms $ms 2>&1 | tail -14; done
+      PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-200} python3 benchmarks/server_overhead.py \
+        --model 1b --device cuda --direct on --trace 2>&1 | tail -30 ;;
     tp8b)  # 4 GPUs: the 8B decode step at TP 1, 2, 4, NCCL against the symmetric all-reduce (engines build cold)
       timeout ${STAGE_S:-540} python3 -m benchmarks.tp_decode --sizes 1,2,4 ${TP_ARGS:-} 2>&1 | tee "$OUT/tp8b.log" | grep -v '^\[{' | tail -30 ;;
     tp70b)  # 4 GPUs: the 70B at TP 4 (base and 64 distinct adapters)
