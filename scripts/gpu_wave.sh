@@ -55,6 +55,8 @@ for stage in "$@"; do
         benchmarks/server_overhead.py --model 1b --device cuda --direct on --relay-chunk-ms $ms 2>&1 | tail -14; done
       PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-200} python3 benchmarks/server_overhead.py \
         --model 1b --device cuda --direct on --trace 2>&1 | tail -30 ;;
+    overlap)  # 4 GPUs: a row-parallel GEMM and its all-reduce, serial against pipelined in column chunks
+      timeout ${STAGE_S:-200} python3 -m benchmarks.tp_overlap --world 4 2>&1 | tail -14 ;;
     tp8b)  # 4 GPUs: the 8B decode step at TP 1, 2, 4, NCCL against the symmetric all-reduce (engines build cold)
       timeout ${STAGE_S:-540} python3 -m benchmarks.tp_decode --sizes 1,2,4 ${TP_ARGS:-} 2>&1 | tee "$OUT/tp8b.log" | grep -v '^\[{' | tail -30 ;;
     tp70b)  # 4 GPUs: the 70B at TP 4 (base and 64 distinct adapters)
