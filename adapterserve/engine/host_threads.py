@@ -3,10 +3,9 @@
 A GPU engine's host work is small tensor ops (staging an adapter, filling a step's
 inputs). torch starts one intra-op thread per core; on many-core hosts, and worse with
 several engine processes per host (tensor-parallel ranks, replicas), each parallel region
-then waits for dozens of threads to be scheduled: stacking 32 tensors of 256 KB took
-200 ms with 64 threads where 16 threads or one took 1-4 ms. So each process driving a GPU
-takes a small share of the cores, unless the user set OMP_NUM_THREADS or
-EngineConfig.host_threads.
+then waits for dozens of threads to be scheduled, at a cost of up to a hundred times the
+work (BENCHMARKS.md, "The host's CPU threads"). So each process driving a GPU takes a
+small share of the cores, unless the user set OMP_NUM_THREADS or EngineConfig.host_threads.
 """
 from __future__ import annotations
 

@@ -96,8 +96,8 @@ class _Stack:
         """Host tensors [layers, width, in] of A and [layers, width, out] of scaled B^T for slice s,
         zero-padded (this rank's part under tensor parallelism), in pinned memory on a GPU (the
         copies to it are then asynchronous). One stacked copy per tensor when every layer has the
-        full width: a copy per layer is a parallel CPU region each, which on busy many-core hosts
-        cost milliseconds apiece (an 8B adapter took 4.6 s to stage on an H100 host)."""
+        full width: a copy per layer is a parallel CPU region each, and on busy many-core hosts each
+        region costs milliseconds (BENCHMARKS.md, "The host's CPU threads")."""
         kind, out = self.kinds[s], self.offsets[s + 1] - self.offsets[s]
         spans = linear_part(self.linear, adapter)
         modules = [adapter.lora.modules.get((layer, kind)) for layer in self.layers]
