@@ -59,7 +59,7 @@ def _rank_main(rank: int, world: int, root: Path, sizes: tuple[int, ...], smoke:
     times = {}
     for size in sizes:
         x = torch.zeros(size // 2, dtype=torch.bfloat16, device=device)  # values do not change the time
-        times[size] = {name: _time(run, graph=name.endswith("graph"), device=device)
+        times[size] = {name: time_per_call(run, graph=name.endswith("graph"), device=device)
                        for name, run in _variants(x, symmetric, world).items()}
     (root / f"{rank}.json").write_text(json.dumps(times))
     symmetric = None  # its peer mappings released while the group still stands
@@ -79,8 +79,9 @@ def _variants(x: torch.Tensor, symmetric: SymmetricAllReduce | None, world: int)
     return runs
 
 
-def _time(run: Callable[[], object], graph: bool, device: torch.device) -> float:
-    """Microseconds per call: OPS_PER_GRAPH calls per replay (or per eager round), warmed up."""
+def time_per_call(run: Callable[[], object], graph: bool, device: torch.device) -> float:
+    """Microseconds per call: OPS_PER_GRAPH calls per replay (or per eager round), warmed up, the
+    ranks lined up by a barrier before the timed replays."""
     def round_() -> None:
         for _ in range(OPS_PER_GRAPH):
             run()
@@ -93,16 +94,16 @@ def _time(run: Callable[[], object], graph: bool, device: torch.device) -> float
         round_ = captured.replay
     for _ in range(WARM_REPLAYS):
         round_()
-    _sync(device)
+    sync(device)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(TIMED_REPLAYS):
         round_()
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - start) / (TIMED_REPLAYS * OPS_PER_GRAPH) * 1e6
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

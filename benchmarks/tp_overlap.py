@@ -2,7 +2,7 @@
 the output columns: chunk c's all-reduce (on a second stream) runs while chunk c+1's GEMM
 does, so only the last chunk's sum is left exposed. Each chunk reads its own rows of the
 weight, so the weight is still read once. Decode shapes of the 70B's o_proj and down_proj at
-TP=world (M=64 tokens), bf16, every variant captured in a CUDA graph of REPS back-to-back
+TP=world (M=64 tokens), bf16, every variant captured in a CUDA graph of OPS_PER_GRAPH back-to-back
 GEMM+sum pairs; a cell is the slowest rank's µs per pair. Outputs are checked against the
 plain GEMM + NCCL sum before timing. The question it answers: is overlap worth building into
 the decoder's row-parallel layers (issue 18, the 1.5x floor target)?
@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -26,8 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from adapterserve.layers.symm_allreduce import NCCL, ONE_SHOT, SymmetricAllReduce, choose_path
+from benchmarks.allreduce_micro import sync, time_per_call
 
-REPS, WARM_REPLAYS, TIMED_REPLAYS = 20, 5, 20
 HIDDEN, INTERMEDIATE, LAYERS = 8192, 28672, 80  # Llama-3 70B
 ATOL = 0.05  # bf16 sums of world partials of magnitude ~1: a few ulps apart by order of summation
 
@@ -134,43 +132,16 @@ def _rank_main(rank: int, world: int, root: Path, smoke: bool, tokens: int, chun
             layer = RowParallel(proj, tokens, world, chunks, device, seed=rank, symmetric=symmetric)
             run = layer.gemm_only if how == "gemm" else partial(getattr(layer, f"run_{how}"), symmetric)
             run()
-            _sync(device)
+            sync(device)
             if how != "gemm":
                 reference = layer.out.clone() if reference is None else reference
                 error = (layer.out.float() - reference.float()).abs().max().item()
                 if error > ATOL:
                     raise AssertionError(f"rank {rank} {proj.name} {label}: differs from serial NCCL by {error:.3g}")
-            found[proj.name][label] = _time(run, device)
+            found[proj.name][label] = time_per_call(run, graph=device.type == "cuda", device=device)
             del run, layer  # its symmetric buffers' peer mappings released while the group still stands
     (root / f"{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
-
-
-def _time(run: Callable[[], object], device: torch.device) -> float:
-    """µs per GEMM+sum: REPS per graph replay (per eager round on CPU), warmed up, ranks lined up."""
-    def round_() -> None:
-        for _ in range(REPS):
-            run()
-
-    if device.type == "cuda":
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            round_()
-        round_ = graph.replay
-    for _ in range(WARM_REPLAYS):
-        round_()
-    _sync(device)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(TIMED_REPLAYS):
-        round_()
-    _sync(device)
-    return (time.perf_counter() - start) / (TIMED_REPLAYS * REPS) * 1e6
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure(world: int, smoke: bool, tokens: int, chunk_counts: tuple[int, ...]) -> dict[str, dict[str, float]]:

@@ -234,10 +234,16 @@ def _check_started(starts: list[dict], deadline: float) -> None:
 
 def _links(conns: list[Connection], starts: list[dict]) -> list[WorkerLink]:
     """Connections come in any order: each worker names its rank and the channel (commands,
-    adapters) first."""
-    by_key = {conn.recv(): conn for conn in conns}
+    adapters) first; the adapters channel's hello also names the worker's host."""
+    by_key, hosts = {}, {}
+    for conn in conns:
+        rank, channel, *host = conn.recv()
+        by_key[rank, channel] = conn
+        if host:
+            hosts[rank] = host[0]
     return [WorkerLink(s["rank"], by_key[(s["rank"], "commands")], by_key[(s["rank"], "adapters")], s["describe"],
-                       s.get("running_code", s["exit_code"]), s["stop"], s.get("pid")) for s in starts]
+                       s.get("running_code", s["exit_code"]), s["stop"], s.get("pid"), hosts.get(s["rank"]))
+            for s in starts]
 
 
 def _unknown() -> None:

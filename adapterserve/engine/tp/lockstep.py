@@ -6,7 +6,8 @@ copies, decode-graph setup and capture, shutdown. One pickled message per comman
 sent to every worker over its own connection; workers run them in order, so their
 collectives meet rank 0's. Adapters' tensors travel apart, on a second connection, when
 an adapter is added (``share``): a slot fill then names the adapter by key. Each worker
-receives only its part of an adapter (``cut``, an AdapterCutter set by the engine).
+receives only its part of an adapter (``cut``, an AdapterCutter set by the engine), all
+workers at once, through shared memory where it runs on rank 0's host (adapter_post.py).
 
 A worker that raises sends its error and exits; one that dies closes its connection.
 Rank 0 looks for either before every command and while it waits for a step's
@@ -21,13 +22,17 @@ import pickle
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 
 import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.engine.step_device import StepInputs
+from adapterserve.engine.tp import adapter_post
+from adapterserve.engine.tp.adapter_post import InFlight, Packed, PartRefused
 from adapterserve.engine.tp.group import COLLECTIVE_TIMEOUT_S, leave_group
 from adapterserve.errors import EngineBroken
 from adapterserve.layers.parallel import TensorParallel
@@ -48,6 +53,7 @@ class WorkerLink:
     exit_code: Callable[[], int | None]  # None while it runs (or when that cannot be known)
     stop: Callable[[float], None]  # wait up to the seconds given for it to end, then end it
     pid: int | None = None  # its process id, where it is a local process
+    host: str | None = None  # its host, as it told (adapter_post.host_identity); None: unknown
 
 
 class Lockstep:
@@ -66,6 +72,16 @@ class Lockstep:
         self.cut: Callable[[Adapter, int], Adapter] = lambda adapter, rank: dataclasses.replace(adapter, staged={})
         self.adapter_bytes: Counter[int] = Counter()  # rank -> bytes of adapters' messages sent to it
         self._bytes_lock = threading.Lock()
+        # where adapters' parts go as files for workers on this host; None: over the connections
+        self.shared_dir: str | None = adapter_post.default_shared_dir()
+        self.parts_sent: Counter[tuple[int, str]] = Counter()  # (rank, "file" or "connection") -> parts
+        self._host = adapter_post.host_identity()
+        self._no_file: set[int] = set()  # ranks that could not read a file rank 0 wrote (another filesystem)
+        self._in_flight: dict[int, InFlight] = {}  # rank -> its part posted and not yet acknowledged
+        self._senders = ThreadPoolExecutor(max_workers=max(1, len(workers)), thread_name_prefix="tp-share")
+        for worker in workers:  # steps and parts leave at once (a message over 16 KiB is two writes)
+            adapter_post.send_at_once(worker.conn)
+            adapter_post.send_at_once(worker.adapters)
 
     # commands
 
@@ -74,17 +90,28 @@ class Lockstep:
 
     def share(self, adapter: Adapter) -> None:
         """Send each worker its part of an adapter now (when it is added, not in the step that
-        places it), on the adapter connections; its placements then name it by key."""
+        places it), to all of them at once, on the adapter connections; its placements then
+        name it by key. Returns once the parts are sent: each worker's reply is awaited before
+        its next part and before a forget (``settle``); a placement waits in the worker's inbox.
+        A part that cannot be cut raises (a ValueError naming why) before anything is sent."""
         with self._adapters_lock:
             key, self._next_key = self._next_key, self._next_key + 1
-            for worker in self.workers:
-                self._send_adapter(worker, worker.adapters, lambda part: (key, part), adapter)
+            packed = self._on_each_worker(lambda worker: adapter_post.pack(self.cut(adapter, worker.rank)))
+            parts = {worker.rank: part for worker, part in zip(self.workers, packed)}
+            self._on_each_worker(lambda worker: self._post(worker, key, parts[worker.rank]))
             self._keys[id(adapter)] = key
+
+    def settle(self) -> None:
+        """Wait until every worker holds the parts sent to it (their files then removed)."""
+        if self._in_flight:
+            with self._adapters_lock:
+                self._on_each_worker(self._settle)
 
     def forget(self, adapter: Adapter) -> None:
         """Workers drop their copy of a shared adapter (its slot, if any, stays as placed)."""
         key = self._keys.pop(id(adapter), None)
         if key is not None and self.broken is None:
+            self.settle()  # a part still on its way would arrive after its forget, and stay
             self._send(("forget", key))
 
     def place(self, slot: int, adapter: Adapter) -> None:
@@ -92,8 +119,8 @@ class Lockstep:
         by key when shared, else each worker's part with the command."""
         key = self._keys.get(id(adapter))
         pages = list(self.prefix_pages(slot))
-        if key is not None:
-            self._send(("place", slot, key, pages))
+        if key is not None:  # not settled here: the worker's inbox waits for the part, and a step
+            self._send(("place", slot, key, pages))  # never waits for another adapter's share
             return
         with self._lock:
             self.check()
@@ -182,7 +209,13 @@ class Lockstep:
                 worker.conn.close()
                 worker.adapters.close()
             self.workers = []
+            self._senders.shutdown(wait=False, cancel_futures=True)
             broken, self.broken = self.broken, self.broken or "closed"
+        with self._adapters_lock:  # a share under way fails now, its connections closed
+            for flight in self._in_flight.values():
+                if flight.path is not None:
+                    adapter_post.remove_file(flight.path)
+            self._in_flight.clear()
         leave_group(abort=abort or broken is not None, tp=self.tp)
 
     # the channel
@@ -197,6 +230,56 @@ class Lockstep:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for worker in self.workers:
             self._send_bytes(worker, connection(worker), data)
+
+    def _on_each_worker(self, work: Callable[[WorkerLink], object]) -> list:
+        """work(worker) for every worker at once (a thread each); the results in worker order,
+        or the first worker's error once all have ended."""
+        futures = [self._senders.submit(work, worker) for worker in self.workers]
+        errors = [future.exception() for future in futures]
+        for error in errors:
+            if error is not None:
+                raise error
+        return [future.result() for future in futures]
+
+    def _post(self, worker: WorkerLink, key: int, part: Packed) -> None:
+        """Send a worker its packed part (its last one settled first): as a file in shared_dir
+        when it runs on this host (and could read the last one), else over its adapters connection."""
+        self._settle(worker)
+        on_host = self.shared_dir is not None and worker.host == self._host and worker.rank not in self._no_file
+        with self._unreachable(worker):
+            self._in_flight[worker.rank] = adapter_post.post(worker.adapters, key, part,
+                                                             self.shared_dir if on_host else None)
+        with self._bytes_lock:
+            self.adapter_bytes[worker.rank] += part.nbytes
+
+    def _settle(self, worker: WorkerLink) -> None:
+        """Wait for the worker to take the part in flight to it, if any (its file then removed)."""
+        flight = self._in_flight.pop(worker.rank, None)
+        if flight is None:
+            return
+        with self._unreachable(worker):
+            route = adapter_post.settle(worker.adapters, flight, lambda conn: self._reply(worker, conn))
+        if route == adapter_post.UNREADABLE:
+            self._no_file.add(worker.rank)
+        with self._bytes_lock:
+            self.parts_sent[worker.rank, "file" if route == adapter_post.FILE else "connection"] += 1
+
+    @contextmanager
+    def _unreachable(self, worker: WorkerLink) -> Iterator[None]:
+        """EngineBroken for a worker whose adapters connection broke or that refused its part."""
+        try:
+            yield
+        except (OSError, EOFError) as exc:
+            self.check()  # the worker's own error, when it sent one
+            raise self._break(f"tensor-parallel worker {worker.rank} ({worker.describe}) is unreachable: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        except PartRefused as exc:
+            raise self._break(f"tensor-parallel worker {worker.rank} ({worker.describe}) could not take its part of "
+                              f"an adapter: {exc}") from exc
+
+    def _reply(self, worker: WorkerLink, conn: Connection) -> tuple:
+        """The worker's reply on its adapters connection; EngineBroken if it exits meanwhile."""
+        return adapter_post.wait_reply_within(conn, COLLECTIVE_TIMEOUT_S, lambda: self._check_exited(worker))
 
     def _send_adapter(self, worker: WorkerLink, conn: Connection, message: Callable[[Adapter], object],
                       adapter: Adapter) -> None:

@@ -26,6 +26,7 @@ from adapterserve.engine.host_copy import on_copy_stream
 from adapterserve.engine.host_threads import apply_host_threads
 from adapterserve.engine.pool_set import build_pools
 from adapterserve.engine.step_device import StepDevice, StepInputs, attach_lora_side_stream
+from adapterserve.engine.tp.adapter_post import host_identity, receive, send_at_once
 from adapterserve.engine.tp.group import COLLECTIVE_TIMEOUT_S, join_group, leave_group
 from adapterserve.layers.parallel import TensorParallel
 from adapterserve.models.decoder import DecoderModel
@@ -82,10 +83,12 @@ class GivenBlocks:
 
 class AdapterInbox:
     """The adapters rank 0 shared (sent ahead on their own connection, received by a thread of
-    their own), by key, until rank 0 says to forget one."""
+    their own, adapter_post.receive), by key, until rank 0 says to forget one. Its hello names
+    this host, so rank 0 knows whether it can hand parts over as shared-memory files."""
 
     def __init__(self, conn: Connection, rank: int) -> None:
-        conn.send((rank, "adapters"))
+        conn.send((rank, "adapters", host_identity()))
+        send_at_once(conn)
         self._conn = conn
         self._adapters: dict[int, Adapter] = {}
         self._arrived = threading.Condition()
@@ -105,7 +108,7 @@ class AdapterInbox:
     def _receive(self) -> None:
         while True:
             try:
-                key, adapter = pickle.loads(self._conn.recv_bytes())
+                key, adapter = receive(self._conn)
             except (EOFError, OSError):  # rank 0 is gone: the command loop ends too
                 return
             with self._arrived:
@@ -186,6 +189,7 @@ def run_worker(spec: WorkerSpec, device: str) -> None:
     Exits the process on an error (after sending it to rank 0)."""
     apply_host_threads(spec.config, spec.world_size)
     conn = Client(spec.control_address, authkey=spec.authkey)
+    send_at_once(conn)  # its error reports and replies leave at once
     conn.send((spec.rank, "commands"))
     inbox = AdapterInbox(Client(spec.control_address, authkey=spec.authkey), spec.rank)
     try:
