@@ -5,6 +5,7 @@ pool) in lockstep.
     lockstep.py   rank 0's ordered channel to the workers: steps, slot fills and clears,
                   KV block copies, graph capture, shutdown; a dead worker -> EngineBroken
     worker.py     a worker: joins the group, loads its shard, runs each command
+    inbox.py      a worker's adapters' parts by key, each staged for loading as it arrives
     adapter_post.py  an adapter's part to a worker: one blob and a pickled skeleton, as a
                   shared-memory file on rank 0's host, else over the connection
     launch.py     starts the workers (Ray actors in a placement group, or local processes)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import threading
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,8 +25,9 @@ from adapterserve.engine.host_copy import on_copy_stream
 from adapterserve.engine.host_threads import apply_host_threads
 from adapterserve.engine.pool_set import build_pools
 from adapterserve.engine.step_device import StepDevice, StepInputs, attach_lora_side_stream
-from adapterserve.engine.tp.adapter_post import host_identity, receive, send_at_once
-from adapterserve.engine.tp.group import COLLECTIVE_TIMEOUT_S, join_group, leave_group
+from adapterserve.engine.tp.adapter_post import send_at_once
+from adapterserve.engine.tp.group import join_group, leave_group
+from adapterserve.engine.tp.inbox import AdapterInbox
 from adapterserve.layers.parallel import TensorParallel
 from adapterserve.models.decoder import DecoderModel
 from adapterserve.models.loader import load_decoder
@@ -81,41 +81,6 @@ class GivenBlocks:
         pass
 
 
-class AdapterInbox:
-    """The adapters rank 0 shared (sent ahead on their own connection, received by a thread of
-    their own, adapter_post.receive), by key, until rank 0 says to forget one. Its hello names
-    this host, so rank 0 knows whether it can hand parts over as shared-memory files."""
-
-    def __init__(self, conn: Connection, rank: int) -> None:
-        conn.send((rank, "adapters", host_identity()))
-        send_at_once(conn)
-        self._conn = conn
-        self._adapters: dict[int, Adapter] = {}
-        self._arrived = threading.Condition()
-        threading.Thread(target=self._receive, name="tp-adapters", daemon=True).start()
-
-    def take(self, key: int) -> Adapter:
-        """The adapter of `key`, waiting for it to arrive (it was sent before its placement)."""
-        with self._arrived:
-            if not self._arrived.wait_for(lambda: key in self._adapters, timeout=COLLECTIVE_TIMEOUT_S):
-                raise RuntimeError(f"adapter {key} to place did not arrive within {COLLECTIVE_TIMEOUT_S:.0f} s")
-            return self._adapters[key]
-
-    def forget(self, key: int) -> None:
-        with self._arrived:
-            self._adapters.pop(key, None)
-
-    def _receive(self) -> None:
-        while True:
-            try:
-                key, adapter = receive(self._conn)
-            except (EOFError, OSError):  # rank 0 is gone: the command loop ends too
-                return
-            with self._arrived:
-                self._adapters[key] = adapter
-                self._arrived.notify_all()
-
-
 class WorkerState:
     """A worker's shard: the model, its pools and its step state; one method per command."""
 
@@ -133,6 +98,15 @@ class WorkerState:
         self._landing: list[torch.cuda.Event] = []  # placements' copies the next step waits for
         if config.lora_side_stream and on_gpu:
             attach_lora_side_stream(self.model, config.device)
+        inbox.max_staged, inbox.max_staged_bytes = config.max_staged_adapters, config.max_staged_bytes
+        inbox.prepare = self._prepare  # parts arriving from now on are staged as they arrive
+
+    def _prepare(self, adapter: Adapter) -> None:
+        """The pools' loading copies of a part (on the inbox's thread: placing it then only copies)."""
+        for pool in self.pools.all():
+            prepare = getattr(pool, "prepare", None)
+            if prepare is not None:
+                prepare(adapter)
 
     def step(self, inputs: StepInputs) -> None:
         for event in self._landing:
