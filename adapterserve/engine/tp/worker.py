@@ -12,7 +12,7 @@ import os
 import pickle
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Client, Connection
 
@@ -98,15 +98,20 @@ class WorkerState:
         self._landing: list[torch.cuda.Event] = []  # placements' copies the next step waits for
         if config.lora_side_stream and on_gpu:
             attach_lora_side_stream(self.model, config.device)
+        self.pinning_device = torch.device(config.device)
         inbox.max_staged, inbox.max_staged_bytes = config.max_staged_adapters, config.max_staged_bytes
         inbox.prepare = self._prepare  # parts arriving from now on are staged as they arrive
 
     def _prepare(self, adapter: Adapter) -> None:
-        """The pools' loading copies of a part (on the inbox's thread: placing it then only copies)."""
-        for pool in self.pools.all():
-            prepare = getattr(pool, "prepare", None)
-            if prepare is not None:
-                prepare(adapter)
+        """The pools' loading copies of a part (on the inbox's thread: placing it then only copies).
+        That thread's current device is made this rank's, or pinning there would open a CUDA
+        context on device 0."""
+        device = self.pinning_device
+        with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+            for pool in self.pools.all():
+                prepare = getattr(pool, "prepare", None)
+                if prepare is not None:
+                    prepare(adapter)
 
     def step(self, inputs: StepInputs) -> None:
         for event in self._landing:
