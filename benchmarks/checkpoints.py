@@ -7,6 +7,7 @@ written by transformers' LlamaConfig. No transformers model is ever built, so an
 """
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import shutil
@@ -79,10 +80,13 @@ SHAPES = {
 
 
 def scratch_dir(need_bytes: int) -> Path:
-    """A fresh directory in /dev/shm when it has room (no disk writes), else in /tmp."""
+    """A fresh directory in /dev/shm when it has room (no disk writes), else in /tmp; removed
+    when this process exits (a checkpoint left in /dev/shm holds memory until reboot)."""
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and shutil.disk_usage(shm).free > 1.25 * need_bytes else None
-    return Path(tempfile.mkdtemp(prefix="adapterserve-bench-", dir=base))
+    path = Path(tempfile.mkdtemp(prefix="adapterserve-bench-", dir=base))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def write_random_checkpoint(shape: ModelShape, out: Path, device: str, shard_bytes: int = 4 << 30,
