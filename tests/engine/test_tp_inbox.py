@@ -13,6 +13,7 @@ import torch
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.adapters_store.formats.types import LoraAdapter, LoraModule
 from adapterserve.engine.tp.adapter_post import pack
+from adapterserve.engine.tp import inbox as inbox_module
 from adapterserve.engine.tp.inbox import AdapterInbox
 
 STAGED_BYTES = 4 * 1024  # each part's staged copy here
@@ -89,3 +90,17 @@ def test_a_part_that_cannot_be_staged_still_arrives_unstaged(linked):
     got = inbox.take(0)
     assert not got.staged and got.lora.modules[0, "q_proj"].scaling == -1.0
     assert inbox.staged_keys() == []
+
+
+def test_a_part_forgotten_before_it_is_in_is_dropped_on_arrival(linked, monkeypatch):
+    """Rank 0 may send a forget once it has the worker's reply, before the inbox has stored the
+    part it is still staging: the part must not stay (it would hold its copies for ever)."""
+    staged, inbox, send = linked
+    inbox.forget(0)  # the forget overtakes the part
+    send(0, _part(0))
+    send(1, _part(1))  # the inbox takes parts in order: 0 has been handled once 1's reply came
+    assert inbox.take(1) is not None
+    assert 0 not in inbox.staged_keys() and not staged[0].staged
+    monkeypatch.setattr(inbox_module, "COLLECTIVE_TIMEOUT_S", 0.2)
+    with pytest.raises(RuntimeError, match="did not arrive"):
+        inbox.take(0)

@@ -30,6 +30,7 @@ class AdapterInbox:
         self._conn = conn
         self._adapters: dict[int, Adapter] = {}
         self._staged: OrderedDict[int, Adapter] = OrderedDict()  # keys whose parts hold staged copies, oldest first
+        self._forgotten: set[int] = set()  # forgotten before their part was in (it is dropped on arrival)
         self.max_staged, self.max_staged_bytes = max_staged, max_staged_bytes
         self.prepare: Callable[[Adapter], None] | None = None
         self._arrived = threading.Condition()
@@ -45,9 +46,13 @@ class AdapterInbox:
             return self._adapters[key]
 
     def forget(self, key: int) -> None:
+        """Drop a part; one still being staged (rank 0 had its reply, this thread has not stored
+        it yet) is dropped as it comes in."""
         with self._arrived:
             adapter = self._adapters.pop(key, None)
-            if self._staged.pop(key, None) is not None and adapter is not None:
+            if adapter is None:
+                self._forgotten.add(key)
+            elif self._staged.pop(key, None) is not None:
                 adapter.staged.clear()
 
     def staged_keys(self) -> list[int]:
@@ -63,6 +68,10 @@ class AdapterInbox:
                 return
             staged = self._stage(adapter)
             with self._arrived:
+                if key in self._forgotten:
+                    self._forgotten.discard(key)
+                    adapter.staged.clear()
+                    continue
                 self._adapters[key] = adapter
                 if staged:
                     self._staged[key] = adapter
