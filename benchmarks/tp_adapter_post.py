@@ -5,7 +5,7 @@ worker after another ("serial-pickle"). A random-weight backbone (each rank draw
 N distinct rank-r LoRAs on all seven projections, added one by one (timed), then one request
 of the last (its placement waits for the part to arrive). TP=1 is the floor: no transport.
 "in share s": the adds' time in Lockstep.share (cutting, packing, sending; with adapter_post,
-until every worker has replied that it holds its part).
+also waiting for each worker to have taken its previous part).
 
     python -m benchmarks.tp_adapter_post                           # CPU, gloo: hidden 2048, 8 layers, TP 1 and 2
     python -m benchmarks.tp_adapter_post --device cuda --shape 70b --sizes 4 --adapters 64
@@ -35,7 +35,7 @@ SHAPES = {**ALL_SHAPES, "mid": MID, "deep": DEEP}
 ROUTES = ("file", "connection")
 
 
-def build_engine(shape_dir: Path, size: int, device: str, dtype: str, adapters: int, rank: int) -> Engine:
+def build_engine(shape_dir: Path, size: int, device: str, dtype: str, rank: int) -> Engine:
     config = EngineConfig(device=device, dtype=dtype, max_loras=2, max_lora_rank=rank, max_num_seqs=4,
                           max_num_batched_tokens=256, num_kv_blocks=64, warmup=False, tensor_parallel_size=size,
                           tensor_parallel_launch="local")
@@ -93,7 +93,7 @@ def run(shape: ModelShape, sizes: list[int], routes: list[str], device: str, dty
         factory = AdapterFactory(shape, device)  # drawn there, kept on the host
         for size in sizes:
             for route in (routes if size > 1 else ["-"]):
-                engine = build_engine(Path(tmp), size, device, dtype, count, rank)
+                engine = build_engine(Path(tmp), size, device, dtype, rank)
                 try:
                     taken = route_of(engine, route)
                     rows.append({"tp": size, "route": taken, **time_adds(engine, factory, count, rank)})

@@ -17,6 +17,7 @@ from adapterserve.adapters_store.formats.types import BackboneSpec, LoraAdapter
 from adapterserve.adapters_store.servable import ServingRules, check_servable
 from adapterserve.config import EngineConfig
 from adapterserve.engine.slots import AdapterSlots
+from adapterserve.engine.staging import stage, trim_staged
 from adapterserve.errors import (
     AdapterError,
     AdapterInUse,
@@ -115,10 +116,7 @@ class AdapterHost:
     def _stage(self, adapter_id: str, adapter: Adapter) -> None:
         """Prepare the adapter's loading copies (pinned on a GPU) for the most recently
         added adapters; older ones drop theirs and restage when next placed."""
-        for pool in self.slots.pools:
-            prepare = getattr(pool, "prepare", None)
-            if prepare is not None:
-                prepare(adapter)
+        stage(self.slots.pools, adapter)
         with self._lock:
             self._staged[adapter_id] = adapter
             self._trim_staged()
@@ -126,14 +124,7 @@ class AdapterHost:
     def _trim_staged(self) -> None:
         """Drop the oldest loading copies past max_staged_adapters or max_staged_bytes (the newest
         is kept even alone over the bytes: it is being placed)."""
-        cfg = self.config
-        sizes = {adapter_id: tensor_nbytes(a.staged) for adapter_id, a in self._staged.items()}
-        total = sum(sizes.values())
-        while len(self._staged) > 1 and (len(self._staged) > cfg.max_staged_adapters
-                                         or total > cfg.max_staged_bytes):
-            oldest_id, oldest = self._staged.popitem(last=False)
-            oldest.staged.clear()
-            total -= sizes[oldest_id]
+        trim_staged(self._staged, self.config.max_staged_adapters, self.config.max_staged_bytes)
 
     def _count_restaged(self, adapter_id: str, adapter: Adapter) -> None:
         """Placing an adapter whose loading copies were dropped makes them again (the pools'

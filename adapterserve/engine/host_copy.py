@@ -26,9 +26,8 @@ def to_device(values, device: torch.device | str, dtype: torch.dtype | None = No
 
 def pinned_copy(host: torch.Tensor) -> torch.Tensor:
     """A copy of a CPU tensor in pinned memory from the caching host allocator. Not
-    ``host.pin_memory()``: in tensor-parallel engines on 4 x H100 hosts that took 1.15-1.5 ms
-    a call, where ``torch.empty(..., pin_memory=True)`` in the same processes took under
-    0.1 ms (benchmarks/host_pinning.py compares them)."""
+    ``host.pin_memory()``, which in tensor-parallel engines cost over ten times as much a call
+    (benchmarks/host_pinning.py compares them; BENCHMARKS.md has the figures)."""
     return torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
 
 

@@ -63,16 +63,18 @@ def kv_identity(adapter: Adapter | None, num_layers: int) -> bytes:
     """BASE, or a fingerprint of everything in the adapter that acts on the KV."""
     if adapter is None or not changes_kv(adapter, num_layers):
         return BASE
+    parts: list[bytes | torch.Tensor] = []
+    _content(adapter, parts)
+    digests = _tensor_digests({id(p): p for p in parts if isinstance(p, torch.Tensor)})
     h = hashlib.blake2b(digest_size=16)
-    _feed(h, adapter, _tensor_digests(adapter))
+    for part in parts:
+        h.update(digests[id(part)] if isinstance(part, torch.Tensor) else part)
     return h.digest()
 
 
-def _tensor_digests(value) -> dict[int, bytes]:
-    """id(tensor) -> the digest of its dtype, shape and bytes, for every tensor in `value`,
-    hashed on a thread pool (hashlib lets go of the GIL): a 70B LoRA is about 1 GB of bytes."""
-    tensors: dict[int, torch.Tensor] = {}
-    _collect(value, tensors)
+def _tensor_digests(tensors: dict[int, torch.Tensor]) -> dict[int, bytes]:
+    """id -> the digest of each tensor's dtype, shape and bytes, hashed on a thread pool
+    (hashlib lets go of the GIL): a 70B LoRA is about 1 GB of bytes."""
     if len(tensors) < 2:
         return {key: _tensor_digest(t) for key, t in tensors.items()}
     with ThreadPoolExecutor(min(_HASH_THREADS, len(tensors))) as pool:
@@ -84,47 +86,32 @@ def _tensor_digest(tensor: torch.Tensor) -> bytes:
     return _digest(f"tensor {t.dtype} {tuple(t.shape)};".encode(), t.reshape(-1).view(torch.uint8).numpy())
 
 
-def _collect(value, tensors: dict[int, torch.Tensor]) -> None:
+def _content(value, parts: list[bytes | torch.Tensor]) -> None:
+    """A value's content in a fixed order, appended to parts: bytes, and tensors (hashed apart)."""
     if isinstance(value, torch.Tensor):
-        tensors[id(value)] = value
+        parts.append(value)
     elif dataclasses.is_dataclass(value):
+        parts.append(f"{type(value).__name__}(".encode())
         for f in dataclasses.fields(value):
             if f.name not in _NOT_CONTENT:
-                _collect(getattr(value, f.name), tensors)
+                parts.append(f"{f.name}=".encode())
+                _content(getattr(value, f.name), parts)
+        parts.append(b")")
     elif isinstance(value, dict):
-        for item in value.values():
-            _collect(item, tensors)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _collect(item, tensors)
-
-
-def _feed(h, value, digests: dict[int, bytes]) -> None:
-    """Hash a value's content: tensors by their digest; containers in a fixed order."""
-    if isinstance(value, torch.Tensor):
-        h.update(digests[id(value)])
-    elif dataclasses.is_dataclass(value):
-        h.update(f"{type(value).__name__}(".encode())
-        for f in dataclasses.fields(value):
-            if f.name not in _NOT_CONTENT:
-                h.update(f"{f.name}=".encode())
-                _feed(h, getattr(value, f.name), digests)
-        h.update(b")")
-    elif isinstance(value, dict):
-        h.update(b"{")
+        parts.append(b"{")
         for key in sorted(value, key=repr):
-            h.update(f"{key!r}:".encode())
-            _feed(h, value[key], digests)
-        h.update(b"}")
+            parts.append(f"{key!r}:".encode())
+            _content(value[key], parts)
+        parts.append(b"}")
     elif isinstance(value, (list, tuple)):
-        h.update(b"[")
+        parts.append(b"[")
         for item in value:
-            _feed(h, item, digests)
-        h.update(b"]")
+            _content(item, parts)
+        parts.append(b"]")
     elif isinstance(value, (set, frozenset)):
-        h.update(repr(sorted(value, key=repr)).encode())
+        parts.append(repr(sorted(value, key=repr)).encode())
     else:
-        h.update(f"{value!r};".encode())
+        parts.append(f"{value!r};".encode())
 
 
 class KvIdentities:

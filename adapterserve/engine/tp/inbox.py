@@ -14,8 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from adapterserve.adapters_store.cache import tensor_nbytes
 from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.engine.staging import trim_staged
 from adapterserve.engine.tp.adapter_post import host_identity, receive, send_at_once
 from adapterserve.engine.tp.group import COLLECTIVE_TIMEOUT_S
 
@@ -75,7 +75,7 @@ class AdapterInbox:
                 self._adapters[key] = adapter
                 if staged:
                     self._staged[key] = adapter
-                    self._trim()
+                    trim_staged(self._staged, self.max_staged, self.max_staged_bytes)
                 self._arrived.notify_all()
 
     def _stage(self, adapter: Adapter) -> bool:
@@ -90,12 +90,3 @@ class AdapterInbox:
             adapter.staged.clear()
             return False
         return True
-
-    def _trim(self) -> None:
-        """Drop the oldest parts' staged copies past max_staged or max_staged_bytes (the newest kept)."""
-        sizes = {key: tensor_nbytes(adapter.staged) for key, adapter in self._staged.items()}
-        total = sum(sizes.values())
-        while len(self._staged) > 1 and (len(self._staged) > self.max_staged or total > self.max_staged_bytes):
-            key, oldest = self._staged.popitem(last=False)
-            oldest.staged.clear()
-            total -= sizes[key]

@@ -24,6 +24,7 @@ from adapterserve.engine.adapter_shard import AdapterShard
 from adapterserve.engine.host_copy import on_copy_stream
 from adapterserve.engine.host_threads import apply_host_threads
 from adapterserve.engine.pool_set import build_pools
+from adapterserve.engine.staging import stage
 from adapterserve.engine.step_device import StepDevice, StepInputs, attach_lora_side_stream
 from adapterserve.engine.tp.adapter_post import send_at_once
 from adapterserve.engine.tp.group import join_group, leave_group
@@ -108,10 +109,7 @@ class WorkerState:
         context on device 0."""
         device = self.pinning_device
         with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
-            for pool in self.pools.all():
-                prepare = getattr(pool, "prepare", None)
-                if prepare is not None:
-                    prepare(adapter)
+            stage(self.pools.all(), adapter)
 
     def step(self, inputs: StepInputs) -> None:
         for event in self._landing:
