@@ -203,7 +203,9 @@ def test_a_worker_dead_before_reading_its_file_leaves_none(adapter_dirs, shm_dir
         worker = engine.lockstep.workers[0]
         os.kill(worker.pid, signal.SIGSTOP)
         engine.load_adapter("lora-8", adapter_dirs["lora-8"])
-        assert len(_files(shm_dir)) == 1, "rank 0 wrote no file for the stopped worker"
+        flight = engine.lockstep._in_flight.get(worker.rank)
+        assert len(_files(shm_dir)) == 1, (f"rank 0 wrote no file for the stopped worker (its part in flight: "
+                                           f"{'none' if flight is None else flight.path or 'over the connection'})")
         os.kill(worker.pid, signal.SIGKILL)
         if then == "add":
             with pytest.raises(EngineBroken, match="worker 1"):
