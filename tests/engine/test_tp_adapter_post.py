@@ -193,6 +193,25 @@ def test_parts_go_over_the_connection_otherwise_and_serve_the_same(adapter_dirs,
     assert _files(shm_dir) == []
 
 
+def _stop(pid: int) -> None:
+    """SIGSTOP pid and wait until each of its threads has stopped: kill() returns once the signal
+    is queued, and a thread woken by a message before the group stop would still read it."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + WAIT_S
+    while not all(_thread_state(pid, task) in ("T", None) for task in os.listdir(f"/proc/{pid}/task")):
+        assert time.monotonic() < deadline, f"process {pid} did not stop within {WAIT_S:.0f} s"
+        time.sleep(0.01)
+
+
+def _thread_state(pid: int, task: str) -> str | None:
+    """A thread's state letter from /proc (None once it has gone)."""
+    try:
+        with open(f"/proc/{pid}/task/{task}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
 @pytest.mark.parametrize("then", ["add", "close"])
 def test_a_worker_dead_before_reading_its_file_leaves_none(adapter_dirs, shm_dir, then):
     """The worker stopped (SIGSTOP) when an adapter is added: its file is written and left
@@ -201,7 +220,7 @@ def test_a_worker_dead_before_reading_its_file_leaves_none(adapter_dirs, shm_dir
     engine = _two_ranks(shm_dir)
     try:
         worker = engine.lockstep.workers[0]
-        os.kill(worker.pid, signal.SIGSTOP)
+        _stop(worker.pid)
         engine.load_adapter("lora-8", adapter_dirs["lora-8"])
         flight = engine.lockstep._in_flight.get(worker.rank)
         assert len(_files(shm_dir)) == 1, (f"rank 0 wrote no file for the stopped worker (its part in flight: "
