@@ -33,7 +33,7 @@ from adapterserve.models.loader import load_decoder
 from benchmarks import report
 from benchmarks.backbone import Backbone
 from benchmarks.checkpoints import SHAPES, scratch_dir, write_random_checkpoint
-from benchmarks.first_request import first_request_line, measure_first_request
+from benchmarks.first_request import cold_cost_lines, first_request_line, measure_first_request
 from benchmarks.hf_baseline import add_peft_loras, load_hf, timed_row
 from benchmarks.hotswap import measure_hotswap
 from benchmarks.measure import Floor, copy_bandwidth, floor_for
@@ -179,6 +179,8 @@ def run_model(name: str, cfg: Config, bandwidth: float, rows: list[dict], hotswa
             log(f"{name}: first request after ready")
             firsts[name] = guarded(f"{name} first request", measure_first_request, backbone, factory, s)
             log(first_request_line(name, firsts[name]))
+            for line in cold_cost_lines(firsts[name]):
+                log(line)
         order = batch_order(cfg.batches[name], cfg.hf_batch)
         for batch in order:
             _run_batch(name, batch, backbone, factory, peft_dir, bottleneck, cfg, bandwidth, rows)

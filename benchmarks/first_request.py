@@ -1,11 +1,17 @@
 """First request after ready against steady state: time to first token of the first
 request an engine serves (right after its construction, warm-up included) and the
 median of the requests after it, one at a time, each a long prompt on an adapter of
-its own; and the engine's start-up time (construction, of which warm-up)."""
+its own; and the engine's start-up time (construction, of which warm-up). For the first and
+the second request it also says what each paid that a warm one would not: Triton kernel
+variants first used (compiled or loaded from disk), the CUDA caching allocator's new device
+allocations, and the wall time of each engine step."""
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+
+import torch
 
 from adapterserve.config import EngineConfig
 from adapterserve.engine.sampling_params import SamplingParams
@@ -31,23 +37,62 @@ def measure_first_request(backbone: Backbone, factory: AdapterFactory, s: Settin
         warmup_s = engine.warmup.seconds if engine.warmup is not None else None
         for i in range(n):
             engine.add_adapter(f"a{i}", factory.lora(i))
-        ttfts = [_ttft(engine, prompt, f"a{i}", s.device) for i, prompt in enumerate(prompts)]
+        costs: list[dict] = []
+        ttfts = [_ttft(engine, prompt, f"a{i}", s.device, costs) for i, prompt in enumerate(prompts)]
     finally:
         engine = None
         backbone.reset()
     steady = statistics.median(ttfts[1:])
     return {"start_s": start_s, "warmup_s": warmup_s, "first_ms": 1e3 * ttfts[0], "steady_ms": 1e3 * steady,
-            "first_x": ttfts[0] / steady, "prompt": len(prompts[0])}
+            "first_x": ttfts[0] / steady, "prompt": len(prompts[0]), "first_costs": costs[0], "second_costs": costs[1]}
 
 
-def _ttft(engine, prompt: list[int], adapter_id: str, device: str) -> float:
-    """Seconds from add_request to the request's first token (it alone in the engine)."""
+def _ttft(engine, prompt: list[int], adapter_id: str, device: str, costs: list[dict]) -> float:
+    """Seconds from add_request to the request's first token (it alone in the engine); what it
+    paid (``_cold_costs``) appended to costs."""
+    kernels, allocs = _kernel_variants(), _device_allocs(device)
     sync(device)
     started = time.perf_counter()
     request = engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True), adapter_id)
+    steps_ms = []
     while not request.finished:
+        step_started = time.perf_counter()
         engine.step()
-    return time.perf_counter() - started
+        steps_ms.append(1e3 * (time.perf_counter() - step_started))
+    took = time.perf_counter() - started
+    costs.append({"kernels": sorted(_kernel_variants() - kernels), "device_allocs": _device_allocs(device) - allocs,
+                  "steps_ms": steps_ms})
+    return took
+
+
+def _kernel_variants() -> set[str]:
+    """Every Triton kernel variant adapterserve's kernels hold (name and specialisation key)."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return set()
+    kernels = {id(v): v for name, module in list(sys.modules.items()) if name.startswith("adapterserve.kernels")
+               for v in vars(module).values() if isinstance(v, JITFunction)}
+    return {f"{fn.fn.__name__} {key}" for fn in kernels.values() for cache in fn.device_caches.values()
+            for key in cache[0]}
+
+
+def _device_allocs(device: str) -> int:
+    """cudaMalloc calls the caching allocator has made (0 off CUDA)."""
+    return torch.cuda.memory_stats().get("num_device_alloc", 0) if device.startswith("cuda") else 0
+
+
+def cold_cost_lines(row: dict) -> list[str]:
+    """What the first and second requests paid, for the log."""
+    lines = []
+    for which in ("first", "second"):
+        cost = row.get(f"{which}_costs")
+        if cost:
+            steps = ", ".join(f"{ms:.1f}" for ms in cost["steps_ms"])
+            lines.append(f"  {which} request: steps {steps} ms; {cost['device_allocs']} new device allocations; "
+                         f"{len(cost['kernels'])} kernel variants first used")
+            lines += [f"    {kernel[:200]}" for kernel in cost["kernels"]]
+    return lines
 
 
 def first_request_line(name: str, row: dict) -> str:

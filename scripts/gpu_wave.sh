@@ -72,6 +72,9 @@ for stage in "$@"; do
                 --workloads base,one,distinct --out "$OUT/et8b_fp8.md" 2>&1 | tail -16
                python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 100 \
                 --workloads base --out "$OUT/et8b_bf16_base.md" 2>&1 | tail -40 ;;
+    firstreq)  # 1 GPU: the 8B's first request after ready against steady state, and what the first two paid
+      timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --first-request \
+        --workloads base --budget-s 120 --out "$OUT/firstreq.md" 2>&1 | grep -E "first request|request:|^    |start-up" | head -40 ;;
     prefix) python3 benchmarks/prefix_cache.py --model 1b 2>&1 | tail -25 ;;
     quality) python3 benchmarks/fp8_quality.py --shape 8b 2>&1 | tail -20 ;;
     *) echo "unknown stage $stage" ;;
