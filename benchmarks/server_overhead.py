@@ -6,6 +6,8 @@ and through the in-process engine, on one machine, interleaved group by group.
     PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --no-inproc --relay-chunk-ms 0.2  # pacing
     PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --trace   # per-hop medians (server_hops.py)
     PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --direct on   # one path only (default: both)
+    PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --direct on --no-inproc --profile /tmp/prof
+                                                   # py-spy: each server process's CPU, top functions
 
 Each server is `adapterserve serve` in a process (and a Ray) of its own. It runs its engine
 in a child process of the replica (`engine_process: true`, rows "server ..."), and, unless
@@ -36,7 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AsyncExitStack, ExitStack, contextmanager
+from contextlib import AbstractContextManager, AsyncExitStack, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -86,18 +88,20 @@ async def _group(open_stream, prompts: list[list[int]]) -> list[Timed]:
     return list(await asyncio.gather(*[_timed(open_stream(p)) for p in prompts]))
 
 
-async def _interleaved(streams: dict[str, Callable], prompts: list[list[int]], concurrency: int
-                      ) -> dict[str, list[Timed]]:
+async def _interleaved(streams: dict[str, Callable], prompts: list[list[int]], concurrency: int,
+                       measuring: AbstractContextManager = nullcontext()) -> dict[str, list[Timed]]:
     """Each group of `concurrency` prompts through every path (the in-process engine, each
-    server), the order rotating group by group, so drift (clocks, caches) falls on all alike."""
+    server), the order rotating group by group, so drift (clocks, caches) falls on all alike.
+    `measuring` is entered after the warm-up, for the measured groups."""
     for open_stream in streams.values():  # warm-up
         await _group(open_stream, prompts[:concurrency])
     results: dict[str, list[Timed]] = {label: [] for label in streams}
     labels = list(streams)
-    for n, i in enumerate(range(0, len(prompts), concurrency)):
-        group = prompts[i : i + concurrency]
-        for label in labels[n % len(labels):] + labels[: n % len(labels)]:
-            results[label] += await _group(streams[label], group)
+    with measuring:
+        for n, i in enumerate(range(0, len(prompts), concurrency)):
+            group = prompts[i : i + concurrency]
+            for label in labels[n % len(labels):] + labels[: n % len(labels)]:
+                results[label] += await _group(streams[label], group)
     return results
 
 
@@ -128,26 +132,33 @@ ENGINE = "engine"  # the in-process engine's label
 
 
 def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int],
-             servers: dict[str, dict]) -> dict[int, dict[str, list[Timed]]]:
+             servers: dict[str, dict], profile_dir: Path | None = None) -> dict[int, dict[str, list[Timed]]]:
     """Per concurrency: path label -> its results of the same prompts, through the in-process
-    engine and each of `servers` (label -> config overrides), all up at once, interleaved."""
+    engine and each of `servers` (label -> config overrides), all up at once, interleaved.
+    `profile_dir`: py-spy records every server's processes during the highest concurrency's
+    measured groups (server_profile.py) and prints where their CPU went."""
     from adapterserve import Engine, SamplingParams
     from adapterserve.clients.client import AsyncClient
 
     with ExitStack() as running:
-        addresses = {label: running.enter_context(_serving({"model": str(path), "engine": engine_cfg,
-                                                            "encoder": False, **overrides}))
-                     for label, overrides in servers.items()}
+        served = {label: running.enter_context(_serving({"model": str(path), "engine": engine_cfg,
+                                                         "encoder": False, **overrides}))
+                  for label, overrides in servers.items()}
         engine = Engine.from_pretrained(path, **engine_cfg)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
         async def run(concurrency: int) -> dict[str, list[Timed]]:
             async with AsyncExitStack() as clients:
                 streams = {ENGINE: lambda p: engine.stream(p, params)}
-                for label, address in addresses.items():
-                    client = await clients.enter_async_context(AsyncClient(address, timeout=600))
+                for label, server in served.items():
+                    client = await clients.enter_async_context(AsyncClient(server.address, timeout=600))
                     streams[label] = partial(client.stream, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-                return await _interleaved(streams, prompts, concurrency)
+                return await _interleaved(streams, prompts, concurrency, measuring(concurrency))
+
+        def measuring(concurrency: int) -> AbstractContextManager:
+            if profile_dir is None or concurrency != max(batches):
+                return nullcontext()
+            return _profiled({label: server.pid for label, server in served.items()}, profile_dir, len(prompts))
 
         try:
             return {c: asyncio.run(run(c)) for c in batches}
@@ -158,8 +169,29 @@ def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: li
 
 
 @contextmanager
-def _serving(config: dict) -> Iterator[str]:
-    """`adapterserve serve` with `config` in a process (and Ray) of its own; its gRPC address."""
+def _profiled(server_pids: dict[str, int], out_dir: Path, requests: int) -> Iterator[None]:
+    """py-spy over each server's processes for the block (which sends `requests` through each);
+    then each server's table."""
+    from benchmarks.server_profile import ProcessProfile
+
+    with ExitStack() as profiles:
+        running = {label: profiles.enter_context(ProcessProfile(pid, out_dir / label.replace(" ", "_")))
+                   for label, pid in server_pids.items()}
+        yield
+    for label, profile in running.items():
+        print(f"\n## {label}: where the server's processes spent their CPU")
+        profile.report(requests)
+
+
+@dataclass
+class Served:
+    address: str  # gRPC, host:port
+    pid: int  # the `adapterserve serve` process (its Ray and replicas run under it)
+
+
+@contextmanager
+def _serving(config: dict) -> Iterator[Served]:
+    """`adapterserve serve` with `config` in a process (and Ray) of its own."""
     root = Path(tempfile.mkdtemp())
     (root / "config.json").write_text(json.dumps({"store": str(root / "store"), **config}))
     grpc_port, http_port = free_port(), free_port()
@@ -174,7 +206,7 @@ def _serving(config: dict) -> Iterator[str]:
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not start:\n{log.read_text(errors='replace')[-3000:]}")
             time.sleep(0.5)
-        yield f"127.0.0.1:{grpc_port}"
+        yield Served(f"127.0.0.1:{grpc_port}", server.pid)
     finally:
         server.send_signal(signal.SIGTERM)  # drains, stops Ray
         try:
@@ -236,6 +268,10 @@ def main() -> None:
     parser.add_argument("--adapter", choices=("none", "name", "version"), default="none",
                         help="--trace: calls name a LoRA by bare name (resolved through the TTL cache) "
                              "or as name@N, or none")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="py-spy (pip install py-spy) records every server's processes during the highest "
+                             "concurrency's measured groups; prints each busy process's CPU and top functions by "
+                             "own time; raw stacks under DIR")
     parser.add_argument("--direct", choices=tuple(DIRECT), default="both",
                         help="the server's path: two tiers (off), the engine in the ingress replica (on), the "
                              "server's choice (auto), or off then on (both)")
@@ -270,7 +306,7 @@ def main() -> None:
             if own_process or not args.no_inproc:
                 servers[label + PATH_NAMES[mode]] = {"engine_process": own_process, "direct": mode,
                                                      "relay_chunk_ms": args.relay_chunk_ms}
-    results = _measure(path, engine_cfg, prompts, args.max_tokens, batches, servers)
+    results = _measure(path, engine_cfg, prompts, args.max_tokens, batches, servers, args.profile)
     print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; {len(prompts)} requests per concurrency, "
           f"each through every path ({', '.join(servers)} and the engine in this process), interleaved; "
           f"relay_chunk_ms {args.relay_chunk_ms}; medians in ms")

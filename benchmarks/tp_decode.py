@@ -23,6 +23,7 @@ import gc
 import json
 import os
 import pstats
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -225,11 +226,34 @@ def profile_steps(engine: Engine, cfg: Config, tokens: int = 24) -> None:
           f"{total:.2f} ms {'GPU' if cfg.device == 'cuda' else 'CPU'} per step (rank 0)")
     for e in events:
         print(f"    {getattr(e, key) / steps / 1e3:8.3f} ms/step {e.count / steps:7.1f} calls/step  {e.key[:90]}")
+    if cfg.device == "cuda":
+        print(collective_spread(prof, steps))
     print("  rank 0's host, by own time:")
     stats = pstats.Stats(host).stats  # {(file, line, function): (calls, primitive calls, own s, cumulative s, callers)}
     for (file, line, function), (calls, _, own, _, _) in sorted(stats.items(), key=lambda i: -i[1][2])[:12]:
         print(f"    {1e3 * own / steps:8.3f} ms/step {calls / steps:7.1f} calls/step  "
               f"{function} ({Path(file).name}:{line})")
+
+
+def collective_spread(prof, steps: int) -> str:
+    """How rank 0's all-reduce kernel time spreads over its calls: a kernel that waits for the
+    slowest rank's arrival runs long, so a few long calls a step mean the ranks start their
+    steps apart, and a uniformly slow call means the sum itself is slow."""
+    from torch.autograd import DeviceType
+    calls = sorted((e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA
+                    and ("all_reduce" in e.name.lower() or "allreduce" in e.name.lower())), reverse=True)
+    if not calls:
+        return "  all-reduce calls: none seen"
+    longest, rest = calls[:steps], calls[steps:] or [0.0]
+    return (f"  all-reduce calls: {len(calls) / steps:.1f} a step; the longest one a step: "
+            f"{sum(longest) / steps / 1e3:.3f} ms/step (median {statistics.median(longest):.1f} µs); "
+            f"the others: median {statistics.median(rest):.1f} µs, p90 {_quantile(rest, 0.9):.1f} µs, "
+            f"{sum(rest) / steps / 1e3:.3f} ms/step")
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def print_worker_profiles(directory: Path, rows: int = 12) -> None:

@@ -26,10 +26,10 @@ for stage in "$@"; do
       timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/layers/test_symm_allreduce_gpu.py \
         tests/models/test_tp_gpu.py tests/engine/test_tp_gpu.py --tb=line -rfE --timeout 120 2>&1 | tail -12
       timeout 60 python3 -m benchmarks.allreduce_micro --worlds 2 2>&1 | tail -14 ;;
-    tptests)  # 2+ GPUs: tensor-parallel engine, decoder and symmetric all-reduce GPU tests
-      timeout ${STAGE_S:-170} python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_tp_gpu.py \
-        tests/models/test_tp_gpu.py tests/layers/test_symm_allreduce_gpu.py --tb=short -rfE --timeout ${TEST_TIMEOUT:-100} 2>&1 \
-        | tee "$OUT/tptests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -12 ;;
+    tptests)  # 2+ GPUs: tensor-parallel engine, decoder and symmetric all-reduce GPU tests (TP_TESTS: a subset)
+      timeout ${STAGE_S:-170} python3 -m pytest -q -p no:cacheprovider -m gpu ${TP_TESTS:-tests/engine/test_tp_gpu.py \
+        tests/models/test_tp_gpu.py tests/layers/test_symm_allreduce_gpu.py} --durations=8 --tb=short -rfE --timeout ${TEST_TIMEOUT:-100} 2>&1 \
+        | tee "$OUT/tptests.log" | grep -E "^(FAILED|ERROR)|passed|failed|s (call|setup) " | tail -20 ;;
     graphtests)  # 1 GPU: graph inputs staging, the engine against transformers with graphs, mixed graphs
       timeout ${STAGE_S:-170} python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_host_copy.py \
         tests/engine/test_gpu.py tests/engine/test_mixed_graphs_gpu.py --tb=short -rfE --timeout ${TEST_TIMEOUT:-100} 2>&1 \

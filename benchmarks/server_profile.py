@@ -1,0 +1,163 @@
+"""Where a server's processes spend their CPU while a benchmark runs (`server_overhead.py --profile`).
+
+    with ProcessProfile(server_pid, out_dir) as profile:   # py-spy records each Python process
+        ...                                                 # the phase to look at
+    profile.report()                                        # per process: CPU, top functions by own time
+
+Every Python process under the server's (its Ray's Serve controller and replicas, the engine
+process of each replica) is sampled by `py-spy record` without pausing it (--nonblocking),
+counting only threads that hold the GIL (--gil): the Python work, which is what the
+server path adds; native work without the GIL (torch's kernels, grpc's core threads) shows
+in the process's CPU seconds only. Those come from the kernel (user + system, all threads)
+for every process under the server's, HAProxy and Ray's own included, so the table shows
+which process is busy and what Python it runs. The raw stacks (py-spy's folded format)
+stay in `out_dir` for a closer look.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+MIN_SHARE = 0.02  # processes below this share of one core over the phase are left out of the report
+
+
+def py_spy_binary() -> str:
+    """The py-spy executable: beside this Python (a venv), else on PATH."""
+    beside = Path(sys.executable).with_name("py-spy")
+    found = str(beside) if beside.exists() else shutil.which("py-spy")
+    if found is None:
+        raise RuntimeError("--profile needs py-spy: pip install py-spy (beside this Python or on PATH)")
+    return found
+
+
+def server_processes(root_pid: int) -> dict[int, tuple[str, bool]]:
+    """pid -> (label, whether it runs Python) of every process under `root_pid` (itself
+    included): Ray workers by their title (ray::...), an engine process as `<its replica> /
+    engine`, other Python processes by module, the rest by name."""
+    root = psutil.Process(root_pid)
+    found: dict[int, tuple[str, bool]] = {}
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            found[proc.pid] = _label(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _label(proc: psutil.Process) -> tuple[str, bool]:
+    cmd = proc.cmdline()
+    if cmd and cmd[0].startswith("ray::"):
+        return " ".join(cmd).strip()[:60], True
+    if not cmd or "python" not in Path(cmd[0]).name:
+        return proc.name(), False
+    if "spawn_main" in " ".join(cmd):
+        return f"{_label(proc.parent())[0]} / engine", True
+    module = cmd[cmd.index("-m") + 1] if "-m" in cmd else Path(cmd[1]).name if len(cmd) > 1 else cmd[0]
+    return f"python {module}"[:60], True
+
+
+@dataclass
+class _Recording:
+    label: str
+    proc: psutil.Process
+    spy: subprocess.Popen | None  # None: not Python (CPU seconds only)
+    raw: Path
+    cpu_start: float
+    cpu_s: float = 0.0
+    own: Counter = field(default_factory=Counter)
+    samples: int = 0
+
+
+class ProcessProfile:
+    """py-spy on every Python process under `root_pid` for the length of a `with` block."""
+
+    def __init__(self, root_pid: int, out_dir: Path, rate: int = 200, top: int = 12) -> None:
+        self.root_pid, self.out_dir, self.rate, self.top = root_pid, Path(out_dir), rate, top
+        self.recordings: list[_Recording] = []
+        self.wall_s = 0.0
+
+    def __enter__(self) -> ProcessProfile:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        spy = py_spy_binary()
+        for pid, (label, python) in server_processes(self.root_pid).items():
+            raw = self.out_dir / f"{pid}.txt"
+            command = [spy, "record", "--pid", str(pid), "--format", "raw", "--nolineno", "--nonblocking", "--gil",
+                       "--rate", str(self.rate), "--output", str(raw)]
+            proc = psutil.Process(pid)
+            recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if python else None
+            self.recordings.append(_Recording(label, proc, recorder, raw, _cpu_s(proc)))
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall_s = time.perf_counter() - self._start
+        for rec in self.recordings:
+            rec.cpu_s = _cpu_s(rec.proc) - rec.cpu_start
+            if rec.spy is not None:
+                rec.spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        for rec in self.recordings:
+            if rec.spy is not None:
+                try:
+                    rec.spy.wait(30)
+                except subprocess.TimeoutExpired:
+                    rec.spy.kill()
+                rec.own, rec.samples = _own_samples(rec.raw)
+
+    def report(self, requests: int) -> None:
+        """Per busy process: its CPU over the phase (and per request of the `requests` the server
+        ran in it), then its top functions by own samples holding the GIL."""
+        busy = sorted((r for r in self.recordings if r.cpu_s >= MIN_SHARE * self.wall_s), key=lambda r: -r.cpu_s)
+        total = sum(r.cpu_s for r in self.recordings)
+        print(f"CPU over {self.wall_s:.1f} s of the profiled phase ({requests} requests through this server): "
+              f"{total:.2f} CPU-s in the server's processes, {total / requests * 1e3:.2f} ms per request")
+        print(f"per process: CPU ms per request (user + system, all threads); py-spy at {self.rate} Hz, samples "
+              f"of threads holding the GIL, top functions by own samples; raw stacks in {self.out_dir}")
+        for rec in busy:
+            print(f"\n{rec.label} (pid {rec.proc.pid}): {rec.cpu_s / requests * 1e3:.2f} CPU ms per request "
+                  f"({rec.cpu_s / self.wall_s:.0%} of a core), {rec.samples / self.rate:.2f} s holding the GIL")
+            if rec.samples:
+                print("| own % | function (file) |")
+                print("|---|---|")
+            for function, count in rec.own.most_common(self.top):
+                print(f"| {count / rec.samples:.1%} | {function} |")
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    try:
+        times = proc.cpu_times()
+        return times.user + times.system
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
+def _own_samples(raw: Path) -> tuple[Counter, int]:
+    """Samples per leaf function (own time) and in all, from py-spy's folded stacks
+    ("frame;frame;...;leaf count" a line)."""
+    own: Counter = Counter()
+    if not raw.exists():
+        return own, 0
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            own[_short(stack.rsplit(";", 1)[-1])] += int(count)
+    return own, sum(own.values())
+
+
+def _short(frame: str) -> str:
+    """`function (path)` with the path cut to its package part."""
+    function, _, where = frame.partition(" (")
+    where = where.rstrip(")")
+    for marker in ("site-packages/", "adapterserve/", "lib/python3"):
+        if marker in where:
+            where = where.split(marker, 1)[1]
+            break
+    return f"{function} ({os.path.basename(where) if where.startswith('/') else where})"
