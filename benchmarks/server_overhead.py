@@ -89,7 +89,7 @@ async def _group(open_stream, prompts: list[list[int]]) -> list[Timed]:
 
 
 async def _interleaved(streams: dict[str, Callable], prompts: list[list[int]], concurrency: int,
-                       measuring: AbstractContextManager = nullcontext()) -> dict[str, list[Timed]]:
+                       measuring: AbstractContextManager | None = None) -> dict[str, list[Timed]]:
     """Each group of `concurrency` prompts through every path (the in-process engine, each
     server), the order rotating group by group, so drift (clocks, caches) falls on all alike.
     `measuring` is entered after the warm-up, for the measured groups."""
@@ -97,7 +97,7 @@ async def _interleaved(streams: dict[str, Callable], prompts: list[list[int]], c
         await _group(open_stream, prompts[:concurrency])
     results: dict[str, list[Timed]] = {label: [] for label in streams}
     labels = list(streams)
-    with measuring:
+    with measuring or nullcontext():
         for n, i in enumerate(range(0, len(prompts), concurrency)):
             group = prompts[i : i + concurrency]
             for label in labels[n % len(labels):] + labels[: n % len(labels)]:

@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,11 +32,17 @@ MIN_SHARE = 0.02  # processes below this share of one core over the phase are le
 
 
 def py_spy_binary() -> str:
-    """The py-spy executable: beside this Python (a venv), else on PATH."""
-    beside = Path(sys.executable).with_name("py-spy")
-    found = str(beside) if beside.exists() else shutil.which("py-spy")
+    """The py-spy executable: beside this Python, in its scripts folder, under a sys.path entry
+    (pip install --target DIR puts it in DIR/bin), else on PATH."""
+    places = [Path(sys.executable).parent, Path(sysconfig.get_path("scripts")),
+              *(Path(entry) / "bin" for entry in sys.path if entry)]
+    for place in places:
+        if (place / "py-spy").is_file():
+            return str(place / "py-spy")
+    found = shutil.which("py-spy")
     if found is None:
-        raise RuntimeError("--profile needs py-spy: pip install py-spy (beside this Python or on PATH)")
+        raise RuntimeError("--profile needs py-spy (pip install py-spy): not found beside this Python, under "
+                           "sys.path's bin folders or on PATH")
     return found
 
 
@@ -74,6 +81,7 @@ class _Recording:
     cpu_start: float
     cpu_s: float = 0.0
     own: Counter = field(default_factory=Counter)
+    threads: Counter = field(default_factory=Counter)
     samples: int = 0
 
 
@@ -91,9 +99,10 @@ class ProcessProfile:
         for pid, (label, python) in server_processes(self.root_pid).items():
             raw = self.out_dir / f"{pid}.txt"
             command = [spy, "record", "--pid", str(pid), "--format", "raw", "--nolineno", "--nonblocking", "--gil",
-                       "--rate", str(self.rate), "--output", str(raw)]
+                       "--threads", "--rate", str(self.rate), "--output", str(raw)]
             proc = psutil.Process(pid)
-            recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if python else None
+            with open(raw.with_suffix(".log"), "wb") as log:  # py-spy's own messages (why it recorded nothing)
+                recorder = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT) if python else None
             self.recordings.append(_Recording(label, proc, recorder, raw, _cpu_s(proc)))
         self._start = time.perf_counter()
         return self
@@ -110,7 +119,7 @@ class ProcessProfile:
                     rec.spy.wait(30)
                 except subprocess.TimeoutExpired:
                     rec.spy.kill()
-                rec.own, rec.samples = _own_samples(rec.raw)
+                rec.own, rec.threads, rec.samples = _own_samples(rec.raw)
 
     def report(self, requests: int) -> None:
         """Per busy process: its CPU over the phase (and per request of the `requests` the server
@@ -120,15 +129,26 @@ class ProcessProfile:
         print(f"CPU over {self.wall_s:.1f} s of the profiled phase ({requests} requests through this server): "
               f"{total:.2f} CPU-s in the server's processes, {total / requests * 1e3:.2f} ms per request")
         print(f"per process: CPU ms per request (user + system, all threads); py-spy at {self.rate} Hz, samples "
-              f"of threads holding the GIL, top functions by own samples; raw stacks in {self.out_dir}")
+              f"of threads holding the GIL: their share by thread, top functions by own samples (own time of "
+              f"Thread.run: native code under it, such as uvloop's loop and grpc's Cython); raw stacks in "
+              f"{self.out_dir}")
         for rec in busy:
-            print(f"\n{rec.label} (pid {rec.proc.pid}): {rec.cpu_s / requests * 1e3:.2f} CPU ms per request "
-                  f"({rec.cpu_s / self.wall_s:.0%} of a core), {rec.samples / self.rate:.2f} s holding the GIL")
-            if rec.samples:
-                print("| own % | function (file) |")
-                print("|---|---|")
-            for function, count in rec.own.most_common(self.top):
-                print(f"| {count / rec.samples:.1%} | {function} |")
+            self._print_process(rec, requests)
+
+    def _print_process(self, rec: _Recording, requests: int) -> None:
+        held = f", {rec.samples / self.rate:.2f} s holding the GIL" if rec.spy is not None else ""
+        print(f"\n{rec.label} (pid {rec.proc.pid}): {rec.cpu_s / requests * 1e3:.2f} CPU ms per request "
+              f"({rec.cpu_s / self.wall_s:.0%} of a core){held}")
+        if not rec.samples:
+            if rec.spy is not None:
+                said = rec.raw.with_suffix(".log").read_text(errors="replace").strip().splitlines()
+                print(f"py-spy recorded nothing: {said[-1] if said else 'no message'}")
+            return
+        print("threads: " + ", ".join(f"{name} {count / rec.samples:.0%}" for name, count in rec.threads.most_common(4)))
+        print("| own % | function (file) |")
+        print("|---|---|")
+        for function, count in rec.own.most_common(self.top):
+            print(f"| {count / rec.samples:.1%} | {function} |")
 
 
 def _cpu_s(proc: psutil.Process) -> float:
@@ -139,17 +159,21 @@ def _cpu_s(proc: psutil.Process) -> float:
         return 0.0
 
 
-def _own_samples(raw: Path) -> tuple[Counter, int]:
-    """Samples per leaf function (own time) and in all, from py-spy's folded stacks
-    ("frame;frame;...;leaf count" a line)."""
+def _own_samples(raw: Path) -> tuple[Counter, Counter, int]:
+    """Samples per leaf function (own time), per thread, and in all, from py-spy's folded stacks
+    ("thread (tid): name;frame;...;leaf count" a line)."""
     own: Counter = Counter()
+    threads: Counter = Counter()
     if not raw.exists():
-        return own, 0
+        return own, threads, 0
     for line in raw.read_text(errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")
-        if stack and count.isdigit():
-            own[_short(stack.rsplit(";", 1)[-1])] += int(count)
-    return own, sum(own.values())
+        if not stack or not count.isdigit():
+            continue
+        thread, *frames = stack.split(";")
+        threads[thread.partition(": ")[2] or thread] += int(count)
+        own[_short(frames[-1] if frames else thread)] += int(count)
+    return own, threads, sum(own.values())
 
 
 def _short(frame: str) -> str:

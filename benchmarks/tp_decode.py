@@ -23,9 +23,15 @@ import gc
 import json
 import os
 import pstats
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -70,6 +76,7 @@ class Config:
     all_reduces: tuple[str, ...]
     micro: bool
     profile: bool
+    stall_dump_s: float = 0.0
 
 
 def parse_args(argv: list[str] | None) -> Config:
@@ -89,6 +96,8 @@ def parse_args(argv: list[str] | None) -> Config:
     p.add_argument("--micro", action="store_true", help="first the all-reduce latency table at each size > 1")
     p.add_argument("--profile", action="store_true",
                    help="after each base row, rank 0's kernels of a short run (torch.profiler), top 12 per step")
+    p.add_argument("--stall-dump", type=float, default=0.0, metavar="S",
+                   help="a workload still running after S seconds: every rank's Python stacks (py-spy dump)")
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, a few tokens: the script runs")
     args = p.parse_args(argv)
     sizes = tuple(int(s) for s in args.sizes.split(","))
@@ -96,9 +105,9 @@ def parse_args(argv: list[str] | None) -> Config:
     targets = tuple(args.targets.split(",")) if args.targets else None
     if args.smoke:
         return Config(SHAPES["tiny"], "cpu", "float32", sizes, 4, 4, 4, targets, 8, 4, all_reduces, args.micro,
-                      args.profile)
+                      args.profile, args.stall_dump)
     return Config(ALL_SHAPES[args.shape], "cuda", "bfloat16", sizes, args.batch, args.adapters, args.rank, targets,
-                  args.prompt, args.tokens, all_reduces, args.micro, args.profile)
+                  args.prompt, args.tokens, all_reduces, args.micro, args.profile, args.stall_dump)
 
 
 def random_shard(config_dir: str, dtype: torch.dtype, seed: int, tp: TensorParallel, device: str) -> DecoderModel:
@@ -178,6 +187,38 @@ def run_size(cfg: Config, config_dir: Path, size: int, all_reduce: str, factory:
             torch.cuda.empty_cache()
 
 
+@contextmanager
+def stall_dump(engine: Engine, after_s: float, label: str) -> Iterator[None]:
+    """After after_s seconds inside the block (0: never), print the Python stacks of rank 0 and
+    each local TP worker (py-spy, where installed), once."""
+    if after_s <= 0:
+        yield
+        return
+    pids = [os.getpid()] + [w.pid for w in (engine.lockstep.workers if engine.lockstep else []) if w.pid]
+
+    def dump() -> None:
+        progress(f"{label}: still running after {after_s:.0f} s; stacks of {pids}")
+        for pid in pids:
+            try:
+                out = subprocess.run([_py_spy(), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+                print(out.stdout[-6000:] or out.stderr[-2000:], flush=True)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                print(f"  py-spy on {pid}: {exc}", flush=True)
+
+    timer = threading.Timer(after_s, dump)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _py_spy() -> str:
+    """py-spy on PATH, else beside this Python (a venv's bin)."""
+    return shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+
+
 def add_adapters(engine: Engine, adapters: dict[str, Adapter], label: str, profile: bool) -> None:
     """Add the adapters (timed, with progress every 16); ``profile``: rank 0's busiest functions."""
     host = cProfile.Profile()
@@ -199,7 +240,8 @@ def add_adapters(engine: Engine, adapters: dict[str, Adapter], label: str, profi
 def _row(engine: Engine, cfg: Config, size: int, label: str, workload: str, adapter_ids: list[str | None],
          floor: Floor) -> dict:
     started = time.perf_counter()
-    row = {"tp": size, "all_reduce": label, "workload": workload, **_workload(engine, cfg, adapter_ids, floor)}
+    with stall_dump(engine, cfg.stall_dump_s, f"tp={size} {label} {workload}"):
+        row = {"tp": size, "all_reduce": label, "workload": workload, **_workload(engine, cfg, adapter_ids, floor)}
     progress(f"tp={size} {label} {workload}: step {row.get('decode_ms', float('nan')):.2f} ms, "
              f"{row.get('x_floor', float('nan')):.2f}x floor ({time.perf_counter() - started:.1f} s with warm-up)")
     return row

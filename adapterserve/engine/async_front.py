@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
+from adapterserve.engine.output_queue import OutputQueue
 from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput, RequestTimes
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.errors import EngineBroken, RequestError
@@ -34,6 +35,7 @@ class AsyncFront:
     async def stream(
         self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
         request_id: str | None = None, times: RequestTimes | None = None, cache_salt: str = "",
+        pause_s: Callable[[], float] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield new tokens and text as steps produce them; the last chunk has finish_reason.
         With sampling.n > 1 each chunk is one choice's (its `index`), and each choice ends with
@@ -42,8 +44,10 @@ class AsyncFront:
         relaying each chunk) pays per chunk, not per token.
         Closing the iterator early (or cancelling its task) aborts the request. A request
         that fails raises its error here. `times`, if given, gets the request's stage times
-        (before each chunk that reaches a stage is yielded). `cache_salt`: as for add_request."""
-        queue: asyncio.Queue = asyncio.Queue()
+        (before each chunk that reaches a stage is yielded). `cache_salt`: as for add_request.
+        `pause_s`: after each chunk the consumer took, wait up to pause_s() seconds for more
+        tokens to merge into the next (output_queue.py: a finishing chunk ends the wait)."""
+        queue = OutputQueue()
         if times is not None:
             times.added_ns = time.time_ns()
         request = self.add_request(prompt, sampling, adapter_id, request_id, times=times, cache_salt=cache_salt)
@@ -57,6 +61,8 @@ class AsyncFront:
                     if times is not None:
                         _stamp(times, chunk, unfinished == 0)
                     yield chunk
+                if unfinished and pause_s is not None:
+                    await queue.settle(pause_s())
         finally:
             self._streams.pop(request.request_id, None)
             if not request.done:

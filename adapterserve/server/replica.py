@@ -175,6 +175,7 @@ class EngineReplica:
             stream = self.engine.stream(
                 request["prompt"], request["sampling"], adapter_id=loaded.engine_id if loaded else None,
                 request_id=request["request_id"], times=trace.times, cache_salt=cache_salt(version),
+                pause_s=self._pacer.pause_s,  # paced while other streams run (server/relay.py)
             )
             async with aclosing(stream):  # closing it aborts the engine request (frees its KV blocks)
                 with self._pacer.stream():
@@ -200,7 +201,7 @@ class EngineReplica:
             return await self._acquire(version)
 
     async def _chunks(self, stream, version: AdapterVersion | None) -> AsyncIterator[dict[str, Any]]:
-        """The engine's outputs as chunks, paced (server/relay.py) while other streams run."""
+        """The engine's outputs as chunks."""
         first = True
         async for out in stream:
             chunk = {"request_id": out.request_id, "token_ids": out.token_ids, "text": out.text,
@@ -210,8 +211,6 @@ class EngineReplica:
                              cached_tokens=out.cached_tokens)
                 first = False
             yield chunk
-            if out.finish_reason is None and (pause := self._pacer.pause_s()):
-                await asyncio.sleep(pause)  # tokens arriving meanwhile leave as one chunk
 
     async def classify(self, request: dict[str, Any]) -> dict[str, Any]:
         """{"results": [ClassifyOutput fields]} or {"error", "message"}."""

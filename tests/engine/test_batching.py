@@ -157,3 +157,17 @@ def test_a_slow_stream_consumer_gets_merged_chunks_that_add_up(engine):
     assert len(chunks) < 10  # merged
     assert sum((c.token_ids for c in chunks), []) == expected.token_ids
     assert "".join(c.text for c in chunks) == expected.text and chunks[-1].finish_reason == "length"
+
+
+def test_a_paced_stream_merges_what_arrives_in_its_pause_and_its_end_ends_the_pause(engine):
+    prompt = "Hikers follow the path"
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = engine.generate([prompt], params)[0]
+
+    async def collect():  # an hour's pause after each chunk: only the finishing token can end it
+        return [chunk async for chunk in engine.stream(prompt, params, pause_s=lambda: 3600.0)]
+
+    chunks = asyncio.run(asyncio.wait_for(collect(), 120))
+    assert len(chunks) <= 2  # the first chunk, then everything up to the end
+    assert sum((c.token_ids for c in chunks), []) == expected.token_ids
+    assert "".join(c.text for c in chunks) == expected.text and chunks[-1].finish_reason == "length"

@@ -62,6 +62,18 @@ def test_streams_equal_the_engine_in_process(proc, local):
         assert chunks[0].prompt_token_ids == chunks[-1].prompt_token_ids == want.prompt_token_ids
 
 
+def test_a_paced_stream_merges_its_tokens_and_is_not_held_past_its_end(proc, local):
+    async def run():  # an hour's pause after each chunk: only each stream's last token can end it
+        streams = [proc.stream(p, GREEDY, request_id=f"paced{i}", pause_s=lambda: 3600.0)
+                   for i, p in enumerate(PROMPTS)]
+        return await asyncio.wait_for(asyncio.gather(*[_collect(s) for s in streams]), 120)
+
+    expected = local.generate(PROMPTS, GREEDY)
+    for chunks, want in zip(asyncio.run(run()), expected):
+        assert len(chunks) <= 2  # the first chunk, then everything up to the end
+        assert _joined(chunks) == (want.token_ids, want.text, want.finish_reason)
+
+
 def test_concurrent_streams_arrive_in_one_message_per_step(proc, monkeypatch):
     """Relaying costs one pipe message per engine step, whatever the number of streams."""
     sizes, deliver = [], proc._deliver

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -38,10 +38,11 @@ class LocalEngine:
         return cls(Engine.from_pretrained(model_dir, **dict(engine_kwargs or {})))
 
     async def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
-                     request_id: str | None = None, times: RequestTimes | None = None,
-                     cache_salt: str = "") -> AsyncIterator[RequestOutput]:
+                     request_id: str | None = None, times: RequestTimes | None = None, cache_salt: str = "",
+                     pause_s: Callable[[], float] | None = None) -> AsyncIterator[RequestOutput]:
         """Engine.stream: closing it early (or cancelling its task) aborts the request."""
-        async with aclosing(self.engine.stream(prompt, sampling, adapter_id, request_id, times, cache_salt)) as chunks:
+        async with aclosing(self.engine.stream(prompt, sampling, adapter_id, request_id, times, cache_salt,
+                                               pause_s)) as chunks:
             async for chunk in chunks:
                 yield chunk
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.engine.async_front import Prompt, merge_chunks
+from adapterserve.engine.output_queue import OutputQueue
 from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput, RequestTimes
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.errors import EngineDied
@@ -40,7 +41,7 @@ from adapterserve.server.engine_process.report import EngineReport
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: OutputQueue
     times: RequestTimes | None = None  # the caller's, filled from the child's (before its last chunk)
     head: RequestOutput | None = None  # the first chunk: request id, adapter, prompt ids
 
@@ -104,12 +105,13 @@ class EngineProcess:
     # the API
 
     async def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
-                     request_id: str | None = None, times: RequestTimes | None = None,
-                     cache_salt: str = "") -> AsyncIterator[RequestOutput]:
+                     request_id: str | None = None, times: RequestTimes | None = None, cache_salt: str = "",
+                     pause_s: Callable[[], float] | None = None) -> AsyncIterator[RequestOutput]:
         """Engine.stream in the child: closing it early (or cancelling its task) aborts the request.
-        `times`, if given, gets the stage times the child recorded, by the last chunk."""
+        `times`, if given, gets the stage times the child recorded, by the last chunk; `pause_s`:
+        as Engine.stream's, here (the child sends every step's outputs)."""
         call_id = next(self._ids)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), times)
+        stream = _Stream(asyncio.get_running_loop(), OutputQueue(), times)
         self._register(self._streams, call_id, stream)
         unfinished = sampling.n if sampling is not None else 1  # choices still running
         try:
@@ -118,6 +120,8 @@ class EngineProcess:
                 for chunk in merge_chunks([await stream.queue.get()], stream.queue):
                     unfinished -= chunk.finished
                     yield chunk
+                if unfinished and pause_s is not None:
+                    await stream.queue.settle(pause_s())
         finally:
             self._unregister(self._streams, call_id)
             if unfinished:

@@ -187,12 +187,13 @@ class EngineSupervisor:
     # the engine's API
 
     async def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
-                     request_id: str | None = None, times: RequestTimes | None = None,
-                     cache_salt: str = "") -> AsyncIterator[RequestOutput]:
+                     request_id: str | None = None, times: RequestTimes | None = None, cache_salt: str = "",
+                     pause_s: Callable[[], float] | None = None) -> AsyncIterator[RequestOutput]:
         """The engine's stream: closing it early (or cancelling its task) aborts the request;
-        `times`, if given, gets the request's stage times in the engine."""
+        `times`, if given, gets the request's stage times in the engine; `pause_s`: as Engine.stream's."""
         engine = await self._ready()
-        async with aclosing(engine.stream(prompt, sampling, adapter_id, request_id, times, cache_salt)) as chunks:
+        async with aclosing(engine.stream(prompt, sampling, adapter_id, request_id, times, cache_salt,
+                                          pause_s)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
