@@ -140,9 +140,10 @@ class ProcessProfile:
         print(f"\n{rec.label} (pid {rec.proc.pid}): {rec.cpu_s / requests * 1e3:.2f} CPU ms per request "
               f"({rec.cpu_s / self.wall_s:.0%} of a core){held}")
         if not rec.samples:
-            if rec.spy is not None:
-                said = rec.raw.with_suffix(".log").read_text(errors="replace").strip().splitlines()
-                print(f"py-spy recorded nothing: {said[-1] if said else 'no message'}")
+            said = rec.raw.with_suffix(".log").read_text(errors="replace").splitlines()
+            errors = [line for line in said if "rror" in line]
+            if errors:
+                print(f"py-spy failed: {errors[-1]}")
             return
         print("threads: " + ", ".join(f"{name} {count / rec.samples:.0%}" for name, count in rec.threads.most_common(4)))
         print("| own % | function (file) |")

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from adapterserve.engine.output_queue import OutputQueue
-from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput, RequestTimes
+from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput, RequestTimes
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.errors import EngineBroken, RequestError
 
@@ -27,7 +27,7 @@ class AsyncFront:
     """Mixed into Engine: needs add_request, abort, step, has_unfinished and _in_flight."""
 
     def _init_async_front(self) -> None:
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, Callable[[RequestOutput | BaseException], None]] = {}  # request id -> its put
         self._pooling: dict[str, tuple[object, asyncio.Future]] = {}  # request id -> (request, future)
         self._loop_task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
@@ -51,7 +51,7 @@ class AsyncFront:
         if times is not None:
             times.added_ns = time.time_ns()
         request = self.add_request(prompt, sampling, adapter_id, request_id, times=times, cache_salt=cache_salt)
-        self._streams[request.request_id] = queue
+        self._streams[request.request_id] = queue.put_nowait
         self._ensure_loop()
         try:
             unfinished = request.sampling.n
@@ -67,6 +67,27 @@ class AsyncFront:
             self._streams.pop(request.request_id, None)
             if not request.done:
                 self.abort(request.request_id)
+
+    def push_stream(
+        self, prompt: Prompt, sampling: SamplingParams | None, adapter_id: str | None, request_id: str | None,
+        times: RequestTimes | None, cache_salt: str, to: Callable[[RequestOutput | BaseException], None],
+    ) -> Request:
+        """stream() without a task to consume it: each step's output for this request (one per
+        choice that advanced), or the error that ends it, is passed to `to` on the event loop
+        as the step ends. `times` is stamped as stream() stamps it. Call end_push(request) once
+        its last choice finished or an error came, or to abort it."""
+        if times is not None:
+            times.added_ns = time.time_ns()
+        request = self.add_request(prompt, sampling, adapter_id, request_id, times=times, cache_salt=cache_salt)
+        self._streams[request.request_id] = to if times is None else _Stamped(to, times, request.sampling.n)
+        self._ensure_loop()
+        return request
+
+    def end_push(self, request: Request) -> None:
+        """No more outputs of a pushed stream; the request is aborted unless it is done."""
+        self._streams.pop(request.request_id, None)
+        if not request.done:
+            self.abort(request.request_id)
 
     async def classify_async(self, texts: Sequence[Prompt], adapter_ids: Sequence[str] | str) -> list[ClassifyOutput]:
         """classify, batched by the running step loop with streams and other requests."""
@@ -129,9 +150,9 @@ class AsyncFront:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            queue = self._streams.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+            put = self._streams.get(out.request_id)
+            if put is not None:
+                put(out)
         for request, future in list(self._pooling.values()):
             if request.finished and not future.done():
                 if request.error is not None:
@@ -140,11 +161,24 @@ class AsyncFront:
                     future.set_result(request.result)
 
     def _fail_waiters(self, exc: BaseException) -> None:
-        for queue in self._streams.values():
-            queue.put_nowait(exc)
+        for put in list(self._streams.values()):  # a pushed stream's `to` may end it
+            put(exc)
         for _, future in self._pooling.values():
             if not future.done():
                 future.set_exception(exc)
+
+
+class _Stamped:
+    """A pushed stream's `to`, stamping its times first (the first token; the end with the last choice's)."""
+
+    def __init__(self, to: Callable[[RequestOutput | BaseException], None], times: RequestTimes, choices: int) -> None:
+        self.to, self.times, self.unfinished = to, times, choices
+
+    def __call__(self, out: RequestOutput | BaseException) -> None:
+        if isinstance(out, RequestOutput) and out.error is None:
+            self.unfinished -= out.finished
+            _stamp(self.times, out, self.unfinished == 0)
+        self.to(out)
 
 
 def _stamp(times: RequestTimes, chunk: RequestOutput, last: bool) -> None:

@@ -95,7 +95,7 @@ class EncoderEngine(AdapterHost):
     def generate(self, *args, **kwargs):
         raise RequestError(f"this backbone is an encoder ({self.model_config.model_type}): use classify or embed")
 
-    stream = generate
+    stream = push_stream = generate
 
     def _adapter(self, adapter_id: str | None):
         if adapter_id is None:

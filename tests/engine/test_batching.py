@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from adapterserve import Engine, SamplingParams
+from adapterserve.engine.request import RequestTimes
 from adapterserve.errors import RequestError
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -171,3 +172,51 @@ def test_a_paced_stream_merges_what_arrives_in_its_pause_and_its_end_ends_the_pa
     assert len(chunks) <= 2  # the first chunk, then everything up to the end
     assert sum((c.token_ids for c in chunks), []) == expected.token_ids
     assert "".join(c.text for c in chunks) == expected.text and chunks[-1].finish_reason == "length"
+
+
+def test_a_pushed_stream_gets_every_steps_output_and_its_times(engine):
+    prompt = "Hikers follow the path"
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = engine.generate([prompt], params)[0]
+    times = RequestTimes()
+
+    async def run():
+        got, ended = [], asyncio.Event()
+
+        def put(out):
+            got.append(out)
+            if isinstance(out, BaseException) or out.finished:
+                ended.set()
+
+        request = engine.push_stream(prompt, params, None, None, times, "", put)
+        await asyncio.wait_for(ended.wait(), 120)
+        engine.end_push(request)
+        return got
+
+    got = asyncio.run(run())
+    assert [len(out.token_ids) for out in got] == [1] * 10  # one output per step, none merged
+    assert sum((out.token_ids for out in got), []) == expected.token_ids
+    assert "".join(out.text for out in got) == expected.text and got[-1].finish_reason == "length"
+    assert 0 < times.added_ns <= times.first_token_ns <= times.finished_ns
+
+
+def test_ending_a_pushed_stream_early_aborts_and_frees_blocks(engine):
+    free = engine.blocks.num_free
+
+    async def read_two():
+        got, two = [], asyncio.Event()
+
+        def put(out):
+            got.append(out)
+            if len(got) == 2:
+                two.set()
+
+        request = engine.push_stream("The river", SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True),
+                                     None, None, None, "", put)
+        await asyncio.wait_for(two.wait(), 120)
+        engine.end_push(request)
+        return got
+
+    got = asyncio.run(read_two())
+    assert 2 <= len(got) < 100 and got[-1].finish_reason is None
+    assert engine.blocks.num_free == free and not engine.has_unfinished()

@@ -1,8 +1,9 @@
 """The engine process: one engine and its own asyncio loop, driven over a pipe.
 
-A reader thread hands each command to the loop. A stream becomes a task relaying
-the engine's stream; a call a task awaiting LocalEngine. What the tasks produce in
-one loop turn (after an engine step: every stream's new chunk) leaves in one
+A reader thread hands each command to the loop. A stream is pushed: the engine's step
+loop hands each step's outputs straight to the outbox (Engine.push_stream), with no task
+per stream between them; a call is a task awaiting LocalEngine. What reaches the outbox
+in one loop turn (after an engine step: every stream's new tokens) leaves in one
 message, so relaying costs one message per step, not one per token. The process
 ends on "close", when the pipe closes, or when its parent is gone.
 """
@@ -16,11 +17,10 @@ import sys
 import threading
 import time
 import traceback
-from contextlib import aclosing
 from multiprocessing.connection import Connection
 from typing import Any
 
-from adapterserve.engine.request import RequestTimes
+from adapterserve.engine.request import RequestOutput, RequestTimes
 from adapterserve.server.engine_process import wire
 from adapterserve.server.engine_process.local import LocalEngine
 
@@ -48,7 +48,8 @@ def main(conn: Connection, model_dir: str, engine_kwargs: dict[str, Any], parent
 class EngineServer:
     def __init__(self, engine: LocalEngine, conn: Connection, parent_pid: int) -> None:
         self.engine, self.conn, self.parent_pid = engine, conn, parent_pid
-        self.tasks: dict[int, asyncio.Task] = {}
+        self.tasks: dict[int, asyncio.Task] = {}  # calls running
+        self.streams: dict[int, _PushedStream] = {}  # streams running
         self.outbox: list[tuple[int, bool, Any]] = []
 
     async def serve(self) -> None:
@@ -56,6 +57,8 @@ class EngineServer:
         self.stopping = asyncio.Event()
         threading.Thread(target=self._read, name="engine-commands", daemon=True).start()
         await self.stopping.wait()
+        for call_id in list(self.streams):
+            self._end_stream(call_id)  # aborts the engine requests
         for task in list(self.tasks.values()):
             task.cancel()  # aborts the engine requests
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
@@ -82,11 +85,13 @@ class EngineServer:
     def _handle(self, message: tuple) -> None:
         op, *args = message
         if op == "stream":
-            self._start(args[0], self._stream(*args))
+            self._stream(*args)
         elif op == "call":
             self._start(args[0], self._call(*args))
         elif op == "abort" and args[0] in self.tasks:
             self.tasks[args[0]].cancel()
+        elif op == "abort":
+            self._end_stream(args[0])
         elif op == "close":
             self.stopping.set()
 
@@ -95,21 +100,22 @@ class EngineServer:
         self.tasks[call_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(call_id, None))
 
-    async def _stream(self, call_id: int, prompt, sampling, adapter_id, request_id, timed: bool,
-                      cache_salt: str = "") -> None:
-        times = RequestTimes() if timed else None
+    def _stream(self, call_id: int, prompt, sampling, adapter_id, request_id, timed: bool,
+                cache_salt: str = "") -> None:
+        stream = _PushedStream(self, call_id, RequestTimes() if timed else None)
         try:
-            async with aclosing(self.engine.stream(prompt, sampling, adapter_id, request_id, times, cache_salt)) as chunks:
-                first = True
-                async for out in chunks:
-                    if times is not None and out.finished:  # in the same message as the last chunk, before it
-                        self._post(call_id, True, times)
-                    self._post(call_id, True, out if first else (out.token_ids, out.text, out.finish_reason, out.index))
-                    first = False
-        except Exception as exc:
-            if times is not None:  # how far it got
-                self._post(call_id, True, times)
-            self._post(call_id, False, wire.portable(exc))
+            stream.request = self.engine.push_stream(prompt, sampling, adapter_id, request_id, stream.times,
+                                                     cache_salt, stream.put)
+        except Exception as exc:  # refused (a bad request, an unknown adapter)
+            stream.fail(exc)
+            return
+        self.streams[call_id] = stream
+
+    def _end_stream(self, call_id: int) -> None:
+        """No more outputs of that stream; its request is aborted unless done (frees its KV blocks)."""
+        stream = self.streams.pop(call_id, None)
+        if stream is not None:
+            self.engine.end_push(stream.request)
 
     async def _call(self, call_id: int, method: str, args: tuple) -> None:
         try:
@@ -142,3 +148,34 @@ class EngineServer:
             wire.send(self.conn, (entries, self.engine.last_load))
         except OSError:  # the parent is gone
             self.stopping.set()
+
+
+class _PushedStream:
+    """One stream's outputs as they leave the engine's steps, posted as the parent reads them
+    (wire.py): the first as a RequestOutput, later ones as (token_ids, text, finish_reason,
+    index); a timed stream's RequestTimes before each finishing chunk and before an error."""
+
+    def __init__(self, server: EngineServer, call_id: int, times: RequestTimes | None) -> None:
+        self.server, self.call_id, self.times = server, call_id, times
+        self.request = None  # the engine's, once added
+        self.first = True
+        self.finished = 0  # choices finished
+
+    def put(self, out: RequestOutput | BaseException) -> None:
+        if isinstance(out, BaseException) or out.error is not None:
+            self.fail(out if isinstance(out, BaseException) else out.error)
+            self.server._end_stream(self.call_id)
+            return
+        if self.times is not None and out.finished:  # in the same message as the last chunk, before it
+            self.server._post(self.call_id, True, self.times)
+        self.server._post(self.call_id, True,
+                          out if self.first else (out.token_ids, out.text, out.finish_reason, out.index))
+        self.first = False
+        self.finished += out.finished
+        if self.finished == self.request.sampling.n:
+            self.server._end_stream(self.call_id)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.times is not None:  # how far it got
+            self.server._post(self.call_id, True, self.times)
+        self.server._post(self.call_id, False, wire.portable(exc))

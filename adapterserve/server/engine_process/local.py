@@ -16,7 +16,7 @@ from typing import Any
 
 from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.engine.engine import Engine, Prompt
-from adapterserve.engine.request import ClassifyOutput, EmbedOutput, RequestOutput, RequestTimes
+from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput, RequestTimes
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.errors import AdapterNotFound
 from adapterserve.server.engine_process.encoder_calls import EncoderCalls
@@ -45,6 +45,15 @@ class LocalEngine:
                                                pause_s)) as chunks:
             async for chunk in chunks:
                 yield chunk
+
+    def push_stream(self, prompt: Prompt, sampling: SamplingParams | None, adapter_id: str | None,
+                    request_id: str | None, times: RequestTimes | None, cache_salt: str,
+                    to: Callable[[RequestOutput | BaseException], None]) -> Request:
+        """Engine.push_stream: each step's output goes to `to`; end it with end_push."""
+        return self.engine.push_stream(prompt, sampling, adapter_id, request_id, times, cache_salt, to)
+
+    def end_push(self, request: Request) -> None:
+        self.engine.end_push(request)
 
     async def classify(self, texts: Sequence[Prompt], adapter_ids: AdapterIds) -> list[ClassifyOutput]:
         if self.facts.encoder:
