@@ -2,13 +2,14 @@
 
     with ProcessProfile(server_pid, out_dir) as profile:   # py-spy records each Python process
         ...                                                 # the phase to look at
-    profile.report()                                        # per process: CPU, top functions by own time
+    profile.report(requests)                                # per process: CPU, threads, top functions
 
 Every Python process under the server's (its Ray's Serve controller and replicas, the engine
 process of each replica) is sampled by `py-spy record` without pausing it (--nonblocking),
-counting only threads that hold the GIL (--gil): the Python work, which is what the
-server path adds; native work without the GIL (torch's kernels, grpc's core threads) shows
-in the process's CPU seconds only. Those come from the kernel (user + system, all threads)
+counting only threads that hold the GIL (--gil), thread by thread (--threads): the Python
+work, and native code that runs holding the GIL (uvloop, grpc's Cython: own time of
+Thread.run); native work without the GIL (torch's kernels, grpc's core threads) shows in
+the process's CPU seconds only. Those come from the kernel (user + system, all threads)
 for every process under the server's, HAProxy and Ray's own included, so the table shows
 which process is busy and what Python it runs. The raw stacks (py-spy's folded format)
 stay in `out_dir` for a closer look.
@@ -110,7 +111,7 @@ class ProcessProfile:
     def __exit__(self, *exc) -> None:
         self.wall_s = time.perf_counter() - self._start
         for rec in self.recordings:
-            rec.cpu_s = _cpu_s(rec.proc) - rec.cpu_start
+            rec.cpu_s = max(0.0, _cpu_s(rec.proc) - rec.cpu_start)  # 0: it ended meanwhile
             if rec.spy is not None:
                 rec.spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
         for rec in self.recordings:

@@ -1,8 +1,8 @@
 """Pacing of streamed chunks through Ray Serve.
 
-Every chunk a replica yields costs the Serve path (replica -> ingress) a fixed amount
-of work, whatever it carries, so many streams at one chunk per decode step overrun it
-(BENCHMARKS.md, the server path). A paced stream waits (streams - 1) x chunk_cost_s after
+Every chunk a replica yields costs a fixed amount of work, whatever it carries (the Serve
+path replica -> ingress; in direct mode mostly the gRPC message to the client), so many
+streams at one chunk per decode step overrun it (BENCHMARKS.md, the server path). A paced stream waits (streams - 1) x chunk_cost_s after
 each chunk it relays, then takes every token that arrived meanwhile as one merged chunk
 (the engine's streams merge what waited: `pause_s` of Engine.stream). One stream alone is
 never delayed; many together share a bounded chunk rate of about 1 / chunk_cost_s per
