@@ -23,15 +23,10 @@ import gc
 import json
 import os
 import pstats
-import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -45,7 +40,7 @@ from adapterserve.engine.tp.worker import PROFILE_ENV
 from adapterserve.layers.parallel import TensorParallel
 from adapterserve.models.decoder import DecoderModel
 from adapterserve.models.decoder_config import read_decoder_config
-from benchmarks import allreduce_micro
+from benchmarks import allreduce_micro, stall_watch
 from benchmarks.checkpoints import SHAPES, ModelShape
 from benchmarks.measure import (
     Floor,
@@ -97,7 +92,8 @@ def parse_args(argv: list[str] | None) -> Config:
     p.add_argument("--profile", action="store_true",
                    help="after each base row, rank 0's kernels of a short run (torch.profiler), top 12 per step")
     p.add_argument("--stall-dump", type=float, default=0.0, metavar="S",
-                   help="a workload still running after S seconds: every rank's Python stacks (py-spy dump)")
+                   help="a workload still running after S seconds: every rank's stacks (SIGUSR1 to each, from a "
+                        "watcher process; py-spy --native where installed), and again 20 s later")
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, a few tokens: the script runs")
     args = p.parse_args(argv)
     sizes = tuple(int(s) for s in args.sizes.split(","))
@@ -151,7 +147,9 @@ def _workload(engine: Engine, cfg: Config, adapter_ids: list[str | None], floor:
     vocab = engine.model_config.vocab_size
     prompts = [torch.randint(3, vocab, (cfg.prompt,), generator=gen).tolist() for _ in range(cfg.batch)]
     trace = StepTrace(engine)
-    run_requests(engine, trace, prompts, adapter_ids, [cfg.tokens] * cfg.batch)  # compiles, captures
+    started = time.perf_counter()
+    run_requests(engine, trace, prompts, adapter_ids, [cfg.tokens] * cfg.batch)  # compiles, captures, places
+    progress(f"  warm-up run (adapters placed) in {time.perf_counter() - started:.1f} s")
     return decode_summary(run_requests(engine, trace, prompts, adapter_ids, [cfg.tokens] * cfg.batch),
                           cfg.batch, floor)
 
@@ -163,7 +161,7 @@ def run_size(cfg: Config, config_dir: Path, size: int, all_reduce: str, factory:
     started = time.perf_counter()
     engine = _engine(cfg, config_dir, size, all_reduce)
     label = all_reduce if size > 1 else "-"
-    progress(f"tp={size} {label}: engine built in {time.perf_counter() - started:.1f} s")
+    progress(f"tp={size} {label}: engine built in {time.perf_counter() - started:.1f} s; {host_cpus()}")
     try:
         names = [f"lora{i}" for i in range(cfg.adapters)]
         adapters = [factory.lora(i, cfg.rank, cfg.targets) for i in range(cfg.adapters)]
@@ -187,36 +185,12 @@ def run_size(cfg: Config, config_dir: Path, size: int, all_reduce: str, factory:
             torch.cuda.empty_cache()
 
 
-@contextmanager
-def stall_dump(engine: Engine, after_s: float, label: str) -> Iterator[None]:
-    """After after_s seconds inside the block (0: never), print the Python stacks of rank 0 and
-    each local TP worker (py-spy, where installed), once."""
-    if after_s <= 0:
-        yield
-        return
-    pids = [os.getpid()] + [w.pid for w in (engine.lockstep.workers if engine.lockstep else []) if w.pid]
-
-    def dump() -> None:
-        progress(f"{label}: still running after {after_s:.0f} s; stacks of {pids}")
-        for pid in pids:
-            try:
-                out = subprocess.run([_py_spy(), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
-                print(out.stdout[-6000:] or out.stderr[-2000:], flush=True)
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                print(f"  py-spy on {pid}: {exc}", flush=True)
-
-    timer = threading.Timer(after_s, dump)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
-
-
-def _py_spy() -> str:
-    """py-spy on PATH, else beside this Python (a venv's bin)."""
-    return shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+def stall_dump(engine: Engine, after_s: float, label: str) -> AbstractContextManager[None]:
+    """A context: if the block still runs after after_s seconds (0: never), a watcher process
+    prints the stacks of rank 0 and each local TP worker (benchmarks/stall_watch.py)."""
+    workers = engine.lockstep.workers if engine.lockstep else []
+    pids = {"rank 0": os.getpid(), **{f"rank {w.rank}": w.pid for w in workers if w.pid}}
+    return stall_watch.watching(pids, after_s, label)
 
 
 def add_adapters(engine: Engine, adapters: dict[str, Adapter], label: str, profile: bool) -> None:
@@ -307,6 +281,27 @@ def print_worker_profiles(directory: Path, rows: int = 12) -> None:
         for line in lines[start: start + 1 + rows]:
             print(f"    {line[:150]}")
         path.unlink()
+
+
+def host_cpus() -> str:
+    """This process's torch threads against the cores it may use (affinity, cgroup quota)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"rank 0's torch threads {torch.get_num_threads()}, cores {os.cpu_count()}, usable {usable}, "
+            f"cgroup quota {_cgroup_cpus()}")
+
+
+def _cgroup_cpus() -> str:
+    """The CPU quota of this process's cgroup (v2, else v1), in CPUs."""
+    v1 = Path("/sys/fs/cgroup/cpu")
+    for quota_file, period_file in (("/sys/fs/cgroup/cpu.max", None),
+                                    (v1 / "cpu.cfs_quota_us", v1 / "cpu.cfs_period_us")):
+        try:
+            fields = Path(quota_file).read_text().split()
+            quota, period = fields[0], fields[1] if period_file is None else Path(period_file).read_text().strip()
+            return "none" if quota in ("max", "-1") else f"{int(quota) / int(period):g} CPUs"
+        except (OSError, IndexError, ValueError):
+            continue
+    return "unknown"
 
 
 def progress(line: str) -> None:

@@ -1,7 +1,8 @@
 """A worker's inbox (engine/tp/inbox.py) over a real connection: each part is staged as it
 arrives, before it can be taken; only the most recent parts keep their staged copies (by count
 and by bytes); taking a part hands its copies to the placement, forgetting one drops them; a
-part that cannot be staged still arrives, unstaged, for its placement to stage."""
+part that cannot be staged still arrives, unstaged, for its placement to stage; a part too large
+to hold is answered "failed"; an inbox stopped by an error fails a placement at once."""
 from __future__ import annotations
 
 import multiprocessing
@@ -17,6 +18,7 @@ from adapterserve.engine.tp import inbox as inbox_module
 from adapterserve.engine.tp.inbox import AdapterInbox
 
 STAGED_BYTES = 4 * 1024  # each part's staged copy here
+REPLY_WAIT_S = 30.0  # for the inbox's reply or end (normally milliseconds; not a timing assertion)
 
 
 def _part(seed: int, scaling: float = 1.0) -> Adapter:
@@ -103,4 +105,39 @@ def test_a_part_forgotten_before_it_is_in_is_dropped_on_arrival(linked, monkeypa
     assert 0 not in inbox.staged_keys() and not staged[0].staged
     monkeypatch.setattr(inbox_module, "COLLECTIVE_TIMEOUT_S", 0.2)
     with pytest.raises(RuntimeError, match="did not arrive"):
+        inbox.take(0)
+
+
+@pytest.fixture
+def raw_link():
+    """(rank 0's end, the inbox) with nothing staged: rank 0's messages written by hand."""
+    rank0, worker_end = multiprocessing.Pipe()
+    inbox = AdapterInbox(worker_end, rank=1)
+    assert rank0.recv()[:2] == (1, "adapters")
+    yield rank0, inbox
+    rank0.close()
+
+
+def test_a_part_too_large_to_hold_is_answered_failed(raw_link, tmp_path):
+    """No memory for the blob: rank 0 hears why (it then sends the part inline, or gives up),
+    and the inbox goes on."""
+    rank0, _ = raw_link
+    header = pickle.dumps((pickle.dumps(None), [], 1 << 62))  # a blob of 4 EiB
+    rank0.send_bytes(pickle.dumps(("file", 0, header, str(tmp_path / "part"))))
+    assert rank0.poll(REPLY_WAIT_S), "no reply"
+    kind, key, why = rank0.recv()
+    assert (kind, key) == ("failed", 0) and "allocate" in why
+    packed = pack(_part(1))  # the inbox goes on
+    rank0.send_bytes(pickle.dumps(("inline", 1, packed.header)))
+    rank0.send_bytes(packed.blob().numpy())
+    assert rank0.poll(REPLY_WAIT_S) and rank0.recv() == ("ok", 1)
+
+
+def test_a_placement_fails_at_once_when_the_inbox_has_stopped(raw_link, monkeypatch):
+    """An error the inbox's thread did not expect ends it; a placement then raises its cause at
+    once instead of waiting (COLLECTIVE_TIMEOUT_S) with every rank's step behind it."""
+    rank0, inbox = raw_link
+    monkeypatch.setattr(inbox_module, "COLLECTIVE_TIMEOUT_S", REPLY_WAIT_S)
+    rank0.send_bytes(pickle.dumps(("inline",)))  # not a message rank 0 sends: the thread ends on it
+    with pytest.raises(RuntimeError, match="inbox stopped .ValueError"):
         inbox.take(0)

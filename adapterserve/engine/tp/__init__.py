@@ -10,6 +10,7 @@ pool) in lockstep.
                   shared-memory file on rank 0's host, else over the connection
     launch.py     starts the workers (Ray actors in a placement group, or local processes)
     group.py      torch.distributed rendezvous and the checks of a tensor-parallel size
+    stack_dump.py every thread's Python stack on SIGUSR1, in rank 0 and each worker
 
 docs/tensor_parallel.md has the design and its reasons.
 """

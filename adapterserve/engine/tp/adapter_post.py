@@ -278,14 +278,14 @@ def _send_inline(conn: Connection, key: int, packed: Packed) -> None:
 
 def receive(conn: Connection) -> tuple[int, object]:
     """The next part rank 0 sends (key, object), replying to each message: a file the worker
-    cannot read, or a part it cannot rebuild, is answered "failed" (rank 0 then sends the file's
-    part inline, or gives up). EOFError or OSError: rank 0 is gone."""
+    cannot read (or has no memory to hold), or a part it cannot rebuild, is answered "failed"
+    (rank 0 then sends the file's part inline, or gives up). EOFError or OSError: rank 0 is gone."""
     while True:
         kind, key, header, *path = pickle.loads(conn.recv_bytes())
         try:
             size = blob_size(header)
             blob = read_file(path[0], size) if kind == "file" else None
-        except (OSError, ValueError, pickle.UnpicklingError) as exc:
+        except Exception as exc:  # noqa: BLE001 - unreadable, or no memory to hold it: rank 0 is told why
             conn.send(("failed", key, f"{type(exc).__name__}: {exc}"))
             continue
         try:

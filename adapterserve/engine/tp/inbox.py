@@ -6,9 +6,12 @@ placement. Staging a part (the pools' `prepare`: its pinned, packed host copy) h
 that thread too, so a placement in the command loop, which every rank's next step waits
 for, only copies. As on rank 0 (AdapterHost), only the most recent parts keep their staged
 copies (max_staged_adapters, max_staged_bytes); an older one is staged again when placed.
+Should the thread end (rank 0 gone, or an error it did not expect), a placement of a part not
+yet in fails at once, naming why, instead of waiting with every rank's step behind it.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -18,6 +21,8 @@ from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.engine.staging import trim_staged
 from adapterserve.engine.tp.adapter_post import host_identity, receive, send_at_once
 from adapterserve.engine.tp.group import COLLECTIVE_TIMEOUT_S
+
+log = logging.getLogger("adapterserve.engine")
 
 
 class AdapterInbox:
@@ -33,15 +38,21 @@ class AdapterInbox:
         self._forgotten: set[int] = set()  # forgotten before their part was in (it is dropped on arrival)
         self.max_staged, self.max_staged_bytes = max_staged, max_staged_bytes
         self.prepare: Callable[[Adapter], None] | None = None
+        self._ended: str | None = None  # why the inbox's thread ended; None while it runs
         self._arrived = threading.Condition()
         threading.Thread(target=self._receive, name="tp-adapters", daemon=True).start()
 
     def take(self, key: int) -> Adapter:
         """The adapter of `key`, waiting for it to arrive (it was sent before its placement).
-        Its staged copies are then the placement's (it clears them once copied)."""
+        Its staged copies are then the placement's (it clears them once copied). RuntimeError
+        at once if the inbox's thread has ended without it."""
         with self._arrived:
-            if not self._arrived.wait_for(lambda: key in self._adapters, timeout=COLLECTIVE_TIMEOUT_S):
+            if not self._arrived.wait_for(lambda: key in self._adapters or self._ended is not None,
+                                          timeout=COLLECTIVE_TIMEOUT_S):
                 raise RuntimeError(f"adapter {key} to place did not arrive within {COLLECTIVE_TIMEOUT_S:.0f} s")
+            if key not in self._adapters:
+                raise RuntimeError(f"adapter {key} to place cannot arrive: this worker's adapter inbox stopped "
+                                   f"({self._ended})")
             self._staged.pop(key, None)
             return self._adapters[key]
 
@@ -61,6 +72,18 @@ class AdapterInbox:
             return list(self._staged)
 
     def _receive(self) -> None:
+        """The thread: parts until rank 0 is gone or an error; why it ended is kept for ``take``."""
+        try:
+            self._receive_parts()
+            reason = "rank 0 closed the adapters connection"
+        except Exception as exc:  # any error ends the inbox: its placements then fail at once
+            log.exception("tensor-parallel worker: the adapter inbox stopped")
+            reason = f"{type(exc).__name__}: {exc}"
+        with self._arrived:
+            self._ended = reason
+            self._arrived.notify_all()
+
+    def _receive_parts(self) -> None:
         while True:
             try:
                 key, adapter = receive(self._conn)

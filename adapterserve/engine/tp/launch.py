@@ -24,6 +24,7 @@ from adapterserve.config import EngineConfig
 from adapterserve.engine.tp.group import (COLLECTIVE_TIMEOUT_S, check_devices, free_port, join_group,
                                           step_all_reduce_bytes)
 from adapterserve.engine.tp.lockstep import Lockstep, WorkerLink
+from adapterserve.engine.tp.stack_dump import dump_stacks_on_signal
 from adapterserve.engine.tp.worker import ModelBuilder, WorkerSpec, run_worker
 from adapterserve.errors import EngineBroken
 
@@ -36,7 +37,9 @@ def start_group(build_model: ModelBuilder, config: EngineConfig, placement: RayP
     loaded: load it with lockstep.tp, then lockstep.wait_ready()). ``placement``: the
     placement group to use, from another process (the workers are then Ray actors).
     ``hidden_size``: the backbone's, which sizes the symmetric all-reduce buffer (None: the
-    largest message a symmetric path takes)."""
+    largest message a symmetric path takes). This process, like each worker, then prints its
+    threads' stacks on SIGUSR1 (stack_dump.py)."""
+    dump_stacks_on_signal()
     size = config.tensor_parallel_size
     given = placement.group() if placement is not None else None
     ray = _ray_for("ray" if given is not None else config.tensor_parallel_launch)

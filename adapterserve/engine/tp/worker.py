@@ -29,6 +29,7 @@ from adapterserve.engine.step_device import StepDevice, StepInputs, attach_lora_
 from adapterserve.engine.tp.adapter_post import send_at_once
 from adapterserve.engine.tp.group import join_group, leave_group
 from adapterserve.engine.tp.inbox import AdapterInbox
+from adapterserve.engine.tp.stack_dump import dump_stacks_on_signal
 from adapterserve.layers.parallel import TensorParallel
 from adapterserve.models.decoder import DecoderModel
 from adapterserve.models.loader import load_decoder
@@ -163,7 +164,9 @@ def _nothing() -> Iterator[None]:
 
 def run_worker(spec: WorkerSpec, device: str) -> None:
     """A worker's life: connect to rank 0, join the group on `device`, load, serve commands.
-    Exits the process on an error (after sending it to rank 0)."""
+    Exits the process on an error (after sending it to rank 0). ``kill -USR1`` prints its
+    threads' stacks (stack_dump.py)."""
+    dump_stacks_on_signal()
     apply_host_threads(spec.config, spec.world_size)
     conn = Client(spec.control_address, authkey=spec.authkey)
     send_at_once(conn)  # its error reports and replies leave at once
