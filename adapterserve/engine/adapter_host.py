@@ -122,9 +122,12 @@ class AdapterHost:
             self._trim_staged()
 
     def _trim_staged(self) -> None:
-        """Drop the oldest loading copies past max_staged_adapters or max_staged_bytes (the newest
-        is kept even alone over the bytes: it is being placed)."""
-        trim_staged(self._staged, self.config.max_staged_adapters, self.config.max_staged_bytes)
+        """Drop loading copies past max_staged_adapters or max_staged_bytes: those of adapters
+        in a slot first, so that placing many adapters in one pass, each restaged as the newest,
+        does not drop the copies of the ones still to place (the newest is kept even alone over
+        the bytes: it is being placed)."""
+        trim_staged(self._staged, self.config.max_staged_adapters, self.config.max_staged_bytes,
+                    self.slots.is_resident)
 
     def _count_restaged(self, adapter_id: str, adapter: Adapter) -> None:
         """Placing an adapter whose loading copies were dropped makes them again (the pools'

@@ -4,7 +4,7 @@ tensor-parallel worker (tp/inbox.py) keep theirs this way."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 from adapterserve.adapters_store.cache import tensor_nbytes
 from adapterserve.adapters_store.formats.families import Adapter
@@ -18,12 +18,19 @@ def stage(pools: Iterable, adapter: Adapter) -> None:
             prepare(adapter)
 
 
-def trim_staged(staged: OrderedDict[Hashable, Adapter], max_adapters: int, max_bytes: int) -> None:
-    """Drop the oldest adapters' loading copies (and their entries) past max_adapters or
-    max_bytes; the newest is kept even alone over the bytes (it is being placed)."""
+def trim_staged(staged: OrderedDict[Hashable, Adapter], max_adapters: int, max_bytes: int,
+                resident: Callable[[Hashable], bool] = lambda key: False) -> None:
+    """Drop adapters' loading copies (and their entries) past max_adapters or max_bytes: first
+    the oldest of those ``resident`` in a slot (a copy there is needed again only after an
+    eviction), then the oldest of the rest; the newest is kept even alone over the bytes (it
+    is being placed)."""
     sizes = {key: tensor_nbytes(adapter.staged) for key, adapter in staged.items()}
     total = sum(sizes.values())
-    while len(staged) > 1 and (len(staged) > max_adapters or total > max_bytes):
-        key, oldest = staged.popitem(last=False)
-        oldest.staged.clear()
+    newest = next(reversed(staged), None)
+    in_slots = [key for key in staged if key != newest and resident(key)]
+    others = [key for key in staged if key != newest and key not in set(in_slots)]
+    for key in in_slots + others:
+        if not (len(staged) > max_adapters or total > max_bytes):
+            return
+        staged.pop(key).staged.clear()
         total -= sizes[key]

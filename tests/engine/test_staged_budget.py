@@ -1,10 +1,17 @@
 """The engine's ready-to-copy host copies stay within max_staged_bytes (a registry larger
 than the budget), the newest kept; an adapter whose copy was dropped is restaged when
-placed and gives the same tokens."""
+placed and gives the same tokens. Over the budget, the copies of adapters in slots go
+first (staging.trim_staged), then the oldest."""
 from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
 
 from adapterserve import Engine, SamplingParams
 from adapterserve.adapters_store.cache import tensor_nbytes
+from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.engine.staging import trim_staged
 from tests.helpers.lora import make_peft_lora
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -41,4 +48,27 @@ def test_restaged_copies_count_towards_the_budget(llama_dir, tmp_path):
         engine.generate([[5, 6, 7]], GREEDY, adapter_ids=[adapter_id])
         assert engine.staged_bytes <= budget
         assert sum(tensor_nbytes(a.staged) for a in engine.adapters.values()) <= budget  # none held uncounted
-    assert [a for a, x in engine.adapters.items() if x.staged] == ["a0", "a1"]  # the newest placed
+    # the newest placed keeps its copy; the one placed before it, now in a slot, gave its copy up
+    # before a3, which was never placed, did
+    assert [a for a, x in engine.adapters.items() if x.staged] == ["a1", "a3"]
+
+
+def _staged(*names: str) -> OrderedDict[str, Adapter]:
+    """Adapters holding a 64-byte loading copy each, oldest first."""
+    return OrderedDict((name, Adapter("lora", staged={"copy": torch.zeros(16)})) for name in names)
+
+
+def test_copies_of_adapters_in_slots_go_first_then_the_oldest():
+    staged = _staged("a", "b", "c", "d", "e")
+    dropped = [staged[k] for k in ("b", "d")]
+    trim_staged(staged, max_adapters=3, max_bytes=1 << 20, resident=lambda key: key in {"b", "d", "e"})
+    assert list(staged) == ["a", "c", "e"]  # e is resident but the newest: it is being placed
+    assert all(not adapter.staged for adapter in dropped)
+
+    staged = _staged("a", "b", "c", "d")
+    trim_staged(staged, max_adapters=4, max_bytes=2 * 64, resident=lambda key: key == "c")
+    assert list(staged) == ["b", "d"]  # c (in a slot) first, then the oldest, a
+
+    staged = _staged("a", "b")
+    trim_staged(staged, max_adapters=1, max_bytes=0)
+    assert list(staged) == ["b"]  # the newest stays even alone over the bytes
