@@ -55,6 +55,17 @@ for stage in "$@"; do
         benchmarks/server_overhead.py --model 1b --device cuda --direct on --relay-chunk-ms $ms 2>&1 | tail -14; done
       PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-200} python3 benchmarks/server_overhead.py \
         --model 1b --device cuda --direct on --trace 2>&1 | tail -30 ;;
+    stall70b)  # 4 GPUs: the 70B at TP 4, base then 64 adapters and distinct64, with every rank's stacks after 45 s of a
+      # workload (carry .scratch/py-spy: cp .venv/bin/py-spy .scratch/ here first)
+      PATH=$PWD/.scratch:$PATH timeout ${STAGE_S:-285} python3 -m benchmarks.tp_decode --shape 70b --sizes 4 \
+        --all-reduce auto --stall-dump ${STALL_S:-45} > "$OUT/stall70b.log" 2>&1
+      grep -n 'stall watch\|warm-up run\|added in\|built in\|step \|rror' "$OUT/stall70b.log" | tail -40 ;;
+    server16)  # 1 GPU, Ray installed, alone on the host: the server path at 16 streams under py-spy, then the pacing
+      PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-300} python3 benchmarks/server_overhead.py \
+        --model 1b --device cuda --direct on --no-inproc --concurrency 16 --requests 512 --profile "$OUT/server_prof" \
+        2>&1 | tail -110
+      for ms in 0 0.5 2; do PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout 200 python3 \
+        benchmarks/server_overhead.py --model 1b --device cuda --direct on --relay-chunk-ms $ms 2>&1 | tail -8; done ;;
     overlap)  # 4 GPUs: a row-parallel GEMM and its all-reduce, serial against pipelined in column chunks
       timeout ${STAGE_S:-200} python3 -m benchmarks.tp_overlap --world 4 2>&1 | tail -14 ;;
     tp8b)  # 4 GPUs: the 8B decode step at TP 1, 2, 4, NCCL against the symmetric all-reduce (engines build cold)
