@@ -357,23 +357,25 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
             return failed + outputs
 
     def _launch(self, batch) -> StepResult:
-        completing = {id(r) for r in self.runner.completing(batch)}
         result = self.runner.run(batch, [r.generator for r in batch.requests])
+        completing = {id(r) for r in result.requests}  # those whose tokens the step completes
         for request, n in zip(batch.requests, batch.num_new_tokens):
             request.num_computed += n
-            if id(request) not in completing:  # a prompt chunk short of the end: no result yet
-                continue
-            if request.pooling:
-                request.final_launched = True
-            else:
-                request.pending += 1
-                request.final_launched = self._reaches_length(request, request.num_outputs, request.num_tokens)
-        for request in batch.requests:
+            if id(request) in completing:  # else a prompt chunk short of the end: no result yet
+                self._launched_last(request)
             self.prefix_cache.remember(request)
         sources, copies = self.scheduler.fork(batch.requests)  # n > 1: the choices' hook
         if copies:
             self.runner.copy_blocks(sources, copies)
         return result
+
+    def _launched_last(self, request: Request) -> None:
+        """A launched step computes the request's last known token: its result is coming."""
+        if request.pooling:
+            request.final_launched = True
+        else:
+            request.pending += 1
+            request.final_launched = self._reaches_length(request, request.num_outputs, request.num_tokens)
 
     def _reaches_length(self, request: Request, outputs: int, tokens: int) -> bool:
         return outputs >= request.sampling.max_tokens or tokens + request.prefix_len >= self.max_model_len

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from adapterserve.engine.attention_meta import longest_first
+from adapterserve.engine.attention_meta import block_tables, longest_first
 from adapterserve.engine.graph_capture import CapturedSteps, GraphPool, _key, _stacked  # noqa: F401 (_key: tests)
 from adapterserve.engine.mixed_graphs import mixed_graph_limit
 from adapterserve.engine.step_device import StepDevice
@@ -50,15 +50,17 @@ class DecodeGraphs(CapturedSteps):
         self.max_pages = max_pages
         self.trash_slot = trash_slot
         n, dev = max_batch, runner.device
-        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.sources = torch.full((n,), -1, dtype=torch.long, device=dev)  # row of runner.sampled, or -1
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.write_slots = torch.full((n,), trash_slot, dtype=torch.long, device=dev)
+        # the per-row inputs in two buffers, each filled by one copy a step (padding rows as the
+        # ops expect them): ids, sources (row of runner.sampled, or -1), positions, cache slots to
+        # write; context lengths, kv starts, decode order, each family's slots (3 rows)
+        self._padding64 = np.array([[0] * n, [-1] * n, [0] * n, [trash_slot] * n], dtype=np.int64)
+        self._padding32 = np.array([[0] * n, [0] * n, list(range(n)), *[[-1] * n] * 3], dtype=np.int32)
+        self.rows64 = torch.tensor(self._padding64, device=dev)
+        self.rows32 = torch.tensor(self._padding32, device=dev)
+        self.ids, self.sources, self.positions, self.write_slots = (self.rows64[i] for i in range(4))
+        self.lens, self.starts, self.order = (self.rows32[i] for i in range(3))
+        self.family_slots = self.rows32[3:]
         self.tables = torch.zeros(n, max_pages, dtype=torch.int32, device=dev)
-        self.lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.starts = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.order = torch.arange(n, dtype=torch.int32, device=dev)
-        self.family_slots = torch.full((3, n), -1, dtype=torch.int32, device=dev)
         # every graph writes its logits here: one buffer, not one per captured graph
         self.logits = torch.empty(n, runner.model.cfg.vocab_size, dtype=torch.float32, device=dev)
 
@@ -80,27 +82,21 @@ class DecodeGraphs(CapturedSteps):
 
     def _fill(self, host, family_slots: np.ndarray, size: int, bucket: int) -> None:
         page = self.runner.block_size
-        ids = np.zeros(bucket, dtype=np.int64)
-        ids[:size] = host.ids
-        sources = np.full(bucket, -1, dtype=np.int64)
-        sources[:size] = host.sources
-        positions = np.zeros(bucket, dtype=np.int64)
-        positions[:size] = host.positions
-        lens = np.zeros(bucket, dtype=np.int32)
-        starts = np.zeros(bucket, dtype=np.int32)
-        writes = np.full(bucket, self.trash_slot, dtype=np.int64)
-        tables = np.zeros((bucket, self.max_pages), dtype=np.int32)
-        for b, s in enumerate(host.layouts):
-            lens[b], starts[b] = s.context_len, s.kv_start
-            tables[b, : len(s.pages)] = s.pages
-            last = s.context_len - 1
-            writes[b] = s.pages[last // page] * page + last % page
-        for buffer, values in ((self.ids, ids), (self.sources, sources), (self.positions, positions),
-                               (self.lens, lens), (self.starts, starts), (self.write_slots, writes),
-                               (self.order, longest_first(lens))):
-            self.staging.copy_into(buffer[:bucket], values)
+        rows64, rows32 = self._padding64.copy(), self._padding32.copy()
+        ids, sources, positions, writes = rows64
+        lens, starts, order, slots = rows32[0], rows32[1], rows32[2], rows32[3:]
+        ids[:size], sources[:size], positions[:size] = host.ids, host.sources, host.positions
+        layouts = host.layouts
+        lens[:size] = [s.context_len for s in layouts]
+        starts[:size] = [s.kv_start for s in layouts]
+        tables = block_tables(layouts, bucket, self.max_pages)
+        last = lens[:size].astype(np.int64) - 1  # each row's new token
+        writes[:size] = tables[np.arange(size), last // page].astype(np.int64) * page + last % page
+        order[:bucket] = longest_first(lens[:bucket])
+        slots[:, : family_slots.shape[1]] = family_slots
+        self.staging.copy_into(self.rows64, rows64)
+        self.staging.copy_into(self.rows32, rows32)
         self.staging.copy_into(self.tables[:bucket], tables)
-        self._copy_family_slots(family_slots)
 
     def _forward(self, bucket: int, families: tuple[bool, bool, bool], expand: str = "tiled") -> torch.Tensor:
         runner = self.runner

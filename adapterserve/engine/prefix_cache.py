@@ -170,8 +170,8 @@ class PrefixCache:
 
     def remember(self, request: Request) -> None:
         """Make the request's full blocks whose tokens are computed and known findable."""
-        if not self.enabled:
-            return
+        if not self.enabled or request.num_computed // self.blocks.block_size <= request.num_remembered:
+            return  # no block filled since
         known = request.num_tokens - request.pending
         full = min(request.num_computed, known, len(request.blocks) * self.blocks.block_size) // self.blocks.block_size
         if full <= request.num_remembered:

@@ -72,6 +72,8 @@ class Request:
         """Ids of the request's own KV entries [start, end) (virtual tokens as 0); a pending
         token is not among them (the runner reads it on the device)."""
         virtual, prompt = self.num_virtual, len(self.prompt_ids)
+        if start >= virtual + prompt:  # output tokens only (a decode)
+            return self.output_ids[start - virtual - prompt:end - virtual - prompt]
         ids = [0] * max(0, min(end, virtual) - start)
         ids += self.prompt_ids[max(start - virtual, 0):max(end - virtual, 0)]
         ids += self.output_ids[max(start - virtual - prompt, 0):max(end - virtual - prompt, 0)]

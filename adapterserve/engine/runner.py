@@ -120,7 +120,7 @@ class ModelRunner:
         done = [i for i, (r, n) in enumerate(zip(requests, batch.num_new_tokens)) if _completes(r, n)]
         inputs = self._host_batch(batch)
         inputs.generating = [i for i in done if not requests[i].pooling]
-        inputs.graph = self._graph_ready(inputs, batch, len(done))
+        inputs.graph = self._graph_ready(inputs, batch)
         inputs.mixed = not inputs.graph and self._mixed_ready(inputs, batch)
         if inputs.graph or inputs.mixed:
             inputs.signature = self.graph_signature()
@@ -171,10 +171,10 @@ class ModelRunner:
         ready.record()
         return StepResult(requests, host, ready, pooled, waiter)
 
-    def _graph_ready(self, inputs: StepInputs, batch: ScheduledBatch, num_done: int) -> bool:
-        return (self.graphs is not None and num_done == len(batch.requests)
-                and all(n == 1 for n in batch.num_new_tokens)
-                and not inputs.virtual[0] and not any(r.pooling for r in batch.requests)
+    def _graph_ready(self, inputs: StepInputs, batch: ScheduledBatch) -> bool:
+        # every request samples (none is pooling, none a chunk short of its end) one token
+        return (self.graphs is not None and len(inputs.generating) == len(batch.requests)
+                and all(n == 1 for n in batch.num_new_tokens) and not inputs.virtual[0]
                 and self.graphs.fits(len(batch.requests), max(len(s.pages) for s in inputs.layouts)))
 
     def _mixed_ready(self, inputs: StepInputs, batch: ScheduledBatch) -> bool:
@@ -197,7 +197,27 @@ class ModelRunner:
         """The request's next n tokens (from its first not yet computed): a whole prompt,
         a chunk of one, or a decode's one token."""
         start, end = request.num_computed, request.num_computed + n
-        first_row = len(host.ids)
+        if n == 1 and start >= request.num_virtual:
+            self._add_token(host, request, start)
+        else:
+            self._add_tokens(host, request, start, end)
+        prefix = self.prefix_pages(request.slot) if request.prefix_len else []
+        aligned = len(prefix) * self.blocks.block_size
+        host.layouts.append(SequenceLayout(prefix + request.blocks, aligned - request.prefix_len, aligned + end, n))
+        host.last_rows.append(len(host.ids) - 1)
+
+    @staticmethod
+    def _add_token(host: StepInputs, request: Request, position: int) -> None:
+        """One token, not a virtual one (a decode's, or a prompt's last one)."""
+        ids = request.token_ids(position, position + 1)
+        host.ids.append(ids[0] if ids else 0)
+        host.sources.append(-1 if ids else request.pending_row)  # not yet on the host: the step before sampled it
+        host.positions.append(request.prefix_len + position)
+        host.slots.append(request.slot)
+
+    @staticmethod
+    def _add_tokens(host: StepInputs, request: Request, start: int, end: int) -> None:
+        n, first_row = end - start, len(host.ids)
         ids = request.token_ids(start, end)
         host.sources.extend([-1] * len(ids))
         if len(ids) < n:  # the last input: sampled by the step before, not yet on the host
@@ -205,11 +225,7 @@ class ModelRunner:
             host.sources.append(request.pending_row)
         host.ids.extend(ids)
         host.positions.extend(range(request.prefix_len + start, request.prefix_len + end))
-        prefix = self.prefix_pages(request.slot) if request.prefix_len else []
-        aligned = len(prefix) * self.blocks.block_size
-        host.layouts.append(SequenceLayout(prefix + request.blocks, aligned - request.prefix_len, aligned + end, n))
         host.slots.extend([request.slot] * n)
-        host.last_rows.append(len(host.ids) - 1)
         for i in range(start, min(request.num_virtual, end)):
             host.virtual[0].append(first_row + i - start)
             host.virtual[1].append(request.slot)

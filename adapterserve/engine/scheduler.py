@@ -62,6 +62,11 @@ class ScheduledBatch:
         self.num_new_tokens.append(num_tokens)
 
 
+def _prefilling(entry: tuple[Request, int]) -> bool:
+    """Whether a (request, tokens left) entry has more than a decode's one token to compute."""
+    return entry[1] > 1
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager, acquire: AcquireSlot, release: ReleaseSlot,
                  prefix_cache: PrefixCache | None = None) -> None:
@@ -99,19 +104,24 @@ class Scheduler:
     # running requests: decodes, then unfinished prefills
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        ready = [r for r in self.running if not r.final_launched]  # not: last step in flight
-        ready.sort(key=lambda r: r.num_tokens - r.num_computed > 1)  # decodes first, order kept
+        # (request, its tokens not yet computed), not those whose last step is in flight
+        ready = [(r, r.num_tokens - r.num_computed) for r in self.running if not r.final_launched]
+        ready.sort(key=_prefilling)  # decodes first, order kept
         preempted: set[int] = set()
-        for request in ready:
+        block_size = self.blocks.block_size
+        for request, left in ready:
             if budget == 0:
                 break
             if id(request) in preempted:
                 continue
-            n = min(request.num_tokens - request.num_computed, budget)
-            if self._make_room(request, request.num_computed + n, preempted):
-                self.blocks.grow(request.blocks, request.num_computed + n)
-                batch.add(request, n)
-                budget -= n
+            n = min(left, budget)
+            end = request.num_computed + n
+            if end > len(request.blocks) * block_size:  # it needs another block
+                if not self._make_room(request, end, preempted):
+                    continue
+                self.blocks.grow(request.blocks, end)
+            batch.add(request, n)
+            budget -= n
         return budget
 
     def _make_room(self, request: Request, num_tokens: int, preempted: set[int]) -> bool:

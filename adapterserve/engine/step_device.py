@@ -16,7 +16,12 @@ import torch
 import torch.distributed as dist
 
 from adapterserve.engine.adapter_host import TOKEN_FAMILIES
-from adapterserve.engine.attention_meta import SequenceLayout, build_attention_meta
+from adapterserve.engine.attention_meta import (
+    SequenceLayout,
+    build_attention_meta,
+    layout_columns,
+    layouts_from_columns,
+)
 from adapterserve.engine.host_copy import to_device
 from adapterserve.kernels import build_adapter_meta
 from adapterserve.kernels.stacked import expand_for_slots
@@ -60,6 +65,13 @@ class StepInputs:
     def families(self) -> tuple[bool, ...]:
         """Whether any token uses each of TOKEN_FAMILIES."""
         return tuple(bool((row >= 0).any()) for row in self.family_slots)
+
+    def __getstate__(self) -> dict:
+        """Pickled with the layouts as columns (rank 0 pickles a step's inputs every step)."""
+        return {**self.__dict__, "layouts": layout_columns(self.layouts)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, layouts=layouts_from_columns(state["layouts"]))
 
 
 class StepDevice:

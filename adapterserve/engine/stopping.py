@@ -35,7 +35,7 @@ def stream_delta(request: Request) -> tuple[list[int], str]:
     still change is held back, and so is what may yet begin a stop string."""
     end = len(request.text)
     if not request.finished:
-        longest_stop = max((len(s) for s in request.sampling.stop), default=0)
+        longest_stop = max(map(len, request.sampling.stop), default=0)
         end = request.decoded.stable - max(longest_stop - 1, 0)
     end = max(end, request.emitted_chars)
     ids = request.output_ids[request.emitted_tokens :]
