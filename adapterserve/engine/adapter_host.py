@@ -33,16 +33,19 @@ _UNLOAD_POLL_S = 0.01
 def family_slots(slots: list[int], families_of: Callable[[int], frozenset[str]]) -> np.ndarray:
     """[len(TOKEN_FAMILIES), len(slots)]: each entry's slot in each family, -1 where its
     adapter has none (or it has no adapter)."""
-    table = np.full((len(TOKEN_FAMILIES), len(slots)), -1, dtype=np.int32)
-    held_by_slot: dict[int, frozenset[str]] = {}
-    for i, slot in enumerate(slots):
-        if slot < 0:
-            continue
-        held = held_by_slot.setdefault(slot, families_of(slot))
-        for f, family in enumerate(TOKEN_FAMILIES):
-            if family in held:
-                table[f, i] = slot
-    return table
+    held = {slot for slot in slots if slot >= 0}
+    if not held:
+        return np.full((len(TOKEN_FAMILIES), len(slots)), -1, dtype=np.int32)
+    # per family, each slot's entry, and a last one (-1) that entries without an adapter index
+    by_slot = [[-1] * (max(held) + 2) for _ in TOKEN_FAMILIES]
+    for slot in held:
+        families = families_of(slot)
+        for row, family in zip(by_slot, TOKEN_FAMILIES):
+            if family in families:
+                row[slot] = slot
+    entries = np.array(slots, dtype=np.intp)
+    entries[entries < 0] = -1
+    return np.array(by_slot, dtype=np.int32)[:, entries]
 
 
 class AdapterHost:
@@ -54,6 +57,8 @@ class AdapterHost:
         self.adapters: dict[str, Adapter] = {}  # host copies of loaded adapters
         self._staged: OrderedDict[str, Adapter] = OrderedDict()  # adapters holding loading copies
         self._lock = threading.RLock()
+        # per slot: the adapter it held and that adapter's token families
+        self._slot_families: dict[int, tuple[Adapter, frozenset[str]]] = {}
 
     @property
     def backbone_spec(self) -> BackboneSpec:
@@ -201,4 +206,9 @@ class AdapterHost:
 
     def _families_of(self, slot: int) -> frozenset[str]:
         adapter = self.slots.adapter_in[slot]
-        return frozenset(f for f in TOKEN_FAMILIES if getattr(adapter, f) is not None)
+        known = self._slot_families.get(slot)
+        if known is not None and known[0] is adapter:
+            return known[1]
+        families = frozenset(f for f in TOKEN_FAMILIES if getattr(adapter, f) is not None)
+        self._slot_families[slot] = (adapter, families)
+        return families

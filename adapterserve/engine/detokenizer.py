@@ -42,8 +42,11 @@ class Detokenizer:
         self.byte_ids = byte_fallback_ids(tokenizer)
         self.special_ids = special_ids(tokenizer)
         self.whole = cleans_up_spaces(tokenizer)
+        self.backend = None if self.whole else plain_backend(tokenizer)
 
     def decode(self, ids: list[int]) -> str:
+        if self.backend is not None:
+            return self.backend.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def text(self, state: DecodeState, ids: list[int]) -> str:
@@ -96,3 +99,24 @@ def cleans_up_spaces(tokenizer) -> bool:
         return False
     ids = tokenizer.encode("a ' b . c n't", add_special_tokens=False)
     return tokenizer.decode(ids) != tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+
+
+def plain_backend(tokenizer) -> object | None:
+    """The Rust tokenizer under a transformers fast tokenizer whose decode adds nothing to
+    the Rust one's (no clean-up of spaces, no decode of its own): the same text without
+    transformers' per-call conversions of the ids. None for any other tokenizer."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    kind = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (not isinstance(tokenizer, TokenizersBackend) or not isinstance(backend, Tokenizer)
+            or kind.decode is not TokenizersBackend.decode or kind._decode is not TokenizersBackend._decode):
+        return None
+    bpe = type(backend.model).__name__ == "BPE"
+    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False) and (forced or not bpe):
+        return None
+    return backend

@@ -36,7 +36,14 @@ from adapterserve.engine.host_threads import apply_host_threads
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.pool_set import build_pools
 from adapterserve.engine.prefix_cache import BASE, KvIdentities, PrefixCache, chain_root
-from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput, RequestTimes
+from adapterserve.engine.request import (
+    ClassifyOutput,
+    EmbedOutput,
+    Request,
+    RequestOutput,
+    RequestTimes,
+    stream_chunk,
+)
 from adapterserve.engine.runner import ModelRunner, StepResult
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.engine.scheduler import Scheduler
@@ -371,11 +378,13 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
 
     def _launched_last(self, request: Request) -> None:
         """A launched step computes the request's last known token: its result is coming."""
-        if request.pooling:
+        if request.task != "generate":  # pooling
             request.final_launched = True
-        else:
-            request.pending += 1
-            request.final_launched = self._reaches_length(request, request.num_outputs, request.num_tokens)
+            return
+        request.pending += 1
+        outputs = len(request.output_ids) + request.pending
+        tokens = request.num_virtual + len(request.prompt_ids) + outputs
+        request.final_launched = self._reaches_length(request, outputs, tokens)
 
     def _reaches_length(self, request: Request, outputs: int, tokens: int) -> bool:
         return outputs >= request.sampling.max_tokens or tokens + request.prefix_len >= self.max_model_len
@@ -386,10 +395,11 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
         tokens = iter(result.token_ids())
         outputs, pooled = [], []
         for request, hidden in zip(result.requests, result.pooled):
-            token = None if request.pooling else next(tokens)
+            pooling = request.pooling
+            token = None if pooling else next(tokens)
             if request.finished:
                 continue
-            if request.pooling:
+            if pooling:
                 pooled.append((request, hidden))
                 continue
             try:
@@ -426,12 +436,13 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
 
     def _advance(self, request: Request, token: int) -> RequestOutput:
         request.pending -= 1
-        request.output_ids.append(token)
+        outputs = request.output_ids
+        outputs.append(token)
         stop_token = check_stop_token(request, self.model_config.eos_token_ids)
-        stop_string = update_text(request, self.detokenizer, stop_token)
+        stop_string = self.detokenizer is not None and update_text(request, self.detokenizer, stop_token)
         if stop_token or stop_string:
             self._finish(request, "stop")
-        elif self._reaches_length(request, len(request.output_ids), request.num_tokens - request.pending):
+        elif self._reaches_length(request, len(outputs), request.num_virtual + len(request.prompt_ids) + len(outputs)):
             self._finish(request, "length")
         return self._chunk(request)
 
@@ -463,8 +474,7 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
 
     def _chunk(self, request: Request) -> RequestOutput:
         ids, text = stream_delta(request)
-        return RequestOutput(request.request_id, ids, text, request.finish_reason, request.adapter_id,
-                             request.prompt_ids, cached_tokens=request.cached_tokens or 0, index=request.index)
+        return stream_chunk(request, ids, text)
 
 
 def _token_ids(prompt: Sequence[int]) -> list[int]:

@@ -75,8 +75,13 @@ class PenaltyState:
         for tables in (self.penalties, self.bias):
             if tables.rows:
                 tables.release_finished()
-        biased = [i for i, r in enumerate(requests) if r.sampling.logit_bias]
-        penalised = [i for i, r in enumerate(requests) if r.sampling.penalised]
+        biased, penalised = [], []
+        for i, request in enumerate(requests):
+            sampling = request.sampling
+            if sampling.logit_bias:
+                biased.append(i)
+            if sampling.penalised:
+                penalised.append(i)
         if not biased and not penalised:
             return None
         self._admit_bias([requests[i] for i in biased if requests[i] not in self.bias.rows])

@@ -64,7 +64,7 @@ class StepInputs:
     @property
     def families(self) -> tuple[bool, ...]:
         """Whether any token uses each of TOKEN_FAMILIES."""
-        return tuple(bool((row >= 0).any()) for row in self.family_slots)
+        return tuple((self.family_slots >= 0).any(axis=1).tolist())
 
     def __getstate__(self) -> dict:
         """Pickled with the layouts as columns (rank 0 pickles a step's inputs every step)."""

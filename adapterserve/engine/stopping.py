@@ -33,13 +33,15 @@ def update_text(request: Request, detokenizer: Detokenizer | None, stop_token: b
 def stream_delta(request: Request) -> tuple[list[int], str]:
     """Token ids and text not yet streamed. While running, text that later tokens may
     still change is held back, and so is what may yet begin a stop string."""
-    end = len(request.text)
-    if not request.finished:
-        longest_stop = max(map(len, request.sampling.stop), default=0)
-        end = request.decoded.stable - max(longest_stop - 1, 0)
-    end = max(end, request.emitted_chars)
-    ids = request.output_ids[request.emitted_tokens :]
-    delta = request.text[request.emitted_chars : end]
-    request.emitted_tokens = len(request.output_ids)
+    outputs, text, emitted = request.output_ids, request.text, request.emitted_chars
+    if request.finished:
+        end = len(text)
+    else:
+        stops = request.sampling.stop
+        end = request.decoded.stable - (max(max(map(len, stops)) - 1, 0) if stops else 0)
+    ids = outputs[request.emitted_tokens :]
+    request.emitted_tokens = len(outputs)
+    if end <= emitted:
+        return ids, ""
     request.emitted_chars = end
-    return ids, delta
+    return ids, text[emitted:end]

@@ -105,6 +105,18 @@ def test_text_is_the_whole_decode_at_every_step(tokenizers, kind):
         assert text == final and not state.whole  # never fell back to decoding everything
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_decode_is_the_tokenizers_own(tokenizers, kind):
+    """Decoding through the Rust tokenizer directly (all but the clean-up kind) gives
+    tokenizer.decode's text on every prefix, special ids and split characters included."""
+    tokenizer = tokenizers[kind]
+    detok = Detokenizer(tokenizer)
+    assert (detok.backend is None) == (kind == "wordpiece-cleanup")
+    for ids in _sequences(tokenizer, seed=11):
+        for k in range(len(ids) + 1):
+            assert detok.decode(ids[:k]) == tokenizer.decode(ids[:k], skip_special_tokens=True), (kind, k)
+
+
 def test_only_the_clean_up_of_spaces_decodes_everything(tokenizers):
     assert [k for k in KINDS if Detokenizer(tokenizers[k]).whole] == ["wordpiece-cleanup"]
 
