@@ -57,8 +57,6 @@ class AdapterHost:
         self.adapters: dict[str, Adapter] = {}  # host copies of loaded adapters
         self._staged: OrderedDict[str, Adapter] = OrderedDict()  # adapters holding loading copies
         self._lock = threading.RLock()
-        # per slot: the adapter it held and that adapter's token families
-        self._slot_families: dict[int, tuple[Adapter, frozenset[str]]] = {}
 
     @property
     def backbone_spec(self) -> BackboneSpec:
@@ -206,9 +204,4 @@ class AdapterHost:
 
     def _families_of(self, slot: int) -> frozenset[str]:
         adapter = self.slots.adapter_in[slot]
-        known = self._slot_families.get(slot)
-        if known is not None and known[0] is adapter:
-            return known[1]
-        families = frozenset(f for f in TOKEN_FAMILIES if getattr(adapter, f) is not None)
-        self._slot_families[slot] = (adapter, families)
-        return families
+        return frozenset(f for f in TOKEN_FAMILIES if getattr(adapter, f) is not None)

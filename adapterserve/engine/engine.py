@@ -36,14 +36,7 @@ from adapterserve.engine.host_threads import apply_host_threads
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.pool_set import build_pools
 from adapterserve.engine.prefix_cache import BASE, KvIdentities, PrefixCache, chain_root
-from adapterserve.engine.request import (
-    ClassifyOutput,
-    EmbedOutput,
-    Request,
-    RequestOutput,
-    RequestTimes,
-    stream_chunk,
-)
+from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput, RequestTimes
 from adapterserve.engine.runner import ModelRunner, StepResult
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.engine.scheduler import Scheduler
@@ -378,13 +371,11 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
 
     def _launched_last(self, request: Request) -> None:
         """A launched step computes the request's last known token: its result is coming."""
-        if request.task != "generate":  # pooling
+        if request.pooling:
             request.final_launched = True
             return
         request.pending += 1
-        outputs = len(request.output_ids) + request.pending
-        tokens = request.num_virtual + len(request.prompt_ids) + outputs
-        request.final_launched = self._reaches_length(request, outputs, tokens)
+        request.final_launched = self._reaches_length(request, request.num_outputs, request.num_tokens)
 
     def _reaches_length(self, request: Request, outputs: int, tokens: int) -> bool:
         return outputs >= request.sampling.max_tokens or tokens + request.prefix_len >= self.max_model_len
@@ -436,13 +427,12 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
 
     def _advance(self, request: Request, token: int) -> RequestOutput:
         request.pending -= 1
-        outputs = request.output_ids
-        outputs.append(token)
+        request.output_ids.append(token)
         stop_token = check_stop_token(request, self.model_config.eos_token_ids)
-        stop_string = self.detokenizer is not None and update_text(request, self.detokenizer, stop_token)
+        stop_string = update_text(request, self.detokenizer, stop_token)
         if stop_token or stop_string:
             self._finish(request, "stop")
-        elif self._reaches_length(request, len(outputs), request.num_virtual + len(request.prompt_ids) + len(outputs)):
+        elif self._reaches_length(request, len(request.output_ids), request.num_tokens - request.pending):
             self._finish(request, "length")
         return self._chunk(request)
 
@@ -474,7 +464,8 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
 
     def _chunk(self, request: Request) -> RequestOutput:
         ids, text = stream_delta(request)
-        return stream_chunk(request, ids, text)
+        return RequestOutput(request.request_id, ids, text, request.finish_reason, request.adapter_id,
+                             request.prompt_ids, cached_tokens=request.cached_tokens or 0, index=request.index)
 
 
 def _token_ids(prompt: Sequence[int]) -> list[int]:

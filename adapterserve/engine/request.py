@@ -163,14 +163,3 @@ class EmbedOutput:
     embedding: list[float]
     adapter_id: str | None = None
 
-
-def stream_chunk(request: Request, token_ids: list[int], text: str) -> RequestOutput:
-    """One streamed chunk of a request: its new ids and text, the same value RequestOutput(...)
-    gives. Its fields are filled at once: a frozen dataclass's __init__ sets each one through
-    object.__setattr__, a cost paid for every request in every step."""
-    chunk = object.__new__(RequestOutput)
-    chunk.__dict__.update(request_id=request.request_id, token_ids=token_ids, text=text,
-                          finish_reason=request.finish_reason, adapter_id=request.adapter_id,
-                          prompt_token_ids=request.prompt_ids, error=None,
-                          cached_tokens=request.cached_tokens or 0, index=request.index)
-    return chunk

@@ -209,16 +209,9 @@ class ModelRunner:
     @staticmethod
     def _add_token(host: StepInputs, request: Request, position: int) -> None:
         """One token, not a virtual one (a decode's, or a prompt's last one)."""
-        index, prompt, outputs = position - request.num_virtual, request.prompt_ids, request.output_ids
-        if index < len(prompt):
-            host.ids.append(prompt[index])
-            host.sources.append(-1)
-        elif index - len(prompt) < len(outputs):
-            host.ids.append(outputs[index - len(prompt)])
-            host.sources.append(-1)
-        else:  # not yet on the host: the step before sampled it
-            host.ids.append(0)
-            host.sources.append(request.pending_row)
+        ids = request.token_ids(position, position + 1)
+        host.ids.append(ids[0] if ids else 0)
+        host.sources.append(-1 if ids else request.pending_row)  # not yet on the host: the step before sampled it
         host.positions.append(request.prefix_len + position)
         host.slots.append(request.slot)
 

@@ -28,7 +28,8 @@ def trim_staged(staged: OrderedDict[Hashable, Adapter], max_adapters: int, max_b
     total = sum(sizes.values())
     newest = next(reversed(staged), None)
     in_slots = [key for key in staged if key != newest and resident(key)]
-    others = [key for key in staged if key != newest and key not in set(in_slots)]
+    in_slots_set = set(in_slots)
+    others = [key for key in staged if key != newest and key not in in_slots_set]
     for key in in_slots + others:
         if not (len(staged) > max_adapters or total > max_bytes):
             return

@@ -94,9 +94,18 @@ def test_stop_string_cuts_text(engine):
     assert cut.text == full.text[: full.text.index(stop)]
 
 
+HIKERS = "Hikers follow the path"
+TEN_TOKENS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def _assert_adds_up(chunks: list, expected) -> None:
+    """A stream's chunks give the whole output's ids and text, and end it by its length."""
+    assert sum((c.token_ids for c in chunks), []) == expected.token_ids
+    assert "".join(c.text for c in chunks) == expected.text and chunks[-1].finish_reason == "length"
+
+
 def test_stream_yields_deltas_that_add_up(engine):
-    prompt = "Hikers follow the path"
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompt, params = HIKERS, TEN_TOKENS
     expected = engine.generate([prompt], params)[0]
 
     async def collect():
@@ -104,9 +113,8 @@ def test_stream_yields_deltas_that_add_up(engine):
         return chunks
 
     chunks = asyncio.run(collect())
-    assert sum((c.token_ids for c in chunks), []) == expected.token_ids
-    assert "".join(c.text for c in chunks) == expected.text
-    assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+    _assert_adds_up(chunks, expected)
+    assert all(c.finish_reason is None for c in chunks[:-1])
 
 
 def test_closing_a_stream_aborts_and_frees_blocks(engine):
@@ -143,8 +151,7 @@ def test_bad_sampling_params_are_refused(fields):
 
 
 def test_a_slow_stream_consumer_gets_merged_chunks_that_add_up(engine):
-    prompt = "Hikers follow the path"
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompt, params = HIKERS, TEN_TOKENS
     expected = engine.generate([prompt], params)[0]
 
     async def collect_slowly():
@@ -156,13 +163,11 @@ def test_a_slow_stream_consumer_gets_merged_chunks_that_add_up(engine):
 
     chunks = asyncio.run(collect_slowly())
     assert len(chunks) < 10  # merged
-    assert sum((c.token_ids for c in chunks), []) == expected.token_ids
-    assert "".join(c.text for c in chunks) == expected.text and chunks[-1].finish_reason == "length"
+    _assert_adds_up(chunks, expected)
 
 
 def test_a_paced_stream_merges_what_arrives_in_its_pause_and_its_end_ends_the_pause(engine):
-    prompt = "Hikers follow the path"
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompt, params = HIKERS, TEN_TOKENS
     expected = engine.generate([prompt], params)[0]
 
     async def collect():  # an hour's pause after each chunk: only the finishing token can end it
@@ -170,13 +175,11 @@ def test_a_paced_stream_merges_what_arrives_in_its_pause_and_its_end_ends_the_pa
 
     chunks = asyncio.run(asyncio.wait_for(collect(), 120))
     assert len(chunks) <= 2  # the first chunk, then everything up to the end
-    assert sum((c.token_ids for c in chunks), []) == expected.token_ids
-    assert "".join(c.text for c in chunks) == expected.text and chunks[-1].finish_reason == "length"
+    _assert_adds_up(chunks, expected)
 
 
 def test_a_pushed_stream_gets_every_steps_output_and_its_times(engine):
-    prompt = "Hikers follow the path"
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompt, params = HIKERS, TEN_TOKENS
     expected = engine.generate([prompt], params)[0]
     times = RequestTimes()
 
@@ -195,8 +198,7 @@ def test_a_pushed_stream_gets_every_steps_output_and_its_times(engine):
 
     got = asyncio.run(run())
     assert [len(out.token_ids) for out in got] == [1] * 10  # one output per step, none merged
-    assert sum((out.token_ids for out in got), []) == expected.token_ids
-    assert "".join(out.text for out in got) == expected.text and got[-1].finish_reason == "length"
+    _assert_adds_up(got, expected)
     assert 0 < times.added_ns <= times.first_token_ns <= times.finished_ns
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import pickle
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Client, Connection
 
@@ -152,14 +152,9 @@ class WorkerState:
     def capture(self, bucket: int, families: tuple[bool, ...], signature: tuple, stacked_rows: int,
                 mixed: bool = False) -> None:
         graphs = self.device.mixed_graphs if mixed else self.device.graphs
-        with self.pools.lora.covering(stacked_rows) if stacked_rows else _nothing():
+        with self.pools.lora.covering(stacked_rows) if stacked_rows else nullcontext():
             graphs.capture(bucket, families, signature)
 
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def run_worker(spec: WorkerSpec, device: str) -> None:
