@@ -58,13 +58,13 @@ for stage in "$@"; do
     stall70b)  # 4 GPUs: the 70B at TP 4, base then 64 adapters and distinct64, with every rank's stacks after 45 s of a
       # workload (carry .scratch/py-spy: cp .venv/bin/py-spy .scratch/ here first)
       PATH=$PWD/.scratch:$PATH timeout ${STAGE_S:-285} python3 -m benchmarks.tp_decode --shape 70b --sizes 4 \
-        --all-reduce auto --stall-dump ${STALL_S:-45} > "$OUT/stall70b.log" 2>&1
+        --all-reduce auto --stall-dump ${STALL_S:-45} ${TP_ARGS:-} > "$OUT/stall70b.log" 2>&1
       grep -n 'stall watch\|warm-up run\|added in\|built in\|step \|rror' "$OUT/stall70b.log" | tail -40 ;;
     server16)  # 1 GPU, Ray installed, alone on the host: the server path at 16 streams under py-spy, then the pacing
       PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-300} python3 benchmarks/server_overhead.py \
         --model 1b --device cuda --direct on --no-inproc --concurrency 16 --requests 512 --profile "$OUT/server_prof" \
         2>&1 | tail -110
-      for ms in 0 0.5 2; do PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout 200 python3 \
+      for ms in ${PACING:-0 0.5 2}; do PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout 200 python3 \
         benchmarks/server_overhead.py --model 1b --device cuda --direct on --relay-chunk-ms $ms 2>&1 | tail -8; done ;;
     overlap)  # 4 GPUs: a row-parallel GEMM and its all-reduce, serial against pipelined in column chunks
       timeout ${STAGE_S:-200} python3 -m benchmarks.tp_overlap --world 4 2>&1 | tail -14 ;;
@@ -75,7 +75,7 @@ for stage in "$@"; do
     mixed) timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_mixed_graphs_gpu.py \
              tests/kernels/test_prefill_attention.py tests/engine/test_warmup_gpu.py --tb=line -rfE 2>&1 | tail -12 ;;
     prefix_on) timeout 240 python3 benchmarks/prefix_cache.py --model 1b --workloads spread --mixed-graphs on 2>&1 | tail -20 ;;
-    fused) python3 benchmarks/fused_update.py 2>&1 | tail -30 ;;
+    fused) timeout ${STAGE_S:-300} python3 benchmarks/fused_update.py 2>&1 | tail -30 ;;
     fp8gemm) python3 benchmarks/fp8_gemm.py 2>&1 | tail -30 ;;
     engine8b) python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 480 \
                 --first-request --workloads base,one,one+st,uniform8,uniform8+st,distinct,distinct+st,zipf,families --out "$OUT/et8b.md" 2>&1 | tail -25 ;;

@@ -14,6 +14,7 @@ Bound per element: the kernels add bf16 pairwise in bf16 (one rounding per peer)
 |got - sum| <= world * 2^-8 * sum |x_r| (bf16), world * 2^-23 * sum |x_r| (float32)."""
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing
 import os
@@ -137,7 +138,9 @@ def dead_peer(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("symm-dead-peer")
     join_within(mp.start_processes(_dead_peer_main, args=(root,), nprocs=2, join=False, start_method="spawn"), 120)
     if not (root / "0.json").exists():
-        pytest.fail("rank 0 stayed stuck behind its dead peer's barrier (release_peers did not drain it)")
+        stacks = root / "stacks.txt"
+        where = stacks.read_text()[-3000:] if stacks.exists() else "no stacks written"
+        pytest.fail(f"rank 0 stayed stuck behind its dead peer's barrier; where it was:\n{where}")
     return json.loads((root / "0.json").read_text())
 
 
@@ -154,6 +157,8 @@ def _dead_peer_main(rank: int, root: Path) -> None:
     if rank == 1:
         (root / "dead").touch()
         os._exit(0)
+    stacks = open(root / "stacks.txt", "w")  # noqa: SIM115 (kept open for faulthandler)
+    faulthandler.dump_traceback_later(60, file=stacks)  # where rank 0 hangs, if it does
     while not (root / "dead").exists():
         time.sleep(0.1)
     time.sleep(2.0)  # rank 1's process is gone
@@ -161,7 +166,8 @@ def _dead_peer_main(rank: int, root: Path) -> None:
     time.sleep(1.0)
     stuck = not torch.cuda.default_stream(device).query()
     released = symmetric.release_peers(timeout_s=30.0)
-    torch.cuda.synchronize()
+    if released:
+        torch.cuda.synchronize()
     (root / "0.json").write_text(json.dumps({"stuck": stuck, "released": released, "first": first}))
     os._exit(0)  # the group's NCCL communicator still counts the dead rank
 

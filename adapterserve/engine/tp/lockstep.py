@@ -208,6 +208,8 @@ class Lockstep:
                 worker.stop(wait_s)
                 worker.conn.close()
                 worker.adapters.close()
+            # a worker ended by force never left the group: leaving it normally would wait on it
+            forced = [worker.rank for worker in self.workers if worker.exit_code() not in (0, None)]
             self.workers = []
             self._senders.shutdown(wait=False, cancel_futures=True)
             broken, self.broken = self.broken, self.broken or "closed"
@@ -216,7 +218,7 @@ class Lockstep:
                 if flight.path is not None:
                     adapter_post.remove_file(flight.path)
             self._in_flight.clear()
-        leave_group(abort=abort or broken is not None, tp=self.tp)
+        leave_group(abort=abort or broken is not None or bool(forced), tp=self.tp)
 
     # the channel
 
