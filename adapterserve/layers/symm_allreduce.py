@@ -81,6 +81,8 @@ class SymmetricAllReduce:
         self.buffer = buffer  # uint8 [capacity]; viewed as each message's dtype
         self.capacity = buffer.numel()
         self.pads = pads  # every rank's barrier flags (int32, [blocks, world] slots), mapped here
+        if pads is not None:
+            self._load_drain_kernel()
         self.taken: Counter[str] = Counter()
         ops = torch.ops.symm_mem
         self._one_shot_copy = getattr(ops, "one_shot_all_reduce_copy_out", None)  # copies x in: one launch
@@ -142,8 +144,19 @@ class SymmetricAllReduce:
             return False
         return True
 
+    def _load_drain_kernel(self) -> None:
+        """Run _drain's flag write once now, on flags of our own. CUDA loads a kernel lazily,
+        at its first launch, and loading may wait for every kernel running on the device: a
+        first launch from _drain would wait for the barrier kernel it is meant to free."""
+        self._side = torch.cuda.Stream(device=self.buffer.device)  # the default stream is stuck behind the barrier
+        scratch = torch.zeros_like(self.pads[self.rank]).view(-1, self.world_size)
+        with torch.cuda.device(self.buffer.device), torch.cuda.stream(self._side):
+            for column in range(self.world_size):
+                scratch[:, column].fill_(1)
+        self._side.synchronize()
+
     def _drain(self, stream_done: Any, timeout_s: float) -> bool:
-        side = torch.cuda.Stream(device=self.buffer.device)  # the default stream is stuck behind the barrier
+        side = self._side
         mine = self.pads[self.rank].view(-1, self.world_size)
         deadline = time.monotonic() + timeout_s
         with torch.cuda.device(self.buffer.device), torch.cuda.stream(side):
