@@ -33,7 +33,7 @@ STACKED_MAX_TOKENS = 256  # larger batches (prefill) keep the segmented kernels
 MAX_SLICES = 4  # as segment_common.MAX_SLICES: slices one expand launch covers
 # a step whose tokens use at least this many distinct adapters runs the grouped expand, fewer the
 # tiled one (benchmarks/fused_update.py prints the crossover)
-GROUPED_MIN_ADAPTERS = 4
+GROUPED_MIN_ADAPTERS = 8
 EXPANDS = ("tiled", "grouped")
 
 
