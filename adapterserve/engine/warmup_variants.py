@@ -84,8 +84,9 @@ class EngineShape:
         return self.row_buckets if "lora" in families and self.row_buckets else (0,)
 
     def expands(self, num_tokens: int) -> tuple[str, ...]:
-        """The stacked expands a step of num_tokens rows can choose (its distinct adapters)."""
-        return reachable_expands(num_tokens, self.lora_slots)
+        """The stacked expands a step of num_tokens rows can choose (its distinct adapters:
+        at most one per request, so at most max_num_seqs)."""
+        return reachable_expands(min(num_tokens, self.max_num_seqs), self.lora_slots)
 
 
 def width_class(width: int) -> str:
