@@ -95,11 +95,19 @@ def token_ids(name: str, value: Any, max_items: int, *, allow_empty: bool = Fals
     ids = sequence(name, value, max_items, "a list of token ids", too_long=too_long)
     if not ids and not allow_empty:
         raise RequestError(f"{name!r} is empty")
-    for i, t in enumerate(ids):
+    if plain_ids(ids, MAX_TOKEN_ID + 1):
+        return tuple(ids)
+    for i, t in enumerate(ids):  # the first bad id, for the message; or ids of other integer types
         if not is_integer(t) or not 0 <= t <= MAX_TOKEN_ID:
             raise RequestError(f"'{name}[{i}]' must be a token id (an integer from 0 to {MAX_TOKEN_ID}), "
                                f"got {short(t)}")
     return tuple(int(t) for t in ids)
+
+
+def plain_ids(ids: Sequence[Any], end: int) -> bool:
+    """Whether every id is an int (not a bool, not another integer type) in [0, end), checked
+    in C: a long prompt's ids are not looped over in Python at a request's start."""
+    return not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < end)
 
 
 def prompt(name: str, value: Any) -> str | list[int]:

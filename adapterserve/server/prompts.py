@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adapterserve.errors import RequestError, RequestTooLarge
+from adapterserve.request_fields import plain_ids
 
 CHARS_PER_TOKEN = 32
 
@@ -63,6 +64,8 @@ async def prompt_token_ids(prompt: str | Sequence[int], tokenizer, limits: Promp
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
+    if plain_ids(ids, vocab_size):
+        return
     for position, token in enumerate(ids):
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
             raise RequestError(f"prompt token id {token!r} at position {position} is not in [0, {vocab_size}) "

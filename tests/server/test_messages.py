@@ -3,11 +3,18 @@ from __future__ import annotations
 
 import math
 
+import numpy
 import pytest
 
 from adapterserve.errors import RequestError, RequestTooLarge
 from adapterserve.proto import adapterserve_pb2 as pb
-from adapterserve.request_fields import MAX_PROMPT_CHARS, MAX_PROMPT_IDS, MAX_TEXT_CHARS
+from adapterserve.request_fields import (
+    MAX_PROMPT_CHARS,
+    MAX_PROMPT_IDS,
+    MAX_TEXT_CHARS,
+    MAX_TOKEN_ID,
+    token_ids,
+)
 from adapterserve.server.messages import prompt_of, sampling_of, texts_of
 
 
@@ -48,6 +55,17 @@ def test_bad_prompts_are_named(request_, error, message):
     with pytest.raises(RequestError) as caught:
         prompt_of(request_)
     assert type(caught.value) is error and str(caught.value).startswith(message)
+
+
+def test_token_ids_are_checked_whatever_their_integer_type_and_the_first_bad_one_is_named():
+    long = list(range(1000))
+    assert token_ids("ids", long, MAX_PROMPT_IDS) == tuple(long)
+    as_numpy = token_ids("ids", [numpy.int64(3), numpy.int32(4)], MAX_PROMPT_IDS)
+    assert as_numpy == (3, 4) and all(type(t) is int for t in as_numpy)
+    for bad, position in (([*long, MAX_TOKEN_ID + 1], 1000), ([*long[:500], -1, *long], 500),
+                          ([1, True, 2], 1), ([1, 2.0], 1)):
+        with pytest.raises(RequestError, match=rf"'ids\[{position}\]' must be a token id"):
+            token_ids("ids", bad, MAX_PROMPT_IDS)
 
 
 @pytest.mark.parametrize("texts, error, message", [

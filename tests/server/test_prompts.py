@@ -38,6 +38,7 @@ def test_token_ids_pass_when_in_the_vocabulary_and_within_the_context(tokenizer)
     ([1, 512], "prompt token id 512 at position 1 is not in [0, 512)"),
     ([-1], "prompt token id -1 at position 0"),
     ([1, True], "prompt token id True at position 1"),
+    ([*range(500), 3, 512], "prompt token id 512 at position 501"),  # a long prompt: the bad id is still named
     ([], "prompt is empty"),
 ])
 def test_bad_token_ids_are_refused_naming_the_position(tokenizer, prompt, says):
