@@ -287,7 +287,7 @@ def host_cpus() -> str:
     """This process's torch threads against the cores it may use (affinity, cgroup quota)."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (f"rank 0's torch threads {torch.get_num_threads()}, cores {os.cpu_count()}, usable {usable}, "
-            f"cgroup quota {_cgroup_cpus()}")
+            f"cgroup quota {_cgroup_cpus()}; CUDA module loading {os.environ.get('CUDA_MODULE_LOADING', 'default')}")
 
 
 def _cgroup_cpus() -> str:

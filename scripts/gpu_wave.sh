@@ -56,8 +56,9 @@ for stage in "$@"; do
       PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-200} python3 benchmarks/server_overhead.py \
         --model 1b --device cuda --direct on --trace 2>&1 | tail -30 ;;
     stall70b)  # 4 GPUs: the 70B at TP 4, base then 64 adapters and distinct64, with every rank's stacks after 45 s of a
-      # workload (carry .scratch/py-spy: cp .venv/bin/py-spy .scratch/ here first)
-      PATH=$PWD/.scratch:$PATH timeout ${STAGE_S:-285} python3 -m benchmarks.tp_decode --shape 70b --sizes 4 \
+      # workload (carry .scratch/py-spy: cp .venv/bin/py-spy .scratch/ here first); MODULE_LOADING=EAGER: CUDA loads
+      # every kernel at start (a first launch beside a spinning all-reduce barrier can wait for ever)
+      CUDA_MODULE_LOADING=${MODULE_LOADING:-LAZY} PATH=$PWD/.scratch:$PATH timeout ${STAGE_S:-285} python3 -m benchmarks.tp_decode --shape 70b --sizes 4 \
         --all-reduce auto --stall-dump ${STALL_S:-45} ${TP_ARGS:-} > "$OUT/stall70b.log" 2>&1
       grep -n 'stall watch\|warm-up run\|added in\|built in\|step \|rror' "$OUT/stall70b.log" | tail -40 ;;
     server16)  # 1 GPU, Ray installed, alone on the host: the server path at 16 streams under py-spy, then the pacing
