@@ -309,7 +309,7 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
         if not ids:
             raise RequestError("prompt is empty")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
+        if min(ids) < 0 or max(ids) >= vocab:
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         return ids
 
@@ -470,6 +470,8 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
 
 def _token_ids(prompt: Sequence[int]) -> list[int]:
     ids = list(prompt)
+    if set(map(type, ids)) <= {int}:  # checked in C: a long prompt is not looped over in Python
+        return ids
     if any(isinstance(t, bool) or not hasattr(t, "__index__") for t in ids):
         raise RequestError("prompt token ids must be integers")
     return [t.__index__() for t in ids]

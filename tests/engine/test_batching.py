@@ -1,6 +1,7 @@
 """Continuous batching: requests joining mid-flight, abort, preemption, seeds, stops."""
 import asyncio
 
+import numpy as np
 import pytest
 import torch
 
@@ -135,6 +136,10 @@ def test_closing_a_stream_aborts_and_frees_blocks(engine):
     [
         ([], SamplingParams(), "empty"),
         ([1, 99999], SamplingParams(), "token ids"),
+        ([1, -1], SamplingParams(), r"token ids must be in \[0, 512\)"),
+        ([5] * 300 + [512], SamplingParams(), r"token ids must be in \[0, 512\)"),
+        ([1, True], SamplingParams(), "token ids must be integers"),
+        ([1, 2.0], SamplingParams(), "token ids must be integers"),
         ([1] * 5000, SamplingParams(), "5000 tokens and max_tokens is 16: 5016 is over"),
     ],
 )
@@ -142,6 +147,14 @@ def test_bad_requests_are_refused(engine, prompt, params, message):
     with pytest.raises(RequestError, match=message):
         engine.add_request(prompt, params)
     assert not engine.has_unfinished()
+
+
+def test_ids_of_other_integer_types_get_the_tokens_of_plain_ints(engine):
+    prompt = engine.tokenizer(HIKERS).input_ids
+    as_numpy = list(np.asarray(prompt, dtype=np.int64))
+    as_tensor = list(torch.tensor(prompt))
+    got = engine.generate([as_numpy, as_tensor, prompt], TEN_TOKENS)
+    assert got[0].token_ids == got[1].token_ids == got[2].token_ids
 
 
 @pytest.mark.parametrize("fields", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2}])
