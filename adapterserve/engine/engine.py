@@ -18,7 +18,6 @@ request's last step by length is known at launch, so it is not scheduled again.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
@@ -52,6 +51,7 @@ from adapterserve.engine.warmup import WarmupReport, should_warm_up, warm_up
 from adapterserve.errors import AdapterNotFound, EngineBroken, Overloaded, RequestError
 from adapterserve.layers.parallel import SINGLE
 from adapterserve.models.decoder import DecoderModel, check_shardable
+from adapterserve.request_fields import plain_ids
 from adapterserve.models.decoder_config import DecoderConfig, read_decoder_config
 from adapterserve.models.encoder_config import SUPPORTED_MODEL_TYPES as ENCODER_TYPES
 
@@ -305,10 +305,13 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
                 raise RequestError("this backbone has no tokenizer: send prompt token ids")
             ids = self.tokenizer(prompt).input_ids
         else:
-            ids = _token_ids(prompt)
+            ids = list(prompt)
         if not ids:
             raise RequestError("prompt is empty")
         vocab = self.model_config.vocab_size
+        if plain_ids(ids, vocab):  # checked in C: a long prompt is not looped over in Python
+            return ids
+        ids = _token_ids(ids)
         if min(ids) < 0 or max(ids) >= vocab:
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         return ids
@@ -468,10 +471,8 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
                              request.prompt_ids, cached_tokens=request.cached_tokens or 0, index=request.index)
 
 
-def _token_ids(prompt: Sequence[int]) -> list[int]:
-    ids = list(prompt)
-    if set(map(type, ids)) <= {int}:  # checked in C: a long prompt is not looped over in Python
-        return ids
+def _token_ids(ids: list) -> list[int]:
+    """Ids of any integer type as ints (RequestError for anything else)."""
     if any(isinstance(t, bool) or not hasattr(t, "__index__") for t in ids):
         raise RequestError("prompt token ids must be integers")
     return [t.__index__() for t in ids]

@@ -162,4 +162,3 @@ class EmbedOutput:
     request_id: str
     embedding: list[float]
     adapter_id: str | None = None
-

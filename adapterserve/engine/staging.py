@@ -27,10 +27,8 @@ def trim_staged(staged: OrderedDict[Hashable, Adapter], max_adapters: int, max_b
     sizes = {key: tensor_nbytes(adapter.staged) for key, adapter in staged.items()}
     total = sum(sizes.values())
     newest = next(reversed(staged), None)
-    in_slots = [key for key in staged if key != newest and resident(key)]
-    in_slots_set = set(in_slots)
-    others = [key for key in staged if key != newest and key not in in_slots_set]
-    for key in in_slots + others:
+    # oldest first, those in slots before the rest (a stable sort keeps each group's order)
+    for key in sorted((key for key in staged if key != newest), key=lambda key: not resident(key)):
         if not (len(staged) > max_adapters or total > max_bytes):
             return
         staged.pop(key).staged.clear()
