@@ -55,6 +55,8 @@ WEIGHT_STD = 0.02
 SHAPE_70B = ModelShape("70b", 8192, 80, 64, 8, 28672, 128256, tied=False)  # Llama-3 70B's dimensions
 ALL_SHAPES = {**SHAPES, "70b": SHAPE_70B}
 
+CLOSE_DUMP_S = 30.0  # with --stall-dump: the stacks of an engine's close still running after this
+
 
 @dataclass(frozen=True)
 class Config:
@@ -176,7 +178,10 @@ def run_size(cfg: Config, config_dir: Path, size: int, all_reduce: str, factory:
             rows.append(_row(engine, cfg, size, label, f"distinct{cfg.adapters}", ids, floor))
         return rows
     finally:
-        engine.close()
+        closing = time.perf_counter()
+        with stall_dump(engine, CLOSE_DUMP_S if cfg.stall_dump_s > 0 else 0.0, f"tp={size} {label} close"):
+            engine.close()
+        progress(f"tp={size} {label}: closed in {time.perf_counter() - closing:.1f} s")
         del engine
         gc.collect()
         if cfg.profile and size > 1:

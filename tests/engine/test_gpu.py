@@ -34,11 +34,12 @@ def _first_step_logits(engine, prompts, ids):
     return [captured[o.request_id][0] for o in outs], outs
 
 
-def _hf_bf16_error(model_dir, prompts) -> float:
-    """How far transformers itself moves in bfloat16 from float32 on these prompts."""
+def _hf_bf16_drift(model_dir, prompts) -> tuple[float, float]:
+    """How far transformers itself moves in bfloat16 from float32 on these prompts (base model):
+    the largest relative logit error, and the share of prompts whose greedy next token stays."""
     from transformers import AutoModelForCausalLM
 
-    errors = []
+    errors, same = [], 0
     fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     with torch.no_grad():
@@ -46,7 +47,8 @@ def _hf_bf16_error(model_dir, prompts) -> float:
             ids = torch.tensor([prompt], device="cuda")
             want, got = fp32(ids).logits[0, -1], bf16(ids).logits[0, -1].float()
             errors.append(((got - want).norm() / want.norm()).item())
-    return max(errors)
+            same += int(got.argmax() == want.argmax())
+    return max(errors), same / len(prompts)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -62,13 +64,16 @@ def test_gpu_path_agrees_with_float32_reference(setup, dtype):
     got, gpu_outs = _first_step_logits(gpu, prompts, ids)
     want, ref_outs = _first_step_logits(ref, prompts, ids)
     # bfloat16: within 2x of what transformers' own bfloat16 run loses; float32: Triton's tf32 dots only
-    tol = 2.0 * _hf_bf16_error(model_dir, prompts[::len(adapters) + 1]) + 5e-3 if dtype == "bfloat16" else 5e-3
+    hf_error, hf_same = _hf_bf16_drift(model_dir, prompts) if dtype == "bfloat16" else (0.0, 1.0)
+    tol = 2.0 * hf_error + 5e-3 if dtype == "bfloat16" else 5e-3
     for adapter, g, w in zip(ids, got, want):
         assert torch.isfinite(g).all()
         rel = (g - w).norm() / w.norm()
         assert rel < tol, (adapter, rel.item(), tol)
     same_first = sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(gpu_outs, ref_outs))
-    assert same_first >= (0.8 if dtype == "bfloat16" else 0.95) * len(ids)
+    # random weights give near-flat logits: in bfloat16 some greedy tokens flip for transformers too, so
+    # the engine may flip at most 10% of the prompts more often than transformers does on the same prompts
+    assert same_first >= (min(hf_same, 0.95) - 0.1 if dtype == "bfloat16" else 0.95) * len(ids), (same_first, hf_same)
 
 
 def test_chunked_prefill_agrees_with_whole_prompts(setup):
