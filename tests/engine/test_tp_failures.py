@@ -71,6 +71,30 @@ def test_a_worker_dead_while_idle_shows_in_health():
         engine.close()
 
 
+def test_close_returns_with_a_frozen_worker_and_ends_every_worker():
+    """A worker that never takes "close" (stopped: SIGSTOP) is ended by force; close still
+    returns, and no worker process outlives it."""
+    engine = Engine.from_pretrained(MODEL, tensor_parallel_size=2, **SETTINGS)
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))[0].token_ids
+    pids = [worker.pid for worker in engine.lockstep.workers]
+    os.kill(pids[0], signal.SIGSTOP)
+    closing = threading.Thread(target=engine.lockstep.close, kwargs={"wait_s": 1.0}, daemon=True)
+    closing.start()
+    closing.join(BREAK_WAIT_S)
+    assert not closing.is_alive(), "close hung on a frozen tensor-parallel worker"
+    assert engine.lockstep.broken == "closed"
+    for pid in pids:
+        assert not _alive(pid), f"worker process {pid} outlived the close"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_a_part_cut_for_another_rank_breaks_the_engine(tmp_path):
     """The cut names its rank: a worker given rank 0's part refuses to place it."""
     lora = make_peft_lora(MODEL, tmp_path / "lora", r=4, lora_alpha=8, target_modules="all-linear")

@@ -10,6 +10,7 @@ adapters), then all join torch.distributed at a free port of this host.
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import queue
 import secrets
@@ -28,7 +29,10 @@ from adapterserve.engine.tp.stack_dump import dump_stacks_on_signal
 from adapterserve.engine.tp.worker import ModelBuilder, WorkerSpec, run_worker
 from adapterserve.errors import EngineBroken
 
+log = logging.getLogger("adapterserve.engine")
+
 RAY_CPU_PER_WORKER = 0.01  # a CPU worker's bundle (Ray refuses empty ones): a sliver, not a core
+_KILLED_WAIT_S = 10.0  # for a worker process to end after SIGKILL
 
 
 def start_group(build_model: ModelBuilder, config: EngineConfig, placement: RayPlacement | None = None,
@@ -95,7 +99,10 @@ def _stop(process: multiprocessing.Process, wait_s: float) -> None:
     process.join(wait_s)
     if process.is_alive():
         process.kill()
-        process.join()
+        process.join(_KILLED_WAIT_S)  # a process inside a driver call ends only when the call returns
+        if process.is_alive():
+            log.warning("tensor-parallel worker process %s had not ended %.0f s after SIGKILL; going on without it",
+                        process.pid, _KILLED_WAIT_S)
 
 
 # Ray actors

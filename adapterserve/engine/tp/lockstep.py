@@ -18,6 +18,7 @@ replica's health check replaces it).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pickle
 import threading
 import time
@@ -33,9 +34,11 @@ from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.engine.step_device import StepInputs
 from adapterserve.engine.tp import adapter_post
 from adapterserve.engine.tp.adapter_post import InFlight, Packed, PartRefused
-from adapterserve.engine.tp.group import COLLECTIVE_TIMEOUT_S, leave_group
+from adapterserve.engine.tp.group import COLLECTIVE_TIMEOUT_S, LEAVE_WAIT_S, close_group
 from adapterserve.errors import EngineBroken
 from adapterserve.layers.parallel import TensorParallel
+
+log = logging.getLogger("adapterserve.engine")
 
 _POLL_S = 20e-6  # between looks at a step's completion event while waiting for it
 _CHECK_S = 1e-3  # between looks at the workers meanwhile
@@ -195,9 +198,9 @@ class Lockstep:
                 return None
             time.sleep(0.01)
 
-    def close(self, wait_s: float = _CLOSE_WAIT_S, abort: bool = False) -> None:
-        """Stop the workers (each given wait_s to finish its command) and leave the group (a
-        broken one, or with ``abort``, aborted first: stuck collectives must not hang the leaving)."""
+    def close(self, wait_s: float = _CLOSE_WAIT_S) -> None:
+        """Stop the workers (each given wait_s to finish its command) and leave the group; every
+        wait bounded, so a close always returns (group.close_group)."""
         with self._lock:
             for worker in self.workers:
                 try:
@@ -208,17 +211,17 @@ class Lockstep:
                 worker.stop(wait_s)
                 worker.conn.close()
                 worker.adapters.close()
-            # a worker ended by force never left the group: leaving it normally would wait on it
-            forced = [worker.rank for worker in self.workers if worker.exit_code() not in (0, None)]
             self.workers = []
             self._senders.shutdown(wait=False, cancel_futures=True)
-            broken, self.broken = self.broken, self.broken or "closed"
+            self.broken = self.broken or "closed"
         with self._adapters_lock:  # a share under way fails now, its connections closed
             for flight in self._in_flight.values():
                 if flight.path is not None:
                     adapter_post.remove_file(flight.path)
             self._in_flight.clear()
-        leave_group(abort=abort or broken is not None or bool(forced), tp=self.tp)
+        if not close_group(self.tp):
+            log.warning("rank 0 was still leaving its tensor-parallel group %.0f s after close; going on without "
+                        "waiting (its communicators are being aborted on a daemon thread)", LEAVE_WAIT_S)
 
     # the channel
 
