@@ -457,7 +457,7 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
             worker = self.lockstep.failed_worker()  # a dead rank shows as its peers' failed collective
             self.broken = f"{worker}; {self.broken}" if worker else self.broken
         if self.lockstep is not None:
-            self.lockstep.close(wait_s=0.0)  # no rank may wait in a collective for ever
+            self.lockstep.close(wait_s=0.0, abort=True)  # no rank may wait in a collective for ever
         error = EngineBroken(f"the engine failed a step and serves no more requests ({self.broken}); "
                              "retry: its replica is being replaced")
         self._in_flight = None

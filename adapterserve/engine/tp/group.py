@@ -16,7 +16,7 @@ from adapterserve.layers.symm_allreduce import symmetric_all_reduce
 # How long a rank waits in a collective (or for a step's results) before its group counts
 # as broken: longer than any one kernel compile or graph capture at warm-up.
 COLLECTIVE_TIMEOUT_S = 300.0
-LEAVE_WAIT_S = 30.0  # a rank's leaving of the group at close; past it, the close goes on without waiting more
+LEAVE_WAIT_S = 30.0  # rank 0's leaving of the group at close; past it, the close goes on without waiting more
 
 
 def free_port(host: str) -> int:
@@ -74,15 +74,12 @@ def leave_group(abort: bool = False, tp: TensorParallel | None = None) -> None:
     dist.destroy_process_group()
 
 
-def close_group(tp: TensorParallel | None, wait_s: float = LEAVE_WAIT_S) -> bool:
-    """Leave the group at the end of an engine's life, waiting at most wait_s (False: still
-    leaving, on a daemon thread; the caller goes on). NCCL communicators are aborted, not
-    finalized: an abort tears down this rank's side alone, while a finalize may wait for peers
-    that have already gone (or were ended by force)."""
-    leaving = threading.Thread(target=leave_group, kwargs={"abort": True, "tp": tp}, name="tp-leave", daemon=True)
+def leave_in_background(abort: bool, tp: TensorParallel | None) -> threading.Thread:
+    """leave_group on a daemon thread, started now: at close every rank leaves at the same
+    time (a group's teardown may wait for its peers'), and rank 0 can bound its wait (join)."""
+    leaving = threading.Thread(target=leave_group, kwargs={"abort": abort, "tp": tp}, name="tp-leave", daemon=True)
     leaving.start()
-    leaving.join(wait_s)
-    return not leaving.is_alive()
+    return leaving
 
 
 def check_devices(size: int, device: str, ray_gpus: float | None = None) -> None:

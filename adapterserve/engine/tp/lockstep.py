@@ -34,7 +34,7 @@ from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.engine.step_device import StepInputs
 from adapterserve.engine.tp import adapter_post
 from adapterserve.engine.tp.adapter_post import InFlight, Packed, PartRefused
-from adapterserve.engine.tp.group import COLLECTIVE_TIMEOUT_S, LEAVE_WAIT_S, close_group
+from adapterserve.engine.tp.group import COLLECTIVE_TIMEOUT_S, LEAVE_WAIT_S, leave_in_background
 from adapterserve.errors import EngineBroken
 from adapterserve.layers.parallel import TensorParallel
 
@@ -80,6 +80,7 @@ class Lockstep:
         self.parts_sent: Counter[tuple[int, str]] = Counter()  # (rank, "file" or "connection") -> parts
         self._host = adapter_post.host_identity()
         self._no_file: set[int] = set()  # ranks that could not read a file rank 0 wrote (another filesystem)
+        self._leaving: threading.Thread | None = None  # this rank's leaving of the group, from the first close
         self._in_flight: dict[int, InFlight] = {}  # rank -> its part posted and not yet acknowledged
         self._senders = ThreadPoolExecutor(max_workers=max(1, len(workers)), thread_name_prefix="tp-share")
         for worker in workers:  # steps and parts leave at once (a message over 16 KiB is two writes)
@@ -198,15 +199,20 @@ class Lockstep:
                 return None
             time.sleep(0.01)
 
-    def close(self, wait_s: float = _CLOSE_WAIT_S) -> None:
-        """Stop the workers (each given wait_s to finish its command) and leave the group; every
-        wait bounded, so a close always returns (group.close_group)."""
+    def close(self, wait_s: float = _CLOSE_WAIT_S, abort: bool = False) -> None:
+        """Stop the workers (each given wait_s to finish its command, then killed) while this
+        rank leaves the group beside them, as they do on "close" (a group's teardown may wait
+        for its peers': leaving only after they had ended could wait for ever). A broken group,
+        or any with ``abort``, is aborted instead. Every wait is bounded, so a close always returns."""
         with self._lock:
             for worker in self.workers:
                 try:
                     worker.conn.send_bytes(pickle.dumps(("close",)))
                 except OSError:
                     pass
+            if self._leaving is None:  # a second close waits for the first one's leaving
+                self._leaving = leave_in_background(abort=abort or self.broken is not None, tp=self.tp)
+            leaving = self._leaving
             for worker in self.workers:
                 worker.stop(wait_s)
                 worker.conn.close()
@@ -219,9 +225,10 @@ class Lockstep:
                 if flight.path is not None:
                     adapter_post.remove_file(flight.path)
             self._in_flight.clear()
-        if not close_group(self.tp):
+        leaving.join(LEAVE_WAIT_S)
+        if leaving.is_alive():
             log.warning("rank 0 was still leaving its tensor-parallel group %.0f s after close; going on without "
-                        "waiting (its communicators are being aborted on a daemon thread)", LEAVE_WAIT_S)
+                        "waiting (the leaving goes on on a daemon thread)", LEAVE_WAIT_S)
 
     # the channel
 

@@ -27,7 +27,7 @@ from adapterserve.engine.pool_set import build_pools
 from adapterserve.engine.staging import stage
 from adapterserve.engine.step_device import StepDevice, StepInputs, attach_lora_side_stream
 from adapterserve.engine.tp.adapter_post import send_at_once
-from adapterserve.engine.tp.group import close_group, join_group
+from adapterserve.engine.tp.group import join_group, leave_group
 from adapterserve.engine.tp.inbox import AdapterInbox
 from adapterserve.engine.tp.stack_dump import dump_stacks_on_signal
 from adapterserve.layers.parallel import TensorParallel
@@ -183,7 +183,7 @@ def run_worker(spec: WorkerSpec, device: str) -> None:
         except OSError:
             pass
         os._exit(1)
-    close_group(tp)  # aborted, as rank 0's: neither side's teardown waits for the other's
+    leave_group()  # beside rank 0, which leaves as it sends "close"
     conn.close()
 
 
