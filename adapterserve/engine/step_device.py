@@ -9,6 +9,8 @@ feeds the same ids to the next step without the host seeing them.
 """
 from __future__ import annotations
 
+import gc
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -106,6 +108,15 @@ class StepDevice:
         if mixed_tokens:
             self.mixed_graphs = MixedGraphs(self, mixed_tokens, max_requests or max_batch, max_pages,
                                             self.trash_slot, pool)
+
+    def release_graphs(self) -> None:
+        """Drop the captured graphs and their memory pool now (the step then runs eagerly).
+        NCCL does not tear a communicator down while a CUDA graph that captured its
+        collectives lives: a tensor-parallel rank calls this before it leaves its group. It
+        never waits for the device (a broken group's stream may be stuck): CUDA frees a graph
+        still running when its run ends."""
+        self.graphs = self.mixed_graphs = None
+        gc.collect()  # the graphs' own reference cycles, if any
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
