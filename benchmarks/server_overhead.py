@@ -8,6 +8,8 @@ and through the in-process engine, on one machine, interleaved group by group.
     PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --direct on   # one path only (default: both)
     PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --direct on --no-inproc --profile /tmp/prof
                                                    # py-spy: each server process's CPU, top functions
+    PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --direct on --no-inproc \
+        --via haproxy replica-port own             # the same server through each of its gRPC doors
 
 Each server is `adapterserve serve` in a process (and a Ray) of its own. It runs its engine
 in a child process of the replica (`engine_process: true`, rows "server ..."), and, unless
@@ -17,6 +19,11 @@ server/direct_settings.py): "off", two tiers (HAProxy -> Ingress replica -> Serv
 EngineReplica); "on", one hop (the Ingress replica runs the engine); "auto", as the server
 decides; "both" (the default), a server of each. On a CPU the in-process engine runs one
 thread, as the replica's engine does (its Ray actor has one CPU).
+
+--via picks where the client calls each server: "haproxy" (its gRPC port, the default), "replica-port"
+(Serve's own port of the Ingress replica, where HAProxy forwards; pinned for the benchmark through
+Serve's direct-ingress port range) or "own" (the replica's own listener, setting `replica_grpc`,
+direct mode only). Several: one server answers on each, and each is a path of its own.
 
 Every path is up at once (the in-process engine beside the servers); each group of prompts
 goes through each path in turn, the order rotating, so drift of clocks and caches falls on
@@ -132,9 +139,11 @@ ENGINE = "engine"  # the in-process engine's label
 
 
 def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int],
-             servers: dict[str, dict], profile_dir: Path | None = None) -> dict[int, dict[str, list[Timed]]]:
+             servers: dict[str, dict], vias: tuple[str, ...] = ("haproxy",),
+             profile_dir: Path | None = None) -> dict[int, dict[str, list[Timed]]]:
     """Per concurrency: path label -> its results of the same prompts, through the in-process
     engine and each of `servers` (label -> config overrides), all up at once, interleaved.
+    `vias`: where the client calls each server (several: a path each, "<label> via <via>").
     `profile_dir`: py-spy records every server's processes during the highest concurrency's
     measured groups (server_profile.py) and prints where their CPU went."""
     from adapterserve import Engine, SamplingParams
@@ -142,7 +151,7 @@ def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: li
 
     with ExitStack() as running:
         served = {label: running.enter_context(_serving({"model": str(path), "engine": engine_cfg,
-                                                         "encoder": False, **overrides}))
+                                                         "encoder": False, **overrides}, vias))
                   for label, overrides in servers.items()}
         engine = Engine.from_pretrained(path, **engine_cfg)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -151,8 +160,10 @@ def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: li
             async with AsyncExitStack() as clients:
                 streams = {ENGINE: lambda p: engine.stream(p, params)}
                 for label, server in served.items():
-                    client = await clients.enter_async_context(AsyncClient(server.address, timeout=600))
-                    streams[label] = partial(client.stream, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                    for via, address in server.addresses.items():
+                        client = await clients.enter_async_context(AsyncClient(address, timeout=600))
+                        streams[_via_label(label, via, vias)] = partial(client.stream, max_tokens=max_tokens,
+                                                                        temperature=0.0, ignore_eos=True)
                 return await _interleaved(streams, prompts, concurrency, measuring(concurrency))
 
         def measuring(concurrency: int) -> AbstractContextManager:
@@ -166,6 +177,10 @@ def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: li
             engine = None  # its GPU memory goes before the servers stop
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+
+def _via_label(label: str, via: str, vias: tuple[str, ...]) -> str:
+    return label if vias == ("haproxy",) else f"{label} via {via}"
 
 
 @contextmanager
@@ -185,28 +200,59 @@ def _profiled(server_pids: dict[str, int], out_dir: Path, requests: int) -> Iter
 
 @dataclass
 class Served:
-    address: str  # gRPC, host:port
+    addresses: dict[str, str]  # gRPC host:port by --via
     pid: int  # the `adapterserve serve` process (its Ray and replicas run under it)
 
 
+VIAS = ("haproxy", "replica-port", "own")
+
+
+@dataclass
+class Doors:
+    """The ports a server answers gRPC on, by --via, and what the server needs to open them."""
+
+    ports: dict[str, int]
+
+    @classmethod
+    def pick(cls, vias: tuple[str, ...]) -> Doors:
+        return cls({via: free_port() for via in vias})
+
+    def config(self) -> dict:
+        """Overrides: the replica's own listener."""
+        return {"replica_grpc": {"port": self.ports["own"]}} if "own" in self.ports else {}
+
+    def env(self) -> dict[str, str]:
+        """Serve's direct-ingress gRPC port range narrowed to one port: the Ingress replica's."""
+        port = self.ports.get("replica-port")
+        if port is None:
+            return {}
+        return {"RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(port), "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT":
+                str(port + 1)}
+
+    def addresses(self) -> dict[str, str]:
+        return {via: f"127.0.0.1:{port}" for via, port in self.ports.items()}
+
+
 @contextmanager
-def _serving(config: dict) -> Iterator[Served]:
-    """`adapterserve serve` with `config` in a process (and Ray) of its own."""
+def _serving(config: dict, vias: tuple[str, ...]) -> Iterator[Served]:
+    """`adapterserve serve` with `config` in a process (and Ray) of its own, answering on `vias`."""
     root = Path(tempfile.mkdtemp())
-    (root / "config.json").write_text(json.dumps({"store": str(root / "store"), **config}))
-    grpc_port, http_port = free_port(), free_port()
+    doors = Doors.pick(vias)
+    (root / "config.json").write_text(json.dumps({"store": str(root / "store"), **config, **doors.config()}))
+    grpc_port, http_port = doors.ports.get("haproxy", free_port()), free_port()
     log = root / "serve.log"
     with open(log, "wb") as out:
         server = subprocess.Popen([sys.executable, "-m", "adapterserve.clients.cli", "serve", "--config",
                                    str(root / "config.json"), "--grpc-port", str(grpc_port), "--http-port",
-                                   str(http_port)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                   str(http_port)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**os.environ, **doors.env()})
     try:
         deadline = time.monotonic() + 900
         while b"adapterserve is serving" not in log.read_bytes():
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not start:\n{log.read_text(errors='replace')[-3000:]}")
             time.sleep(0.5)
-        yield Served(f"127.0.0.1:{grpc_port}", server.pid)
+        yield Served(doors.addresses(), server.pid)
     finally:
         server.send_signal(signal.SIGTERM)  # drains, stops Ray
         try:
@@ -229,28 +275,36 @@ def _lora(model: str, path: Path, device: str) -> Path:
 
 
 def _trace(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int], relay_chunk_ms: float,
-           adapter: Path | None, by_version: bool, direct: bool | str) -> dict[int, dict[str, list[float]]]:
-    """Per concurrency: each hop's times (ms) of every call, from the server's spans (server_hops.py);
-    with `adapter`, every call names it (uploaded as "bench"; `by_version`: named `bench@N`)."""
+           adapter: Path | None, by_version: bool, direct: bool | str,
+           vias: tuple[str, ...] = ("haproxy",)) -> dict[str, dict[int, dict[str, list[float]]]]:
+    """Per via, per concurrency: each hop's times (ms) of every call, from the server's spans
+    (server_hops.py); with `adapter`, every call names it (uploaded as "bench"; `by_version`:
+    named `bench@N`). One server answers on every via; they take turns, concurrency by concurrency."""
     from adapterserve.clients.client import Client
     from adapterserve.server import launch
     from benchmarks.server_hops import collect_hops, traced_calls
     from tests.helpers.otlp_collector import collecting
 
     with collecting("grpc") as collector:
+        doors = Doors.pick(vias)
         config = {"model": str(path), "engine": engine_cfg, "encoder": False, "store": tempfile.mkdtemp(),
                   "engine_process": True, "relay_chunk_ms": relay_chunk_ms, "direct": direct,
-                  "tracing": {"otlp_endpoint": collector.endpoint}}
-        endpoints = launch.start(config, grpc_port=free_port(), http_port=free_port())
+                  "tracing": {"otlp_endpoint": collector.endpoint}, **doors.config()}
+        os.environ.update(doors.env())  # read by the Ray launch.start starts here
+        endpoints = launch.start(config, grpc_port=doors.ports.get("haproxy", free_port()), http_port=free_port())
         try:
             ref = None
             if adapter is not None:
                 with Client(endpoints.grpc, timeout=600) as client:
                     ref = client.upload(adapter, "bench").ref if by_version else "bench"
-            sent = {c: asyncio.run(traced_calls(endpoints.grpc, prompts, max_tokens, c, ref)) for c in batches}
-            return {c: collect_hops(collector, calls) for c, calls in sent.items()}
+            addresses = doors.addresses()
+            sent = {c: {via: asyncio.run(traced_calls(addresses[via], prompts, max_tokens, c, ref)) for via in vias}
+                    for c in batches}
+            return {via: {c: collect_hops(collector, by_via[via]) for c, by_via in sent.items()} for via in vias}
         finally:
             launch.shutdown()
+            for key in doors.env():
+                os.environ.pop(key, None)
 
 
 def main() -> None:
@@ -272,10 +326,17 @@ def main() -> None:
                         help="py-spy (pip install py-spy) records every server's processes during the highest "
                              "concurrency's measured groups; prints each busy process's CPU and top functions by "
                              "own time; raw stacks under DIR")
+    parser.add_argument("--via", choices=VIAS, nargs="+", default=["haproxy"],
+                        help="where the client calls the server: HAProxy's gRPC port, Serve's port of the Ingress "
+                             "replica, or the replica's own listener (replica_grpc; --direct on); several: one server "
+                             "answers on each, a path each")
     parser.add_argument("--direct", choices=tuple(DIRECT), default="both",
                         help="the server's path: two tiers (off), the engine in the ingress replica (on), the "
                              "server's choice (auto), or off then on (both)")
     args = parser.parse_args()
+    vias = tuple(dict.fromkeys(args.via))
+    if "own" in vias and args.direct != "on":
+        parser.error("--via own needs --direct on (the replica's own listener is a direct replica's)")
     if args.smoke:
         args.model, args.device, args.requests, args.max_tokens = "tiny", "cpu", 8, 8
     if args.device == "cpu":
@@ -293,12 +354,13 @@ def main() -> None:
         from benchmarks.server_hops import report_hops
 
         traced = {mode: _trace(path, engine_cfg, prompts, args.max_tokens, batches, args.relay_chunk_ms, lora,
-                               args.adapter == "version", mode) for mode in DIRECT[args.direct]}
-        for mode, hops in traced.items():
-            print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; {len(prompts)} requests per "
-                  f"concurrency; adapter: {args.adapter}; engine in its own process; direct: {mode}; "
-                  f"relay_chunk_ms {args.relay_chunk_ms}; traces on")
-            report_hops(hops)
+                               args.adapter == "version", mode, vias) for mode in DIRECT[args.direct]}
+        for mode, by_via in traced.items():
+            for via, hops in by_via.items():
+                print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; {len(prompts)} requests per "
+                      f"concurrency; adapter: {args.adapter}; engine in its own process; direct: {mode}; "
+                      f"via {via}; relay_chunk_ms {args.relay_chunk_ms}; traces on")
+                report_hops(hops)
         return
     servers = {}
     for mode in DIRECT[args.direct]:
@@ -306,7 +368,7 @@ def main() -> None:
             if own_process or not args.no_inproc:
                 servers[label + PATH_NAMES[mode]] = {"engine_process": own_process, "direct": mode,
                                                      "relay_chunk_ms": args.relay_chunk_ms}
-    results = _measure(path, engine_cfg, prompts, args.max_tokens, batches, servers, args.profile)
+    results = _measure(path, engine_cfg, prompts, args.max_tokens, batches, servers, vias, args.profile)
     print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; {len(prompts)} requests per concurrency, "
           f"each through every path ({', '.join(servers)} and the engine in this process), interleaved; "
           f"relay_chunk_ms {args.relay_chunk_ms}; medians in ms")
@@ -327,6 +389,13 @@ def _report(results: dict[int, dict[str, list[Timed]]]) -> None:
                 print(f"{label}, concurrency {c}, paired by prompt: adds {a['ttft']:.2f} ms to the first token, "
                       f"{a['total']:.2f} ms per request, {a['token']:.3f} ms per later streamed token "
                       f"(targets < 2 ms per request, < 0.5 ms per token; direct: < 2 ms at 1, < 5 ms at 16)")
+        for label in by_path:
+            if " via " in label and not label.endswith(" via haproxy"):
+                base = label.rsplit(" via ", 1)[0] + " via haproxy"
+                if base in by_path:
+                    a = _added(by_path[base], by_path[label])
+                    print(f"{label} minus via haproxy, concurrency {c}, paired by prompt: {a['ttft']:.2f} ms to "
+                          f"the first token, {a['total']:.2f} ms per request, {a['token']:.3f} ms per later token")
         if {"server two-tier", "server direct"} <= set(by_path):
             a = _added(by_path["server two-tier"], by_path["server direct"])
             print(f"direct minus two-tier, concurrency {c}, paired by prompt: {a['ttft']:.2f} ms to the first "

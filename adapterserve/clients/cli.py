@@ -96,6 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (every series, private adapter "
                    "names and tenants included: for operators) on a port of its own, on --host; GET /metrics "
                    "on --http-port shows the public series (docs/observability.md)")
+    p.add_argument("--replica-grpc-port", type=int, help="direct mode, one replica: the replica also serves gRPC on "
+                   "this port, on --host, without HAProxy's hop (setting replica_grpc; docs/serving.md)")
     p.add_argument("--host", default="127.0.0.1", help="bind address of the HTTP and gRPC ports (Serve's "
                    "own gRPC ports bind all interfaces: docs/serving.md)")
     p.add_argument("--replicas", type=int, help="engine replicas (default 1)")
@@ -220,6 +222,8 @@ def _announce(args: argparse.Namespace, endpoints: Endpoints) -> None:
     print(f"adapterserve is serving: gRPC {endpoints.grpc}, HTTP {endpoints.http}/v1  (Ctrl-C stops)", flush=True)
     if endpoints.metrics:
         print(f"  metrics: {endpoints.metrics} (every series: keep this port private)", flush=True)
+    if endpoints.replica_grpc:
+        print(f"  gRPC straight to the replica: {endpoints.replica_grpc}", flush=True)
     if not args.api_keys:
         print("  open mode (no --api-keys): anyone who reaches this machine may use and change adapters; "
               "Serve's gRPC ports listen on all interfaces", flush=True)
@@ -257,6 +261,8 @@ def serve_config(args: argparse.Namespace) -> dict:
         config["drain_grace_s"] = args.grace_period
     if args.metrics_port is not None:
         config["metrics"] = {**config.get("metrics", {}), "port": args.metrics_port, "host": args.host}
+    if args.replica_grpc_port is not None:
+        config["replica_grpc"] = {**config.get("replica_grpc", {}), "port": args.replica_grpc_port, "host": args.host}
     return config
 
 

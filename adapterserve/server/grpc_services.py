@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf import descriptor_pool
@@ -28,11 +28,25 @@ from adapterserve.errors import RequestError
 from adapterserve.proto import adapterserve_pb2_grpc
 
 PENDING_CALLS = 16384  # grpc's soft limit of calls waiting for the application (default 1,000)
+PENDING_CALL_OPTIONS = [("grpc.server.max_pending_requests", PENDING_CALLS),
+                        ("grpc.server.max_pending_requests_hard_limit", 2 * PENDING_CALLS)]
 # import paths, as a Serve config's grpc_servicer_functions names them
 SERVICER_FUNCTIONS = [
     "adapterserve.server.grpc_services.add_adapterserve",
     "adapterserve.server.grpc_services.add_health",
 ]
+
+
+class CallContext(Protocol):
+    """What the ingress uses of a gRPC call's context. Serve's RayServegRPCContext (calls through
+    HAProxy and Serve's replica port) and grpc.aio's ServicerContext (the replica's own listener,
+    replica_grpc.py) both have it, so the same handlers serve both."""
+
+    def invocation_metadata(self) -> Sequence[tuple[str, str]]: ...
+    def set_code(self, code: grpc.StatusCode) -> None: ...
+    def set_details(self, details: str) -> None: ...
+    def trailing_metadata(self) -> Sequence[tuple[str, str]]: ...
+    def set_trailing_metadata(self, trailing_metadata: Sequence[tuple[str, str]]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -58,9 +72,8 @@ def hold_pending_calls() -> None:
     from ray.serve._private import constants
 
     options = constants.DEFAULT_GRPC_SERVER_OPTIONS
-    wanted = [("grpc.server.max_pending_requests", PENDING_CALLS),
-              ("grpc.server.max_pending_requests_hard_limit", 2 * PENDING_CALLS)]
-    options[:] = [o for o in options if o[0] not in dict(wanted)] + wanted  # in place: grpc_util holds it too
+    wanted = dict(PENDING_CALL_OPTIONS)
+    options[:] = [o for o in options if o[0] not in wanted] + PENDING_CALL_OPTIONS  # in place: grpc_util holds it too
 
 
 def add_adapterserve(servicer: Any, server: Any) -> None:

@@ -37,6 +37,7 @@ class Endpoints:
     grpc: str  # host:port for clients
     http: str  # base URL of the OpenAI-compatible routes
     metrics: str | None = None  # URL of the metrics port's scrape, when there is one
+    replica_grpc: str | None = None  # host:port of the direct replica's own gRPC listener, when there is one
 
 
 def start(
@@ -54,7 +55,8 @@ def start(
     files of its own (local_ray.py)."""
     global _local
     app = build_app(config)  # bad settings are refused before anything starts
-    metrics = merge_config(config)["metrics"]
+    merged = merge_config(config)
+    metrics, listener = merged["metrics"], merged["replica_grpc"]
     if _local is not None and not ray.is_initialized():  # its Ray was shut down without shutdown()
         stale, _local = _local, None
         stale.kill()
@@ -63,6 +65,8 @@ def start(
             if ray_address is None:
                 if metrics["port"] is not None:  # the hub binds it: checked here, before anything starts
                     ports.check_free(metrics["host"], {"--metrics-port": metrics["port"]})
+                if listener["port"] is not None:  # the direct replica binds it (replica_grpc.py)
+                    ports.check_free(listener["host"], {"--replica-grpc-port": listener["port"]})
                 _local = LocalRay.start(host, {"--grpc-port": grpc_port, "--http-port": http_port})
             else:
                 for key, value in SERVE_ENV.items():  # for the Serve actors, if this driver starts Serve
@@ -72,10 +76,10 @@ def start(
         http_options={"host": host, "port": http_port},
         grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS},
     )
-    name = merge_config(config)["app_name"]
-    serve.run(app, name=name, route_prefix="/", blocking=False)
+    serve.run(app, name=merged["app_name"], route_prefix="/", blocking=False)
     scrape = f"http://{metrics['host']}:{metrics['port']}/metrics" if metrics["port"] is not None else None
-    return Endpoints(grpc=f"{host}:{grpc_port}", http=f"http://{host}:{http_port}", metrics=scrape)
+    own = f"{listener['host']}:{listener['port']}" if listener["port"] is not None else None
+    return Endpoints(grpc=f"{host}:{grpc_port}", http=f"http://{host}:{http_port}", metrics=scrape, replica_grpc=own)
 
 
 def drain(config: Mapping[str, Any] | None, grace_s: float) -> int:

@@ -21,8 +21,13 @@ from typing import Any
 
 from adapterserve.adapters_store.tenants_file import read_keys_file
 from adapterserve.server.chat_template import resolve_chat_template
+from adapterserve.server.direct_settings import runs_direct
 from adapterserve.server.lora_sources import check_sources
 from adapterserve.server.metrics.settings import check_metrics
+from adapterserve.server.replica_grpc_settings import (
+    check_fits_deployment,
+    check_replica_grpc,
+)
 from adapterserve.server.tracing.config import check_settings as check_tracing_settings
 
 HOME = Path("~/.adapterserve")
@@ -110,6 +115,9 @@ DEFAULTS: dict[str, Any] = {
     # the generation engine inside the ingress deployment (one hop: server/direct_settings.py), true, false
     # (behind it, reached through a Serve handle that routes by adapter) or "auto": true with one replica
     "direct": "auto",
+    # in direct mode, a gRPC listener of the replica's own beside Serve's (server/replica_grpc.py):
+    # clients on `port` reach the Ingress without HAProxy's hop; null: none; one replica only
+    "replica_grpc": {"port": None, "host": "127.0.0.1"},
     "replica": {  # Ray Serve options of the engine deployment
         "num_replicas": 1,
         # None: the engine's max_num_seqs + max_queued_requests + a few health and adapter calls,
@@ -175,6 +183,8 @@ def resolve_paths(config: dict[str, Any]) -> dict[str, Any]:
     config["lora_sources"] = check_sources(config["lora_sources"])
     check_metrics(config["metrics"])
     check_tracing_settings(config["tracing"])
+    check_replica_grpc(config["replica_grpc"])
+    check_fits_deployment(config, runs_direct(config))
     if config["api_keys_file"]:
         config["api_keys_file"] = str(Path(config["api_keys_file"]).expanduser().absolute())
         read_keys_file(config["api_keys_file"])  # a malformed tenants file is refused here, before anything starts

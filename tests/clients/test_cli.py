@@ -121,3 +121,12 @@ def test_serve_direct_flag_maps_to_the_setting():
     assert cli.serve_config(_serve_args("--direct", "auto")) == {"direct": "auto"}
     with pytest.raises(SystemExit):
         _serve_args("--direct", "yes")
+
+
+def test_serve_replica_grpc_port_flag_maps_to_the_setting_on_host():
+    assert cli.serve_config(_serve_args("--replica-grpc-port", "50061")) == {
+        "replica_grpc": {"port": 50061, "host": "127.0.0.1"}}
+    assert cli.serve_config(_serve_args("--replica-grpc-port", "50061", "--host", "0.0.0.0")) == {
+        "replica_grpc": {"port": 50061, "host": "0.0.0.0"}}
+    with pytest.raises(SystemExit):
+        _serve_args("--replica-grpc-port", "many")

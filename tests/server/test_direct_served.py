@@ -5,12 +5,13 @@ port (where HAProxy forwards) and HTTP under its own route prefix: Generate stre
 of PEFT + transformers and of the two-tier session server, Classify goes to the encoder's own
 deployment, an upload is validated and served at once, health covers both engines, a
 stream the caller leaves is aborted in the engine, a trace has every hop, and the engine
-reports to the application's metrics hub. The application is deleted at the end
-(gRPC clients of the session's server need Serve to hold one application).
+reports to the application's metrics hub. The replica also has its own gRPC listener
+(setting `replica_grpc`): every gRPC test runs through Serve's replica port and through it,
+with the same results. The application is deleted at the end (gRPC clients of the session's
+server need Serve to hold one application).
 """
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Iterator
 
@@ -20,6 +21,8 @@ import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from adapterserve.server import serve_env
+from adapterserve.server.ports import free_port
+from tests.helpers.direct_app import DirectApp, direct_app
 from tests.helpers.live_server import ALICE, NUM_KV_BLOCKS
 
 pytestmark = pytest.mark.skipif(not serve_env.haproxy_ingress(),
@@ -29,46 +32,22 @@ PROMPT = "To make bread you need"
 
 
 @pytest.fixture(scope="module")
-def direct(server, uploaded) -> Iterator[tuple[str, str]]:
-    """(gRPC address of the app's Ingress replica, its HTTP base URL)."""
-    from ray import serve
-
-    from adapterserve.server.app import build_app
-
-    config = copy.deepcopy(server.config)
-    config.update(app_name=APP, direct="auto")  # one generation replica: direct
-    config["replica"] = {"num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}}
-    config["encoder_replica"] = {"ray_actor_options": {"num_cpus": 0.1}}
-    config["metrics"] = {"http_route": "off", "push_interval_s": 0.25, "port": None}
-    serve.run(build_app(config), name=APP, route_prefix=f"/{APP}", blocking=False)
-    try:
-        yield _grpc_target(), f"{server.http}/{APP}"
-    finally:
-        serve.delete(APP)
+def direct(server, uploaded) -> Iterator[DirectApp]:
+    with direct_app(server, APP, replica_grpc={"port": free_port()}) as app:
+        yield app
 
 
-def _grpc_target() -> str:
-    """host:port of the app's Ingress replica, once HAProxy is told of it (within 300 s)."""
-    import ray
-    from ray.serve._private.common import RequestProtocol
-    from ray.serve.context import _get_global_client
-
-    controller = _get_global_client()._controller
-    deadline = time.monotonic() + 300
-    while True:
-        groups = ray.get(controller.get_target_groups.remote(from_proxy_manager=True))
-        found = [g for g in groups if g.app_name == APP and g.protocol == RequestProtocol.GRPC and g.targets]
-        if found:
-            return f"127.0.0.1:{found[0].targets[0].port}"
-        assert time.monotonic() < deadline, "the direct application's Ingress never became a target"
-        time.sleep(0.5)
+@pytest.fixture(params=["replica port", "own listener"])
+def door(request, direct) -> str:
+    """host:port of a gRPC door of the app's replica: Serve's port, or the replica's own listener."""
+    return direct.replica_port if request.param == "replica port" else direct.own
 
 
 @pytest.fixture
-def client(direct):
+def client(door):
     from adapterserve.clients.client import Client
 
-    with Client(direct[0], api_key=ALICE, timeout=120) as client:
+    with Client(door, api_key=ALICE, timeout=120) as client:
         yield client
 
 
@@ -79,7 +58,7 @@ def test_the_app_has_no_engine_deployment(direct):
     assert sorted(deployments) == ["EncoderReplica", "Ingress", "MetricsHub"]
 
 
-def test_generate_streams_the_tokens_of_peft_and_of_the_two_tier_server(client, server, reference):
+def test_generate_streams_the_tokens_of_peft_and_of_the_two_tier_server(client, server, direct, reference):
     chunks = list(client.stream(PROMPT, adapter="chat", max_tokens=12, temperature=0.0))
     assert len(chunks) > 1 and chunks[0].adapter.startswith("chat@")
     tokens = [t for c in chunks for t in c.token_ids]
@@ -88,7 +67,7 @@ def test_generate_streams_the_tokens_of_peft_and_of_the_two_tier_server(client, 
     assert base.token_ids == reference(None, PROMPT, 8)[0]
     body = {"model": "sql", "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
     texts = [requests.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {ALICE}"},
-                           timeout=120).json()["choices"][0]["text"] for url in (f"{server.http}/{APP}", server.http)]
+                           timeout=120).json()["choices"][0]["text"] for url in (direct.http, server.http)]
     assert texts[0] == texts[1] == client.generate(PROMPT, adapter="sql", max_tokens=10, temperature=0.0,
                                                    ignore_eos=True).text  # direct HTTP = two tiers = gRPC
 
@@ -104,11 +83,11 @@ def test_an_uploaded_adapter_is_served_at_once(client, lora_dirs, reference):
     assert out.adapter == info.ref and out.token_ids == reference("poem", PROMPT, 8)[0]
 
 
-def test_health_reports_both_engines(direct, client):
-    reply = requests.get(f"{direct[1]}/health", timeout=60)
+def test_health_reports_both_engines(direct, door):
+    reply = requests.get(f"{direct.http}/health", timeout=60)
     assert reply.status_code == 200
     assert reply.json()["deployments"] == {"EngineReplica": "ok", "EncoderReplica": "ok"}
-    with grpc.insecure_channel(direct[0]) as channel:
+    with grpc.insecure_channel(door) as channel:
         checked = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=60)
     assert checked.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -132,19 +111,19 @@ def _idle(client):
     return info
 
 
-def test_a_generate_trace_has_every_hop_with_its_parent(direct, uploaded, otlp_collector):
+def test_a_generate_trace_has_every_hop_with_its_parent(door, uploaded, otlp_collector):
     from types import SimpleNamespace
 
     from tests.server.test_traces import GENERATE, GENERATE_HOPS, PARENTS, _assert_parents, _grpc_generate, _trace
 
-    sent = _grpc_generate(SimpleNamespace(grpc=direct[0]), uploaded["sql"], [])
+    sent = _grpc_generate(SimpleNamespace(grpc=door), uploaded["sql"], [])
     spans = _trace(otlp_collector, sent, GENERATE_HOPS, GENERATE)
     _assert_parents(spans, PARENTS)  # the local call is the `replica` span, the replica's side its child
     assert spans["replica.generate"].resource["adapterserve.component"] == "model"
     assert spans["root"].attributes["gen_ai.usage.output_tokens"] == len(sent.tokens) == 6
 
 
-def test_the_engine_reports_to_the_apps_metrics_hub(direct, client):
+def test_the_engine_reports_to_the_apps_metrics_hub(client):
     from ray import serve
 
     client.generate(PROMPT, max_tokens=2, temperature=0.0)
@@ -155,3 +134,21 @@ def test_the_engine_reports_to_the_apps_metrics_hub(direct, client):
         assert time.monotonic() < deadline, f"no engine requests reported: {found}"
         time.sleep(0.25)
     assert len(found) == 1  # the one engine, in the Ingress replica
+
+
+def test_both_doors_answer_alike(direct):
+    """Generate, Classify, Embed, ListAdapters, GetAdapter and ServerInfo: through the replica's own
+    listener as through Serve's replica port."""
+    from adapterserve.clients.client import Client
+
+    def answers(door: str) -> tuple:
+        with Client(door, api_key=ALICE, timeout=120) as client:
+            completion = client.generate(PROMPT, adapter="sql", max_tokens=8, temperature=0.0, ignore_eos=True)
+            labels = [(r.label, r.probabilities) for r in client.classify(["a wonderful film"], adapter="sentiment")]
+            listed = sorted(a.ref for a in client.list_adapters())
+            info = client.server_info()
+            return (completion.token_ids, completion.text, completion.finish_reason, labels,
+                    client.embed(["bread and butter"]), listed, client.get_adapter("sql").ref,
+                    (info.backbone_id, info.max_model_len, info.vocab_size))
+
+    assert answers(direct.own) == answers(direct.replica_port)
