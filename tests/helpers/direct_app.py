@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from tests.helpers.serve_apps import delete_app
+
 TARGET_WAIT_S = 300.0
 
 
@@ -42,7 +44,7 @@ def direct_app(server: Any, name: str, **overrides: Any) -> Iterator[DirectApp]:
         own = config.get("replica_grpc", {}).get("port")
         yield DirectApp(name, replica_target(name), f"127.0.0.1:{own}" if own else None, f"{server.http}/{name}")
     finally:
-        serve.delete(name)
+        delete_app(name, server.grpc)
 
 
 def replica_target(app: str) -> str:

@@ -17,6 +17,7 @@ import requests
 
 from tests.helpers.live_server import ALICE, MAX_WAITING, NUM_KV_BLOCKS
 from tests.helpers.scrape import Scrape, parse
+from tests.helpers.serve_apps import delete_app
 
 APP, PREFIX = "metrics2", "/metrics2"
 PLAN = [("sql", 3), ("chat", 2), ("poem", 2)]  # in this order: the first two get names
@@ -38,7 +39,7 @@ def two_replicas(server, uploaded):
     try:
         yield f"{server.http}{PREFIX}"
     finally:
-        serve.delete(APP)
+        delete_app(APP, server.grpc)
 
 
 def _complete(base: str, model: str, max_tokens: int = 3) -> dict:

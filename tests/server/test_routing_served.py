@@ -21,6 +21,7 @@ import pytest
 import requests
 
 from tests.helpers.live_server import ALICE
+from tests.helpers.serve_apps import delete_app
 
 REQUESTS = "adapterserve_request_queue_seconds_count"  # one observation per request started
 SLOT_LOADS = "adapterserve_adapter_slot_loads"
@@ -43,7 +44,7 @@ def _two_replicas(server, app: str, routing: dict) -> Iterator[str]:
         _counts(app, lambda found: len(found) == 2)  # both replicas up and reporting
         yield f"{server.http}/{app}"
     finally:
-        serve.delete(app)
+        delete_app(app, server.grpc)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from tests.helpers.live_server import ALICE
+from tests.helpers.serve_apps import delete_app
 
 APP = "tp2"  # the applications: tp2-child, tp2-inproc, tp2-direct
 PROMPT = "split me"
@@ -55,6 +56,6 @@ def test_a_tensor_parallel_replica_serves_what_one_gpu_serves(server, uploaded, 
         groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
         assert any(len(g["bundles"]) == 2 and g["strategy"] == "STRICT_PACK" for g in groups), groups
     finally:
-        serve.delete(app)
+        delete_app(app, server.grpc)
     assert texts == {model: _complete(server.http, model) for model in models}
     assert len(set(texts.values())) == 2, "the adapter changed nothing: a vacuous check"
