@@ -13,7 +13,7 @@ so a caller that is cancelled cancels the replica's stream with it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Protocol
 
 _closing: set[asyncio.Task] = set()  # stream closes in flight (a task must be referenced until it ends)
@@ -25,8 +25,8 @@ class LocalStream:
     def __init__(self, chunks: AsyncGenerator[Any, None]) -> None:
         self._chunks = chunks
 
-    def __aiter__(self) -> LocalStream:
-        return self
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._chunks  # iterated as it is: no wrapper frame per chunk
 
     async def __anext__(self) -> Any:
         return await self._chunks.__anext__()

@@ -11,6 +11,9 @@ from adapterserve.errors import RequestError, RequestTooLarge
 from adapterserve.proto import adapterserve_pb2 as pb
 
 Prompt = str | list[int]
+RECENT_SAMPLINGS = 256  # sampling messages remembered with their checked SamplingParams
+MAX_SAMPLING_KEY_BYTES = 512  # larger ones (long stop lists, logit biases) are checked every time
+_recent_sampling: dict[bytes, SamplingParams] = {}  # serialized message -> its params, oldest first
 
 
 def prompt_of(request: pb.GenerateRequest) -> Prompt:
@@ -25,7 +28,21 @@ def prompt_of(request: pb.GenerateRequest) -> Prompt:
 
 
 def sampling_of(p: pb.SamplingParams) -> SamplingParams:
-    """Unset optional fields keep the engine's defaults; SamplingParams checks every field."""
+    """Unset optional fields keep the engine's defaults; SamplingParams checks every field.
+    Checked params are frozen, so a message seen recently gives the same object back (most
+    calls send one of a few settings); one that fails its check is checked again each time."""
+    key = p.SerializeToString(deterministic=True)
+    if (known := _recent_sampling.get(key)) is not None:
+        return known
+    params = _checked_sampling(p)
+    if len(key) <= MAX_SAMPLING_KEY_BYTES:
+        if len(_recent_sampling) >= RECENT_SAMPLINGS:
+            _recent_sampling.pop(next(iter(_recent_sampling), None), None)  # the oldest
+        _recent_sampling[key] = params
+    return params
+
+
+def _checked_sampling(p: pb.SamplingParams) -> SamplingParams:
     fields: dict[str, Any] = {
         "top_k": p.top_k,
         "stop_token_ids": tuple(p.stop_token_ids),

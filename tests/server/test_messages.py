@@ -15,6 +15,7 @@ from adapterserve.request_fields import (
     MAX_TOKEN_ID,
     token_ids,
 )
+from adapterserve.server import messages
 from adapterserve.server.messages import prompt_of, sampling_of, texts_of
 
 
@@ -39,6 +40,33 @@ def test_bad_sampling_fields_are_named(sampling, message):
     with pytest.raises(RequestError) as caught:
         sampling_of(sampling)
     assert str(caught.value).startswith(message)
+
+
+def test_a_sampling_message_seen_before_gives_its_checked_params_back():
+    message = pb.SamplingParams(max_tokens=7, temperature=0.5, seed=11, stop=["end"])
+    first = sampling_of(message)
+    assert sampling_of(pb.SamplingParams(max_tokens=7, temperature=0.5, seed=11, stop=["end"])) is first
+    other = sampling_of(pb.SamplingParams(max_tokens=7, temperature=0.5, seed=12, stop=["end"]))
+    assert other is not first and (other.seed, first.seed) == (12, 11)
+    # set to its default value is not unset: a field given explicitly is another message, the same params
+    assert sampling_of(pb.SamplingParams(temperature=1.0)) == sampling_of(pb.SamplingParams())
+
+
+def test_a_bad_sampling_message_is_refused_every_time_and_never_remembered():
+    bad = pb.SamplingParams(temperature=math.nan)
+    for _ in range(3):
+        with pytest.raises(RequestError, match="'temperature' must be a finite number, got nan"):
+            sampling_of(bad)
+    assert bad.SerializeToString(deterministic=True) not in messages._recent_sampling
+
+
+def test_remembered_sampling_messages_are_bounded_and_large_ones_are_not_kept():
+    for seed in range(messages.RECENT_SAMPLINGS + 50):
+        assert sampling_of(pb.SamplingParams(seed=seed)).seed == seed
+    assert len(messages._recent_sampling) == messages.RECENT_SAMPLINGS
+    large = pb.SamplingParams(stop=["x" * 200] * 3)
+    assert sampling_of(large).stop == ("x" * 200,) * 3
+    assert large.SerializeToString(deterministic=True) not in messages._recent_sampling
 
 
 @pytest.mark.parametrize("request_, error, message", [
