@@ -174,7 +174,8 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
         """Stop the tensor-parallel workers (nothing to do on one device); the engine serves no more."""
         if self.lockstep is not None:
             with self._lock:
-                self.runner.device_part.release_graphs()  # NCCL leaves no group whose graphs live
+                healthy = self.broken is None and self.lockstep.broken is None
+                self.runner.device_part.release_graphs(wait=healthy)  # NCCL leaves no group whose graphs live
                 self.lockstep.close()
                 self.broken = self.broken or "closed"
 
@@ -458,7 +459,7 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
             worker = self.lockstep.failed_worker()  # a dead rank shows as its peers' failed collective
             self.broken = f"{worker}; {self.broken}" if worker else self.broken
         if self.lockstep is not None:
-            self.runner.device_part.release_graphs()
+            self.runner.device_part.release_graphs(wait=False)
             self.lockstep.close(wait_s=0.0, abort=True)  # no rank may wait in a collective for ever
         error = EngineBroken(f"the engine failed a step and serves no more requests ({self.broken}); "
                              "retry: its replica is being replaced")

@@ -109,14 +109,16 @@ class StepDevice:
             self.mixed_graphs = MixedGraphs(self, mixed_tokens, max_requests or max_batch, max_pages,
                                             self.trash_slot, pool)
 
-    def release_graphs(self) -> None:
+    def release_graphs(self, wait: bool) -> None:
         """Drop the captured graphs and their memory pool now (the step then runs eagerly).
         NCCL does not tear a communicator down while a CUDA graph that captured its
-        collectives lives: a tensor-parallel rank calls this before it leaves its group. It
-        never waits for the device (a broken group's stream may be stuck): CUDA frees a graph
-        still running when its run ends."""
+        collectives lives: a tensor-parallel rank calls this before it leaves its group.
+        ``wait``: then wait for the device to finish its work; never for a broken group, whose
+        stream may be stuck (CUDA frees a graph still running when its run ends)."""
         self.graphs = self.mixed_graphs = None
         gc.collect()  # the graphs' own reference cycles, if any
+        if wait and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -183,7 +183,7 @@ def run_worker(spec: WorkerSpec, device: str) -> None:
         except OSError:
             pass
         os._exit(1)
-    state.device.release_graphs()  # NCCL leaves no group whose graphs live
+    state.device.release_graphs(wait=True)  # NCCL leaves no group whose graphs live (a stuck wait: rank 0 kills it)
     leave_group()  # beside rank 0, which leaves as it sends "close"
     conn.close()
 
