@@ -30,6 +30,12 @@ for stage in "$@"; do
       timeout ${STAGE_S:-170} python3 -m pytest -q -p no:cacheprovider -m gpu ${TP_TESTS:-tests/engine/test_tp_gpu.py \
         tests/models/test_tp_gpu.py tests/layers/test_symm_allreduce_gpu.py} --durations=8 --tb=short -rfE --timeout ${TEST_TIMEOUT:-100} 2>&1 \
         | tee "$OUT/tptests.log" | grep -E "^(FAILED|ERROR)|passed|failed|s (call|setup) " | tail -20 ;;
+    tpclose)  # 2+ GPUs: the TP GPU tests (closes between them, a killed worker's broken group), then an 8B's close
+      # timed; every rank's stacks go to $OUT/tp_close.log whole if the close runs past 30 s
+      timeout ${STAGE_S:-200} python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_tp_gpu.py \
+        tests/engine/test_tp_failures.py --durations=6 --tb=short -rfE --timeout 100 2>&1 | tail -14
+      timeout 150 python3 -m benchmarks.tp_decode --sizes 2 --adapters 8 --all-reduce auto --stall-dump 60 \
+        > "$OUT/tp_close.log" 2>&1; grep -n 'closed in\|still leaving\|step ' "$OUT/tp_close.log" | tail -6 ;;
     graphtests)  # 1 GPU: graph inputs staging, the engine against transformers with graphs, mixed graphs
       timeout ${STAGE_S:-170} python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_host_copy.py \
         tests/engine/test_gpu.py tests/engine/test_mixed_graphs_gpu.py --tb=short -rfE --timeout ${TEST_TIMEOUT:-100} 2>&1 \
