@@ -40,10 +40,10 @@ from adapterserve.engine.runner import ModelRunner, StepResult
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.engine.scheduler import Scheduler
 from adapterserve.engine.slots import AdapterSlots
-from adapterserve.engine.step_device import attach_lora_side_stream
 from adapterserve.engine.stats import EngineStats
-from adapterserve.engine.sync_front import SyncFront, final_output
+from adapterserve.engine.step_device import attach_lora_side_stream
 from adapterserve.engine.stopping import check_stop_token, stream_delta, update_text
+from adapterserve.engine.sync_front import SyncFront, final_output
 from adapterserve.engine.tp.launch import RayPlacement, start_group
 from adapterserve.engine.tp.lockstep import Lockstep
 from adapterserve.engine.tp.worker import ModelBuilder, checkpoint_shard
@@ -51,11 +51,9 @@ from adapterserve.engine.warmup import WarmupReport, should_warm_up, warm_up
 from adapterserve.errors import AdapterNotFound, EngineBroken, Overloaded, RequestError
 from adapterserve.layers.parallel import SINGLE
 from adapterserve.models.decoder import DecoderModel, check_shardable
-from adapterserve.request_fields import plain_ids
 from adapterserve.models.decoder_config import DecoderConfig, read_decoder_config
 from adapterserve.models.encoder_config import SUPPORTED_MODEL_TYPES as ENCODER_TYPES
-
-
+from adapterserve.request_fields import plain_ids
 
 
 class Engine(AdapterHost, AsyncFront, SyncFront):

@@ -10,7 +10,6 @@ feeds the same ids to the next step without the host seeing them.
 from __future__ import annotations
 
 import gc
-
 from dataclasses import dataclass, field
 
 import numpy as np

@@ -5,9 +5,10 @@ path replica -> ingress; in direct mode mostly the gRPC message to the client), 
 streams at one chunk per decode step overrun it (BENCHMARKS.md, the server path). A paced
 stream waits (streams - 1) x chunk_cost_s after each chunk it relays, then takes every
 token that arrived meanwhile as one merged chunk (the engine's streams merge what waited:
-`pause_s` of Engine.stream). One stream alone is never delayed; many together share a bounded chunk rate of about 1 / chunk_cost_s per
-replica, and carry several tokens per chunk. A finishing token ends the wait
-(engine/output_queue.py), so pacing never delays a request's end.
+`pause_s` of Engine.stream). One stream alone is never delayed; many together share a
+bounded chunk rate of about 1 / chunk_cost_s per replica, and carry several tokens per
+chunk. A finishing token ends the wait (engine/output_queue.py), so pacing never delays a
+request's end.
 """
 from __future__ import annotations
 
