@@ -1,6 +1,7 @@
 """The decode LoRA update of a whole Llama-8B stack: today's kernels against the stacked GEMM.
 
     PYTHONPATH=. python benchmarks/fused_update.py            # H100/H200: ~3 min (--layers 16: half)
+    PYTHONPATH=. python benchmarks/fused_update.py --quick    # H100: under 2 min, the ops table (below) alone
     PYTHONPATH=. python benchmarks/fused_update.py --smoke    # CPU, tiny shapes, seconds
     (with TRITON_INTERPRET=1 the smoke runs the Triton expands in the interpreter: minutes)
 
@@ -37,6 +38,13 @@ First a sweep over the count of distinct rank-16 adapters (1 to 64) of the tiled
 grouped expands, and the crossover: the fewest distinct adapters from
 which the grouped expand is faster at every count (what GROUPED_MIN_ADAPTERS should be).
 Prints the main table last.
+
+--quick (16 layers unless --layers says): the ops table alone (benchmarks/ops_stack.py):
+the stack with its norms and SiLU-mul, as base+ops, kernels+ops and stacked+ops, each with
+programmatic dependent launch off, "early" and "exit", for 1 and 8 rank-16 adapters and
+none, 8 slots. Tax: over base+ops with PDL off. Check: per variant, "=" where the outputs
+with PDL on equal those with it off (torch.equal, CUDA graph replays), then max
+|out - ref| / max |ref| of the last layer's down and q|k|v outputs against a float32 torch run.
 """
 from __future__ import annotations
 
@@ -297,22 +305,42 @@ def report(setting: str, bw: float, rows: list[list[str]], swept: list[tuple[int
                 rows)
 
 
+OPS_SLOTS = 8  # adapter slots of the ops table's pools
+OPS_ADAPTERS = (1, 8, 0)  # its scenarios: distinct rank-16 adapters (0: none)
+
+
+def ops_table(setting: str, shape, layers: int, tokens: int, slots: int, device: str, dtype, bw: float) -> None:
+    """The stack with its ops, PDL off and on (benchmarks/ops_stack.py), printed as one table."""
+    from benchmarks import ops_stack
+
+    stack = ops_stack.OpsStack(shape, layers, tokens, slots, device, dtype)
+    rows = [ops_stack.measure(stack, n, tokens, device, bw, time_ms) for n in OPS_ADAPTERS if n <= slots]
+    print(f"\n{setting}, {slots} slots; copy bandwidth {bw / 1e9:.0f} GB/s; ms per step of the stack with "
+          "its ops (tax over base+ops, PDL off):")
+    print_table(ops_stack.header(), rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--layers", type=int, default=None, help="layers of the stack (32; 16 with --quick)")
     p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny shapes: the code runs, figures mean nothing")
+    p.add_argument("--quick", action="store_true", help="the ops table alone (PDL off and on), 16 layers")
     args = p.parse_args()
+    layers = args.layers or (16 if args.quick else 32)
     if args.smoke:
         device, dtype, shape, layers, tokens, slots = "cpu", torch.float32, SHAPES["tiny"], 2, 8, 4
         name = "CPU (smoke)"
     else:
-        device, dtype, shape, layers, tokens, slots = "cuda", torch.bfloat16, SHAPES["8b"], args.layers, 64, SLOTS
+        device, dtype, shape, tokens, slots = "cuda", torch.bfloat16, SHAPES["8b"], 64, SLOTS
         name = torch.cuda.get_device_name()
     torch.manual_seed(0)
     bw = bandwidth(device)
-    rows, swept = run_all(shape, layers, tokens, slots, device, dtype, bw)
     setting = (f"{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, {dtype}; "
                + ("one CUDA graph replay per figure" if device == "cuda" else "eager, median of 3"))
+    if args.quick:
+        ops_table(setting, shape, layers, tokens, min(OPS_SLOTS, slots), device, dtype, bw)
+        return
+    rows, swept = run_all(shape, layers, tokens, slots, device, dtype, bw)
     report(setting, bw, rows, swept)
 
 

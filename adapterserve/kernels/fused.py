@@ -7,15 +7,22 @@ import torch
 import triton
 import triton.language as tl
 
+from adapterserve.kernels.pdl import pdl_args, pdl_wait
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr = 0):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
+    if USE_PDL:  # the weight before the wait
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    pdl_wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    if not USE_PDL:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     y = (x * inv).to(out_ptr.dtype.element_ty) * w
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
@@ -32,22 +39,27 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     flat = x.reshape(-1, x.shape[-1])
     out = torch.empty_like(flat)
     _rms_norm_kernel[(flat.shape[0],)](flat, weight, out, flat.stride(0), out.stride(0), flat.shape[1], eps,
-                                       BLOCK=triton.next_power_of_2(flat.shape[1]))
+                                       BLOCK=triton.next_power_of_2(flat.shape[1]), **pdl_args(flat))
     return out.view(x.shape)
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n, eps, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n, eps, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr = 0):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
+    if USE_PDL:  # the weight before the wait
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    pdl_wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     summed = (x + r).to(res_ptr.dtype.element_ty)
     tl.store(res_ptr + row * stride_r + cols, summed, mask=mask)
     h = summed.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    if not USE_PDL:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_o + cols, (h * inv).to(out_ptr.dtype.element_ty) * w, mask=mask)
 
 
@@ -62,15 +74,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         return normed if out is None else out.copy_(normed)
     out = torch.empty_like(x) if out is None else out
     _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0),
-                                        x.shape[1], eps, BLOCK=triton.next_power_of_2(x.shape[1]))
+                                        x.shape[1], eps, BLOCK=triton.next_power_of_2(x.shape[1]), **pdl_args(x))
     return out
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_g, stride_o, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_g, stride_o, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
+    pdl_wait(USE_PDL)
     g = tl.load(gu_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * stride_g + n + cols, mask=mask, other=0.0).to(tl.float32)
     y = g / (1.0 + tl.exp(-g)) * u
@@ -90,7 +103,7 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
-                                                         BLOCK=block)
+                                                         BLOCK=block, **pdl_args(gate_up))
     return out
 
 
@@ -98,13 +111,14 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
                        stride_cn, stride_ch, q_heads, kv_heads, HALF: tl.constexpr, QH_PAD: tl.constexpr,
-                       KVH_PAD: tl.constexpr):
+                       KVH_PAD: tl.constexpr, USE_PDL: tl.constexpr = 0):
     t = tl.program_id(0)
-    pos = tl.load(pos_ptr + t)
+    pos = tl.load(pos_ptr + t)  # positions, cache slots and tables: step metadata, read before the wait
     slot = tl.load(slot_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_ptr + pos * stride_c + d)
     sin = tl.load(sin_ptr + pos * stride_c + d)
+    pdl_wait(USE_PDL)
     hq = tl.arange(0, QH_PAD)[:, None]
     q_mask = hq < q_heads
     q_base = q_ptr + t * stride_qt + hq * stride_qh
@@ -138,4 +152,5 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), q_heads, kv_heads,
         HALF=dim // 2, QH_PAD=triton.next_power_of_2(q_heads), KVH_PAD=triton.next_power_of_2(kv_heads),
+        **pdl_args(q),
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from adapterserve.kernels.pdl import pdl_wait
 from adapterserve.kernels.segment_common import activate, packed_rows, slice_group
 
 
@@ -29,10 +30,12 @@ def seg_down_gemv(
     stride_rs, stride_rslot, stride_bias,
     NUM_SLICES: tl.constexpr, HAS_ROW_START: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr, A_ALIGN: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
     t, cb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     slot = tl.load(slots_ptr + t)
     if slot < 0:
+        pdl_wait(USE_PDL)
         return
     j = cb * ROWS + tl.arange(0, ROWS)
     a_off, o_off, valid, total = packed_rows(
@@ -41,6 +44,7 @@ def seg_down_gemv(
         NUM_SLICES, HAS_ROW_START,
     )
     if cb * ROWS >= total:
+        pdl_wait(USE_PDL)
         return
     if A_ALIGN > 1:  # tl.where hides that every row offset is a multiple of the strides
         a_off = tl.multiple_of(a_off, A_ALIGN)
@@ -48,6 +52,7 @@ def seg_down_gemv(
     x_row = x_ptr + t * stride_xt
     kk = tl.arange(0, BLOCK_K)
     a_cur = tl.load(a_rows[:, None] + kk[None, :] * stride_ak, mask=valid[:, None] & (kk < K)[None, :], other=0.0)
+    pdl_wait(USE_PDL)  # the slot's first chunk of A read before the wait, x after it
     x_cur = tl.load(x_row + kk * stride_xk, mask=kk < K, other=0.0)
     acc = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
     for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
@@ -73,11 +78,12 @@ def seg_up_gemv(
     stride_yt, stride_yn,
     stride_rs, stride_rslot, stride_bias,
     NUM_SLICES: tl.constexpr, HAS_ROW_START: tl.constexpr, HAS_BIAS: tl.constexpr,
-    N_ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    N_ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = 0,
 ):
     t, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     slot = tl.load(slots_ptr + t)
     if slot < 0:
+        pdl_wait(USE_PDL)
         return
     sl, n0, n_end = slice_group(pid_n, c1, c2, c3, c4, NUM_SLICES, BLOCK_N)
     rank = tl.minimum(tl.load(rank_ptr + sl * stride_rs + slot * stride_rslot), max_rank)
@@ -85,6 +91,7 @@ def seg_up_gemv(
     if HAS_ROW_START:
         row0 = tl.load(row_start_ptr + sl * stride_rs + slot * stride_rslot)
     if rank == 0:
+        pdl_wait(USE_PDL)
         return
     n = n0 + tl.arange(0, BLOCK_N)
     if N_ALIGN > 1:  # tl.where hides that every block starts on a multiple of the offsets
@@ -95,6 +102,7 @@ def seg_up_gemv(
     v_row = v_ptr + sl.to(tl.int64) * stride_vs + t * stride_vt
     rmask = r < rank  # the first BLOCK_R ranks outside the loop: low ranks run straight-line
     bt = tl.load(b_cols + (row0 + r).to(tl.int64)[:, None] * stride_br, mask=rmask[:, None] & nmask[None, :], other=0.0)
+    pdl_wait(USE_PDL)  # the slot's first B rows read before the wait, the shrink and y after it
     vt = tl.load(v_row + r * stride_vr, mask=rmask, other=0.0)
     y = y_ptr + t * stride_yt + n * stride_yn
     old = tl.load(y, mask=nmask, other=0.0)

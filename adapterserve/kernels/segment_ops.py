@@ -15,6 +15,7 @@ import torch
 import triton
 
 from adapterserve.kernels.metadata import AdapterBatchMeta
+from adapterserve.kernels.pdl import pdl_args
 from adapterserve.kernels.segment_common import ACT_CODES, MAX_SLICES
 from adapterserve.kernels.segment_gemm import seg_down_dot, seg_up_dot
 from adapterserve.kernels.segment_gemv import seg_down_gemv, seg_up_gemv
@@ -171,7 +172,8 @@ def seg_down(
     if cfg.gemv:
         gemv_args = args[:6] + (meta.token_slots,) + args[10:]
         grid = (t, grid[1])
-        seg_down_gemv[grid](*gemv_args, **flags, ROWS=rows, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=1)
+        seg_down_gemv[grid](*gemv_args, **flags, ROWS=rows, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=1,
+                            **pdl_args(x))
         return
     seg_down_dot[grid](
         *args, **flags, EVEN_K=k % cfg.block_k == 0, DOT_PRECISION=_precision(a.dtype),
@@ -224,7 +226,8 @@ def seg_up(
     if cfg.gemv:
         gemv_args = args[:6] + (meta.token_slots,) + args[10:]
         seg_up_gemv[(y.shape[0], grid[1])](
-            *gemv_args, **flags, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=1
+            *gemv_args, **flags, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=1,
+            **pdl_args(y),
         )
         return
     seg_up_dot[grid](

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
+from adapterserve.kernels.pdl import pdl_args, pdl_wait
 from adapterserve.kernels.segment_common import MAX_SLICES, slice_group, tile_tokens
 from adapterserve.kernels.stacked import GroupedTiles, check_stacked, grouped_tiles
 
@@ -36,6 +37,7 @@ def _adapter_tile(
     stride_ot, stride_on, stride_br, stride_bn, stride_yt, stride_yn, stride_rs, stride_rslot,
     NUM_SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, ONE_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """base + bias + v @ B for a tile of one slot's tokens, GROUP_N columns from n0 (a
     padding tile past the last one has no tokens: every access masked off)."""
@@ -44,6 +46,7 @@ def _adapter_tile(
     rank = tl.minimum(tl.load(rank_ptr + sl * stride_rs + safe * stride_rslot), max_rank)
     row0 = tl.load(row_start_ptr + sl * stride_rs + safe * stride_rslot)
     rank = tl.where(slot >= 0, tl.maximum(tl.minimum(rank, rows - row0), 0), 0)  # never past the GEMM's rows
+    pdl_wait(USE_PDL)  # the tile's metadata read before the wait, the GEMM's output after it
     out_rows = out_ptr + tok[:, None] * stride_ot
     y_rows = y_ptr + tok[:, None] * stride_yt
     r = tl.arange(0, BLOCK_R)
@@ -102,6 +105,7 @@ def _grouped_expand_kernel(
     stride_ot, stride_on, stride_br, stride_bn, stride_yt, stride_yn, stride_rs, stride_rslot,
     NUM_SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, ONE_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     sl, n0, n_end = slice_group(tl.program_id(1), c1, c2, c3, c4, NUM_SLICES, GROUP_N)
@@ -109,8 +113,9 @@ def _grouped_expand_kernel(
         _adapter_tile(out_ptr, b_ptr, y_ptr, bias_ptr, rank_ptr, row_start_ptr, sorted_ptr, tile_slots_ptr,
                       tile_starts_ptr, tile_ends_ptr, pid, sl, n0, n_end, n_out, rows, max_rank,
                       stride_ot, stride_on, stride_br, stride_bn, stride_yt, stride_yn, stride_rs, stride_rslot,
-                      NUM_SLICES, HAS_BIAS, DOT_PRECISION, ONE_R, BLOCK_M, BLOCK_R, BLOCK_N, GROUP_N)
+                      NUM_SLICES, HAS_BIAS, DOT_PRECISION, ONE_R, BLOCK_M, BLOCK_R, BLOCK_N, GROUP_N, USE_PDL)
     else:
+        pdl_wait(USE_PDL)
         _plain_tile(out_ptr, y_ptr, bias_ptr, sorted_ptr, slot_starts_ptr, pid - num_tiles, n0, n_end,
                     stride_ot, stride_on, stride_yt, stride_yn, HAS_BIAS, BLOCK_M, BLOCK_N, GROUP_N)
 
@@ -145,5 +150,5 @@ def stacked_expand_grouped(out: torch.Tensor, lora: LoraSlices, meta: AdapterBat
         lora.rank.stride(0), lora.rank.stride(1),
         NUM_SLICES=n_slices, HAS_BIAS=bias is not None, DOT_PRECISION="ieee" if out.dtype == torch.float32 else "tf32",
         ONE_R=lora.max_rank <= tiles.block_r, BLOCK_M=meta.block_m, BLOCK_R=tiles.block_r,
-        BLOCK_N=tiles.block_n, GROUP_N=group, num_warps=tiles.warps,
+        BLOCK_N=tiles.block_n, GROUP_N=group, num_warps=tiles.warps, **pdl_args(y),
     )

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
+from adapterserve.kernels.pdl import pdl_args, pdl_wait
 from adapterserve.kernels.segment_common import MAX_SLICES, slice_group
 from adapterserve.kernels.stacked import ExpandTiles, check_stacked, expand_tiles
 
@@ -40,6 +41,32 @@ def _chunk_dot(acc, out_rows, b_ptr, rr, uses, row_used, n, nmask, n_out, sl, st
     return acc
 
 
+@triton.jit
+def _first_chunk_after_wait(out_rows, bias_ptr, b_ptr, lo, hi, row0, end, n, nmask, tile_mask, n_out, sl,
+                            stride_on, stride_br, stride_bn, NUM_SLICES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            IEEE: tl.constexpr, CHUNK_ROWS: tl.constexpr, USE_PDL: tl.constexpr):
+    """The PDL order: the tile's first chunk of B rows before the wait; after it the base
+    output (+ bias) and that chunk's dot, as the loop would add it. Returns the accumulator
+    and the loop's next row (the first chunk holds row lo, used by a token: never skipped)."""
+    rr = lo + tl.arange(0, CHUNK_ROWS)
+    uses = (rr[None, :] >= row0[:, None]) & (rr[None, :] < end[:, None])
+    row_used = tl.max(uses.to(tl.int32), axis=0) > 0
+    prow = rr.to(tl.int64)
+    b = tl.load(b_ptr + prow[:, None] * stride_br + n[None, :] * stride_bn,
+                mask=row_used[:, None] & nmask[None, :], other=0.0)
+    pdl_wait(USE_PDL)
+    acc = tl.load(out_rows + n[None, :] * stride_on, mask=tile_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    if lo < hi:
+        s = tl.load(out_rows + (n_out + prow * NUM_SLICES + sl)[None, :] * stride_on, mask=uses, other=0.0)
+        if IEEE:
+            acc = tl.dot(s, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(s, b, acc)
+    return acc, lo + CHUNK_ROWS
+
+
 @triton.jit(do_not_specialize=["num_tokens", "rows"])
 def _tiled_expand_kernel(
     out_ptr, b_ptr, y_ptr, bias_ptr, rank_ptr, row_start_ptr, slots_ptr,
@@ -47,6 +74,7 @@ def _tiled_expand_kernel(
     stride_ot, stride_on, stride_br, stride_bn, stride_yt, stride_yn, stride_rs, stride_rslot,
     NUM_SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_ROWS: tl.constexpr, SKIP_UNUSED: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
     sl, n0, n_end = slice_group(tl.program_id(1), c1, c2, c3, c4, NUM_SLICES, BLOCK_N)
     n = n0 + tl.arange(0, BLOCK_N)
@@ -55,9 +83,10 @@ def _tiled_expand_kernel(
     tmask = t < num_tokens
     out_rows = out_ptr + t.to(tl.int64)[:, None] * stride_ot
     tile_mask = tmask[:, None] & nmask[None, :]
-    acc = tl.load(out_rows + n[None, :] * stride_on, mask=tile_mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    if not USE_PDL:
+        acc = tl.load(out_rows + n[None, :] * stride_on, mask=tile_mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     # each token's pool rows [row0, end) on this slice; empty without adapter, never past the GEMM's rows
     slot = tl.load(slots_ptr + t, mask=tmask, other=-1)
     safe = tl.maximum(slot, 0)
@@ -67,7 +96,12 @@ def _tiled_expand_kernel(
     used = end > row0
     lo = tl.min(tl.where(used, row0, rows), axis=0)
     hi = tl.max(tl.where(used, end, 0), axis=0)
-    for r0 in range(lo, hi, CHUNK_ROWS):
+    first = lo
+    if USE_PDL:
+        acc, first = _first_chunk_after_wait(out_rows, bias_ptr, b_ptr, lo, hi, row0, end, n, nmask, tile_mask,
+                                             n_out, sl, stride_on, stride_br, stride_bn, NUM_SLICES, HAS_BIAS,
+                                             IEEE, CHUNK_ROWS, USE_PDL)
+    for r0 in range(first, hi, CHUNK_ROWS):
         rr = r0 + tl.arange(0, CHUNK_ROWS)
         uses = (rr[None, :] >= row0[:, None]) & (rr[None, :] < end[:, None])  # [BLOCK_M, CHUNK]
         row_used = tl.max(uses.to(tl.int32), axis=0) > 0  # [CHUNK]
@@ -105,5 +139,5 @@ def stacked_expand_tiled(out: torch.Tensor, lora: LoraSlices, meta: AdapterBatch
         lora.rank.stride(0), lora.rank.stride(1),
         NUM_SLICES=n_slices, HAS_BIAS=bias is not None, IEEE=out.dtype == torch.float32,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, CHUNK_ROWS=CHUNK, SKIP_UNUSED=tiles.skip_unused,
-        num_warps=tiles.warps, num_stages=tiles.stages,
+        num_warps=tiles.warps, num_stages=tiles.stages, **pdl_args(y),
     )

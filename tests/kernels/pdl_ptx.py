@@ -1,0 +1,78 @@
+"""Compiles every kernel with a USE_PDL path for sm_90 (no GPU needed: Triton's own ptxas)
+with USE_PDL 0, 1 and 2, and prints what test_pdl checks in its PTX, as JSON.
+
+Run in a process of its own without TRITON_INTERPRET (the interpreter compiles nothing):
+    python -m tests.kernels.pdl_ptx
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from adapterserve.kernels import fused, segment_gemv, stacked_grouped, stacked_tiled
+
+INT_POINTERS = {"slots_ptr", "rank_ptr", "row_start_ptr", "sorted_ptr", "tile_slots_ptr", "tile_starts_ptr",
+                "tile_ends_ptr", "slot_starts_ptr", "pos_ptr", "slot_ptr"}
+FLOAT_POINTERS = {"cos_ptr", "sin_ptr"}
+SLICES = {"NUM_SLICES": 3, "HAS_BIAS": False}
+TILED = {"IEEE": False, "BLOCK_M": 16, "BLOCK_N": 128, "CHUNK_ROWS": 16}
+KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
+    "rms_norm": (fused._rms_norm_kernel, {"BLOCK": 4096}),
+    "add_rms_norm": (fused._add_rms_norm_kernel, {"BLOCK": 4096}),
+    "silu_mul": (fused._silu_mul_kernel, {"BLOCK": 1024}),
+    "rope_and_cache": (fused._rope_cache_kernel, {"HALF": 64, "QH_PAD": 32, "KVH_PAD": 8}),
+    "seg_down_gemv": (segment_gemv.seg_down_gemv,
+                      {**SLICES, "HAS_ROW_START": True, "ACT": 0, "A_ALIGN": 16, "ROWS": 4, "BLOCK_K": 1024}),
+    "seg_up_gemv": (segment_gemv.seg_up_gemv,
+                    {**SLICES, "HAS_ROW_START": True, "N_ALIGN": 16, "BLOCK_R": 16, "BLOCK_N": 1024}),
+    "tiled_expand": (stacked_tiled._tiled_expand_kernel, {**SLICES, **TILED, "SKIP_UNUSED": True}),
+    "tiled_expand_no_skip": (stacked_tiled._tiled_expand_kernel,
+                             {"NUM_SLICES": 1, "HAS_BIAS": True, **TILED, "SKIP_UNUSED": False}),
+    "grouped_expand": (stacked_grouped._grouped_expand_kernel,
+                       {**SLICES, "DOT_PRECISION": "tf32", "ONE_R": True, "BLOCK_M": 16, "BLOCK_R": 16,
+                        "BLOCK_N": 128, "GROUP_N": 512}),
+}
+
+
+def signature(kernel, constexprs: dict) -> dict[str, str]:
+    """bf16 tensors, int32 metadata, float32 tables, int32 scalars (eps float32)."""
+    types = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            types[name] = "constexpr"
+        elif name in INT_POINTERS:
+            types[name] = "*i32"
+        elif name in FLOAT_POINTERS:
+            types[name] = "*fp32"
+        else:
+            types[name] = "*bf16" if name.endswith("_ptr") else "fp32" if name == "eps" else "i32"
+    return types
+
+
+def ptx(kernel, constexprs: dict, use_pdl: int) -> str:
+    constexprs = {**constexprs, "USE_PDL": use_pdl}
+    source = ASTSource(kernel, signature(kernel, constexprs), constexprs)
+    options = {"launch_pdl": True} if use_pdl else {}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def summary(text: str) -> dict:
+    """Counts of the grid dependency ops, and the global memory ops before the first wait."""
+    ops = [m.group(0) for m in re.finditer(r"griddepcontrol\.wait|ld\.global|st\.global|atom\.global", text)]
+    first_wait = ops.index("griddepcontrol.wait") if "griddepcontrol.wait" in ops else len(ops)
+    return {"waits": text.count("griddepcontrol.wait"), "launches": text.count("griddepcontrol.launch_dependents"),
+            "stores_before_wait": sum(op != "ld.global" for op in ops[:first_wait]),
+            "loads_before_wait": ops[:first_wait].count("ld.global")}
+
+
+def main() -> None:
+    print(json.dumps({name: {mode: summary(ptx(kernel, consts, mode)) for mode in (0, 1, 2)}
+                      for name, (kernel, consts) in KERNELS.items()}))
+
+
+if __name__ == "__main__":
+    main()
