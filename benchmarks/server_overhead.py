@@ -30,7 +30,10 @@ goes through each path in turn, the order rotating, so drift of clocks and cache
 all alike. Reports medians of time to first token, whole-request latency and the gap
 between streamed chunks, for one request at a time (latency) and for a concurrent batch,
 and medians of the per-prompt differences: what each server adds to the first token, to
-the whole request, and to each later streamed token, and direct minus two-tier.
+the whole request, and to each later streamed token, and direct minus two-tier. Before those,
+the engine steps per group at each concurrency, in this process's engine and in each server's
+(from its /metrics): a server whose group takes more steps than the engine here received the
+group's requests spread over several steps, not at once.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, AsyncExitStack, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -167,9 +171,12 @@ def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: li
                 return await _interleaved(streams, prompts, concurrency, measuring(concurrency))
 
         def measuring(concurrency: int) -> AbstractContextManager:
+            groups = -(-len(prompts) // concurrency)
+            counted = _steps_counted(engine, served, groups * len(vias), groups, concurrency)
             if profile_dir is None or concurrency != max(batches):
-                return nullcontext()
-            return _profiled({label: server.pid for label, server in served.items()}, profile_dir, len(prompts))
+                return counted
+            return _both(counted, _profiled({label: server.pid for label, server in served.items()}, profile_dir,
+                                            len(prompts)))
 
         try:
             return {c: asyncio.run(run(c)) for c in batches}
@@ -177,6 +184,44 @@ def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: li
             engine = None  # its GPU memory goes before the servers stop
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+
+STEPS_METRIC = "adapterserve_engine_step_seconds_count"  # engine steps that ran a batch (engine/stats.py)
+METRICS_SETTLE_S = 2.5  # replicas push their counts every push_interval_s (1 s): read past the next push
+
+
+def _server_steps(server: Served) -> float:
+    """The server's engine steps so far, from its /metrics."""
+    with urllib.request.urlopen(f"http://{server.http}/metrics", timeout=30) as reply:
+        lines = reply.read().decode().splitlines()
+    ours = (STEPS_METRIC + "{", STEPS_METRIC + " ")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(ours))
+
+
+@contextmanager
+def _steps_counted(engine, served: dict[str, Served], server_groups: int, engine_groups: int,
+                   concurrency: int) -> Iterator[None]:
+    """Engine steps per group of `concurrency` requests over the block, in this process's engine and
+    in each server's (a server's engine runs its groups of every --via): how many steps a group's
+    requests took to pass through, arriving together (here) or as the server hands them over."""
+    def counts() -> dict[str, float]:
+        time.sleep(METRICS_SETTLE_S)
+        return {ENGINE: engine.stats.snapshot().step_seconds.count,
+                **{label: _server_steps(server) for label, server in served.items()}}
+
+    before = counts()
+    yield
+    after = counts()
+    per_group = {label: (after[label] - before[label]) / (engine_groups if label == ENGINE else server_groups)
+                 for label in after}
+    print(f"engine steps per group of {concurrency}: " + ", ".join(f"{label} {n:.2f}"
+                                                                  for label, n in per_group.items()))
+
+
+@contextmanager
+def _both(first: AbstractContextManager, second: AbstractContextManager) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 def _via_label(label: str, via: str, vias: tuple[str, ...]) -> str:
@@ -202,6 +247,7 @@ def _profiled(server_pids: dict[str, int], out_dir: Path, requests: int) -> Iter
 class Served:
     addresses: dict[str, str]  # gRPC host:port by --via
     pid: int  # the `adapterserve serve` process (its Ray and replicas run under it)
+    http: str  # its HTTP host:port (GET /metrics)
 
 
 VIAS = ("haproxy", "replica-port", "own")
@@ -252,7 +298,7 @@ def _serving(config: dict, vias: tuple[str, ...]) -> Iterator[Served]:
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the server did not start:\n{log.read_text(errors='replace')[-3000:]}")
             time.sleep(0.5)
-        yield Served(doors.addresses(), server.pid)
+        yield Served(doors.addresses(), server.pid, f"127.0.0.1:{http_port}")
     finally:
         server.send_signal(signal.SIGTERM)  # drains, stops Ray
         try:

@@ -114,14 +114,17 @@ class Ingress(HealthRpc, OpenAIRoutes):
                 prompt, sampling = messages.prompt_of(request), messages.sampling_of(request.sampling)
                 place.widen(sampling.n)  # each of n choices holds a place
                 chunks = self._generate(prompt, sampling, messages.adapter_ref_of(request.adapter), caller, call)
-                async with aclosing(self._measured(chunks, counted)) as relayed:  # closed at once if the caller goes
-                    async for chunk in relayed:
+                async with aclosing(chunks):  # closed at once if the caller goes
+                    first = True
+                    async for chunk in chunks:  # counted inline: no generator of its own per chunk
+                        self._count(chunk, counted, first)
+                        first = False
                         yield messages.chunk_message(chunk)
         except Exception as exc:
             code = status_of(exc).name
             count_refusal(self.metrics, counted.tenant, exc)
             grpc_error(grpc_context, exc)  # the stream ends with this status
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             code = "CANCELLED"
             raise
         finally:
@@ -173,12 +176,8 @@ class Ingress(HealthRpc, OpenAIRoutes):
         first = True
         try:
             async for chunk in chunks:
-                if first:
-                    counted.first_token(chunk.get("prompt_tokens", 0))
-                    self.gate.count_tokens(counted.tenant, chunk.get("prompt_tokens", 0))
-                    first = False
-                counted.tokens(len(chunk["token_ids"]))
-                self.gate.count_tokens(counted.tenant, len(chunk["token_ids"]))
+                self._count(chunk, counted, first)
+                first = False
                 yield chunk
         except Exception as exc:
             counted.failed_with = status_of(exc).name
@@ -188,6 +187,17 @@ class Ingress(HealthRpc, OpenAIRoutes):
             raise
         finally:
             await chunks.aclose()  # closed early: so is the source
+
+    def _count(self, chunk: dict, counted: Call, first: bool) -> None:
+        """A relayed chunk's tokens, in the call's metrics and its tenant's quota; the first's
+        time and prompt tokens too."""
+        if first:
+            prompt_tokens = chunk.get("prompt_tokens", 0)
+            counted.first_token(prompt_tokens)
+            self.gate.count_tokens(counted.tenant, prompt_tokens)
+        tokens = len(chunk["token_ids"])
+        counted.tokens(tokens)
+        self.gate.count_tokens(counted.tenant, tokens)
 
     async def _resolve(self, ref: str, caller: Caller) -> AdapterVersion:
         """The version `ref` names for the caller: recently resolved (no store read), else from the store."""

@@ -35,7 +35,7 @@ from adapterserve.adapters_store.formats.read import read_adapter
 from adapterserve.adapters_store.records import AdapterVersion
 from adapterserve.adapters_store.servable import check_servable
 from adapterserve.adapters_store.store import open_store
-from adapterserve.engine.request import EmbedOutput
+from adapterserve.engine.request import EmbedOutput, RequestOutput
 from adapterserve.errors import (
     AdapterError,
     AdapterIntegrityError,
@@ -179,8 +179,10 @@ class EngineReplica:
             )
             async with aclosing(stream):  # closing it aborts the engine request (frees its KV blocks)
                 with self._pacer.stream():
-                    async for chunk in self._chunks(stream, version):
-                        yield chunk
+                    first = True
+                    async for out in stream:
+                        yield _chunk(out, version, first)
+                        first = False
         except _REQUEST_ERRORS as exc:
             trace.failed(exc)
             yield error_reply(exc)
@@ -199,18 +201,6 @@ class EngineReplica:
             return None
         with trace.span("adapter", {"adapterserve.adapter": version.ref}):
             return await self._acquire(version)
-
-    async def _chunks(self, stream, version: AdapterVersion | None) -> AsyncIterator[dict[str, Any]]:
-        """The engine's outputs as chunks."""
-        first = True
-        async for out in stream:
-            chunk = {"request_id": out.request_id, "token_ids": out.token_ids, "text": out.text,
-                     "finish_reason": out.finish_reason, "index": out.index}
-            if first:
-                chunk.update(adapter=version.ref if version else "", prompt_tokens=len(out.prompt_token_ids),
-                             cached_tokens=out.cached_tokens)
-                first = False
-            yield chunk
 
     async def classify(self, request: dict[str, Any]) -> dict[str, Any]:
         """{"results": [ClassifyOutput fields]} or {"error", "message"}."""
@@ -264,6 +254,17 @@ class EngineReplica:
             "engine_problem": self.engine.failed or self.engine.problem,
         }
         return {"static": static, "live": live}
+
+
+def _chunk(out: RequestOutput, version: AdapterVersion | None, first: bool) -> dict[str, Any]:
+    """An engine output as the chunk the ingress relays; the first also names the adapter and
+    counts the prompt's tokens (and those found in the prefix cache)."""
+    chunk = {"request_id": out.request_id, "token_ids": out.token_ids, "text": out.text,
+             "finish_reason": out.finish_reason, "index": out.index}
+    if first:
+        chunk.update(adapter=version.ref if version else "", prompt_tokens=len(out.prompt_token_ids),
+                     cached_tokens=out.cached_tokens)
+    return chunk
 
 
 def _plain(output) -> Any:

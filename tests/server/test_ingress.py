@@ -76,7 +76,7 @@ async def _ingress_and_handle(response=None):
                               gate=TenantGate(),
                               tracing=Tracing(),  # off: ids only
                               _gc_task=asyncio.get_running_loop().create_future())  # no store collection here
-    for name in ("Generate", "_generate", "_token_ids", "_measured", "_ensure_gc"):
+    for name in ("Generate", "_generate", "_token_ids", "_count", "_ensure_gc"):
         setattr(ingress, name, MethodType(getattr(Ingress.func_or_class, name), ingress))
     return ingress, handle
 

@@ -205,3 +205,36 @@ def test_an_engine_in_the_replicas_process_that_stalls_or_breaks_fails_health(ti
     assert "made no progress for" in stalled[0] and "stall_timeout_s 0.2" in stalled[0] and stalled[1] == stalled[0]
     assert recovered == (None, None)
     assert "the engine is broken (RuntimeError: CUDA error" in broken[0] and broken[1] == broken[0]
+
+
+async def _until_load(sup: EngineSupervisor, load) -> bool:
+    for _ in range(int(WAIT_S / 0.05)):
+        if await sup.load() == load:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+def test_a_stream_closed_early_aborts_its_request_while_serving_and_after_a_restart(tiny_model):
+    async def scenario():
+        sup = _supervised(tiny_model)
+        try:
+            idle = await sup.load()
+            stream = await _started_stream(sup)  # the engine serves: its own stream
+            busy = (await sup.load()).requests
+            await stream.aclose()
+            freed_serving = await _until_load(sup, idle)
+
+            os.kill(sup.pid, signal.SIGKILL)
+            while not sup.restarting:
+                await asyncio.sleep(0.01)
+            stream = await _started_stream(sup)  # made while restarting: it waits for the new engine
+            restarted_busy = (await sup.load()).requests
+            await stream.aclose()
+            return busy, freed_serving, restarted_busy, await _until_load(sup, idle), sup.restarts
+        finally:
+            sup.close()
+
+    busy, freed_serving, restarted_busy, freed_restarted, restarts = asyncio.run(scenario())
+    assert busy == 1 and freed_serving
+    assert restarts == 1 and restarted_busy == 1 and freed_restarted

@@ -10,6 +10,7 @@ ends on "close", when the pipe closes, or when its parent is gone.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -37,6 +38,8 @@ def main(conn: Connection, model_dir: str, engine_kwargs: dict[str, Any], parent
         traceback.print_exc()
         wire.send(conn, ("failed", wire.portable(exc)))
         return
+    gc.collect()  # startup's garbage goes; what is left (the engine, warmed up) stays out of later
+    gc.freeze()  # collections' scans, as Serve does in its replicas (this process is not one)
     wire.send(conn, ("ready", engine.facts))
     asyncio.run(EngineServer(engine, conn, parent_pid).serve())
     engine.close()  # a tensor-parallel engine's workers stop with it

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +36,11 @@ class LocalEngine:
     def from_pretrained(cls, model_dir: str | Path, engine_kwargs: Mapping[str, Any] | None = None) -> LocalEngine:
         return cls(Engine.from_pretrained(model_dir, **dict(engine_kwargs or {})))
 
-    async def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
-                     request_id: str | None = None, times: RequestTimes | None = None, cache_salt: str = "",
-                     pause_s: Callable[[], float] | None = None) -> AsyncIterator[RequestOutput]:
-        """Engine.stream: closing it early (or cancelling its task) aborts the request."""
-        async with aclosing(self.engine.stream(prompt, sampling, adapter_id, request_id, times, cache_salt,
-                                               pause_s)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+    def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
+               request_id: str | None = None, times: RequestTimes | None = None, cache_salt: str = "",
+               pause_s: Callable[[], float] | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """Engine.stream, as it is: closing it early (or cancelling its task) aborts the request."""
+        return self.engine.stream(prompt, sampling, adapter_id, request_id, times, cache_salt, pause_s)
 
     def push_stream(self, prompt: Prompt, sampling: SamplingParams | None, adapter_id: str | None,
                     request_id: str | None, times: RequestTimes | None, cache_salt: str,

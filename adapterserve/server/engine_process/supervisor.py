@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from functools import partial
 
@@ -186,14 +186,21 @@ class EngineSupervisor:
 
     # the engine's API
 
-    async def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
-                     request_id: str | None = None, times: RequestTimes | None = None, cache_salt: str = "",
-                     pause_s: Callable[[], float] | None = None) -> AsyncIterator[RequestOutput]:
+    def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,
+               request_id: str | None = None, times: RequestTimes | None = None, cache_salt: str = "",
+               pause_s: Callable[[], float] | None = None) -> AsyncGenerator[RequestOutput, None]:
         """The engine's stream: closing it early (or cancelling its task) aborts the request;
-        `times`, if given, gets the request's stage times in the engine; `pause_s`: as Engine.stream's."""
+        `times`, if given, gets the request's stage times in the engine; `pause_s`: as Engine.stream's.
+        An engine that serves gives its own stream (no frame of ours per chunk); else the stream
+        first waits for it (a restart in progress) or raises why it will not serve."""
+        args = (prompt, sampling, adapter_id, request_id, times, cache_salt, pause_s)
+        if self._serving.is_set() and self.fatal is None and self.engine.alive:
+            return self.engine.stream(*args)
+        return self._stream_when_ready(args)
+
+    async def _stream_when_ready(self, args: tuple) -> AsyncGenerator[RequestOutput, None]:
         engine = await self._ready()
-        async with aclosing(engine.stream(prompt, sampling, adapter_id, request_id, times, cache_salt,
-                                          pause_s)) as chunks:
+        async with aclosing(engine.stream(*args)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
