@@ -11,6 +11,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -18,17 +19,17 @@ from adapterserve.engine.engine import Engine
 from adapterserve.engine.request import Request
 from adapterserve.engine.sampling_params import SamplingParams
 
+T = TypeVar("T")
+
 
 def sync(device: str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
 
-def graph_ms(run: Callable[[], object]) -> float:
-    """Median ms of one CUDA graph replay of `run` (run once on a side stream first, off the
-    capture, so that cuBLAS and Triton pick and load their kernels)."""
-    import triton.testing
-
+def capture(run: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`run` captured in a CUDA graph, and what the capture returned (run once on a side stream
+    first, off the capture, so that cuBLAS and Triton pick and load their kernels)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -36,7 +37,15 @@ def graph_ms(run: Callable[[], object]) -> float:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run()
+        outs = run()
+    return graph, outs
+
+
+def graph_ms(run: Callable[[], object]) -> float:
+    """Median ms of one CUDA graph replay of `run` (captured by `capture`)."""
+    import triton.testing
+
+    graph, _ = capture(run)
     return triton.testing.do_bench(graph.replay, return_mode="median")
 
 

@@ -24,6 +24,7 @@ from adapterserve.kernels.metadata import build_adapter_meta
 from adapterserve.kernels.ops import lora_expand, lora_shrink
 from adapterserve.kernels.pdl import set_pdl
 from adapterserve.kernels.stacked import expand_for_slots, row_bucket, stacked_gemm
+from benchmarks.measure import capture
 
 RANK = 16
 EPS = 1e-5
@@ -138,14 +139,7 @@ def graph_outputs(run: Callable[[], tuple[torch.Tensor, ...]], device: str) -> t
     """Copies of `run`'s outputs from one replay of its CUDA graph (eager off CUDA)."""
     if device != "cuda":
         return tuple(t.clone() for t in run())
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = run()
+    graph, outs = capture(run)
     graph.replay()
     torch.cuda.synchronize()
     return tuple(t.clone() for t in outs)
