@@ -25,19 +25,54 @@ CHUNK = 16  # pool rows per dot: the smallest K a tensor-core dot takes
 
 
 @triton.jit
-def _chunk_dot(acc, out_rows, b_ptr, rr, uses, row_used, n, nmask, n_out, sl, stride_on, stride_br, stride_bn,
-               NUM_SLICES: tl.constexpr, IEEE: tl.constexpr):
-    """acc + the tile's shrink values of pool rows rr (zero where a token does not use a
-    row) times those rows of B (zero where no token of the tile uses one: a row being
-    written or freed is never read)."""
+def _chunk_rows(r0, row0, end, CHUNK_ROWS: tl.constexpr):
+    """Pool rows r0 .. r0 + CHUNK_ROWS: the rows, which of them each token of the tile uses
+    [BLOCK_M, CHUNK] and which any token uses [CHUNK]."""
+    rr = r0 + tl.arange(0, CHUNK_ROWS)
+    uses = (rr[None, :] >= row0[:, None]) & (rr[None, :] < end[:, None])
+    row_used = tl.max(uses.to(tl.int32), axis=0) > 0
+    return rr, uses, row_used
+
+
+@triton.jit
+def _b_rows(b_ptr, rr, row_used, n, nmask, stride_br, stride_bn):
+    """Those rows of B (zero where no token of the tile uses one: a row being written or
+    freed is never read)."""
     prow = rr.to(tl.int64)
-    s = tl.load(out_rows + (n_out + prow * NUM_SLICES + sl)[None, :] * stride_on, mask=uses, other=0.0)
-    b = tl.load(b_ptr + prow[:, None] * stride_br + n[None, :] * stride_bn,
-                mask=row_used[:, None] & nmask[None, :], other=0.0)
+    return tl.load(b_ptr + prow[:, None] * stride_br + n[None, :] * stride_bn,
+                   mask=row_used[:, None] & nmask[None, :], other=0.0)
+
+
+@triton.jit
+def _shrink_rows(out_rows, rr, uses, n_out, sl, stride_on, NUM_SLICES: tl.constexpr):
+    """The tile's shrink values of pool rows rr (zero where a token does not use a row)."""
+    prow = rr.to(tl.int64)
+    return tl.load(out_rows + (n_out + prow * NUM_SLICES + sl)[None, :] * stride_on, mask=uses, other=0.0)
+
+
+@triton.jit
+def _dot(acc, s, b, IEEE: tl.constexpr):
     if IEEE:
         acc = tl.dot(s, b, acc, input_precision="ieee")
     else:
         acc = tl.dot(s, b, acc)
+    return acc
+
+
+@triton.jit
+def _chunk_dot(acc, out_rows, b_ptr, rr, uses, row_used, n, nmask, n_out, sl, stride_on, stride_br, stride_bn,
+               NUM_SLICES: tl.constexpr, IEEE: tl.constexpr):
+    """acc + the tile's shrink values of pool rows rr times those rows of B."""
+    s = _shrink_rows(out_rows, rr, uses, n_out, sl, stride_on, NUM_SLICES)
+    return _dot(acc, s, _b_rows(b_ptr, rr, row_used, n, nmask, stride_br, stride_bn), IEEE)
+
+
+@triton.jit
+def _base_tile(out_rows, bias_ptr, n, nmask, tile_mask, stride_on, HAS_BIAS: tl.constexpr):
+    """The tile's base output (+ bias) in float32: the accumulator's start."""
+    acc = tl.load(out_rows + n[None, :] * stride_on, mask=tile_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     return acc
 
 
@@ -48,22 +83,12 @@ def _first_chunk_after_wait(out_rows, bias_ptr, b_ptr, lo, hi, row0, end, n, nma
     """The PDL order: the tile's first chunk of B rows before the wait; after it the base
     output (+ bias) and that chunk's dot, as the loop would add it. Returns the accumulator
     and the loop's next row (the first chunk holds row lo, used by a token: never skipped)."""
-    rr = lo + tl.arange(0, CHUNK_ROWS)
-    uses = (rr[None, :] >= row0[:, None]) & (rr[None, :] < end[:, None])
-    row_used = tl.max(uses.to(tl.int32), axis=0) > 0
-    prow = rr.to(tl.int64)
-    b = tl.load(b_ptr + prow[:, None] * stride_br + n[None, :] * stride_bn,
-                mask=row_used[:, None] & nmask[None, :], other=0.0)
+    rr, uses, row_used = _chunk_rows(lo, row0, end, CHUNK_ROWS)
+    b = _b_rows(b_ptr, rr, row_used, n, nmask, stride_br, stride_bn)
     pdl_wait(USE_PDL)
-    acc = tl.load(out_rows + n[None, :] * stride_on, mask=tile_mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    acc = _base_tile(out_rows, bias_ptr, n, nmask, tile_mask, stride_on, HAS_BIAS)
     if lo < hi:
-        s = tl.load(out_rows + (n_out + prow * NUM_SLICES + sl)[None, :] * stride_on, mask=uses, other=0.0)
-        if IEEE:
-            acc = tl.dot(s, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(s, b, acc)
+        acc = _dot(acc, _shrink_rows(out_rows, rr, uses, n_out, sl, stride_on, NUM_SLICES), b, IEEE)
     return acc, lo + CHUNK_ROWS
 
 
@@ -84,9 +109,7 @@ def _tiled_expand_kernel(
     out_rows = out_ptr + t.to(tl.int64)[:, None] * stride_ot
     tile_mask = tmask[:, None] & nmask[None, :]
     if not USE_PDL:
-        acc = tl.load(out_rows + n[None, :] * stride_on, mask=tile_mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        acc = _base_tile(out_rows, bias_ptr, n, nmask, tile_mask, stride_on, HAS_BIAS)
     # each token's pool rows [row0, end) on this slice; empty without adapter, never past the GEMM's rows
     slot = tl.load(slots_ptr + t, mask=tmask, other=-1)
     safe = tl.maximum(slot, 0)
@@ -102,9 +125,7 @@ def _tiled_expand_kernel(
                                              n_out, sl, stride_on, stride_br, stride_bn, NUM_SLICES, HAS_BIAS,
                                              IEEE, CHUNK_ROWS, USE_PDL)
     for r0 in range(first, hi, CHUNK_ROWS):
-        rr = r0 + tl.arange(0, CHUNK_ROWS)
-        uses = (rr[None, :] >= row0[:, None]) & (rr[None, :] < end[:, None])  # [BLOCK_M, CHUNK]
-        row_used = tl.max(uses.to(tl.int32), axis=0) > 0  # [CHUNK]
+        rr, uses, row_used = _chunk_rows(r0, row0, end, CHUNK_ROWS)
         if SKIP_UNUSED:
             if tl.max(row_used.to(tl.int32), axis=0) > 0:
                 acc = _chunk_dot(acc, out_rows, b_ptr, rr, uses, row_used, n, nmask, n_out, sl,
