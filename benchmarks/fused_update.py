@@ -150,41 +150,47 @@ class Stack:
         return y
 
     def _projection(self, p: Projection, variant: str, meta, rows: int) -> torch.Tensor:
-        x = self.x[p.k]
-        if variant == "base":
-            return F.linear(x, p.stacked.weight())
-        if variant.startswith("stacked"):
-            out = stacked_gemm(x, p.stacked, self.pool_rows if variant == "stacked-pool" else rows)
-            if variant == "stacked-gemm":
-                return out
-            y = torch.empty(x.shape[0], p.stacked.n_out, device=x.device, dtype=x.dtype)
-            if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-                reference.stacked_expand(out, p.lora_stacked, meta, y)  # smoke without the interpreter
-            elif variant == "stacked-per-token":
-                stacked_expand_per_token(out, p.lora_stacked, meta, y)
-            elif variant == "stacked auto":  # the engine's dispatch, with the step's choice
-                stacked_expand(out, p.lora_stacked, meta, y, expand=meta.stacked_expand)
-            elif variant == "stacked grouped":
-                stacked_expand_grouped(out, p.lora_stacked, meta, y)
-            elif variant == "stacked grouped g128":
-                chosen = grouped_tiles(p.lora_stacked.max_rank)
-                stacked_expand_grouped(out, p.lora_stacked, meta, y, tiles=GroupedTiles(chosen.block_r, 128, 128))
-            else:
-                stacked_expand_tiled(out, p.lora_stacked, meta, y, tiles=_tiles(variant, x.shape[0], p))
-            return y
-        workspace = self.workspace[: p.n_slices]
-        if variant == "kernels+side" and self.side is not None:
-            main = torch.cuda.current_stream()
-            self.side.wait_stream(main)
-            with torch.cuda.stream(self.side):
-                lora_shrink(x, p.lora_kernels, meta, workspace)
-            y = F.linear(x, p.stacked.weight())
-            main.wait_stream(self.side)
+        rows = self.pool_rows if variant == "stacked-pool" else rows
+        return project(p, variant, self.x[p.k], meta, rows, self.workspace[: p.n_slices], self.side)
+
+
+def project(p: Projection, variant: str, x: torch.Tensor, meta, rows: int, workspace: torch.Tensor,
+            side: torch.cuda.Stream | None) -> torch.Tensor:
+    """x through projection p as `variant` says (the module docstring's list): base, kernels,
+    kernels+side (the shrink on `side`), or a stacked one over `rows` pool rows."""
+    if variant == "base":
+        return F.linear(x, p.stacked.weight())
+    if variant.startswith("stacked"):
+        out = stacked_gemm(x, p.stacked, rows)
+        if variant == "stacked-gemm":
+            return out
+        y = torch.empty(x.shape[0], p.stacked.n_out, device=x.device, dtype=x.dtype)
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            reference.stacked_expand(out, p.lora_stacked, meta, y)  # smoke without the interpreter
+        elif variant == "stacked-per-token":
+            stacked_expand_per_token(out, p.lora_stacked, meta, y)
+        elif variant == "stacked auto":  # the engine's dispatch, with the step's choice
+            stacked_expand(out, p.lora_stacked, meta, y, expand=meta.stacked_expand)
+        elif variant == "stacked grouped":
+            stacked_expand_grouped(out, p.lora_stacked, meta, y)
+        elif variant == "stacked grouped g128":
+            chosen = grouped_tiles(p.lora_stacked.max_rank)
+            stacked_expand_grouped(out, p.lora_stacked, meta, y, tiles=GroupedTiles(chosen.block_r, 128, 128))
         else:
-            y = F.linear(x, p.stacked.weight())
-            lora_shrink(x, p.lora_kernels, meta, workspace)
-        lora_expand(workspace, p.lora_kernels, meta, y)
+            stacked_expand_tiled(out, p.lora_stacked, meta, y, tiles=_tiles(variant, x.shape[0], p))
         return y
+    if variant == "kernels+side" and side is not None:
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            lora_shrink(x, p.lora_kernels, meta, workspace)
+        y = F.linear(x, p.stacked.weight())
+        main.wait_stream(side)
+    else:
+        y = F.linear(x, p.stacked.weight())
+        lora_shrink(x, p.lora_kernels, meta, workspace)
+    lora_expand(workspace, p.lora_kernels, meta, y)
+    return y
 
 
 def _tiles(variant: str, tokens: int, p: Projection) -> ExpandTiles | None:

@@ -17,18 +17,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from adapterserve.kernels import reference, stacked_expand
+from adapterserve.kernels import reference
 from adapterserve.kernels.fused import add_rms_norm, silu_mul
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import build_adapter_meta
-from adapterserve.kernels.ops import lora_expand, lora_shrink
 from adapterserve.kernels.pdl import set_pdl
-from adapterserve.kernels.stacked import expand_for_slots, row_bucket, stacked_gemm
+from adapterserve.kernels.stacked import expand_for_slots, row_bucket
+from benchmarks.fused_update import Projection, project
 from benchmarks.measure import capture
 
 RANK = 16
 EPS = 1e-5
 VARIANTS = ("base+ops", "kernels+ops", "stacked+ops")
+STACK_VARIANTS = {"base+ops": "base", "kernels+ops": "kernels+side", "stacked+ops": "stacked auto"}  # fused_update's
 PDL_MODES = ("off", "early", "exit")
 
 
@@ -43,8 +44,6 @@ class Step:
 
 class OpsStack:
     def __init__(self, shape, layers: int, tokens: int, slots: int, device: str, dtype) -> None:
-        from benchmarks.fused_update import Projection
-
         lin, h, inter = shape.linear_shapes(), shape.hidden, shape.inter
         q = lin["o_proj"][0]
         kinds = {"qkv": (h, (q, lin["k_proj"][1], lin["v_proj"][1])), "o": (q, (h,)),
@@ -76,27 +75,8 @@ class OpsStack:
         gate_up = self._project(variant, p["gate_up"], add_rms_norm(o, self.residual, w2, EPS), step)
         return self._project(variant, p["down"], silu_mul(gate_up), step)
 
-    def _project(self, variant: str, p, x: torch.Tensor, step: Step) -> torch.Tensor:
-        if variant == "base+ops":
-            return F.linear(x, p.stacked.weight())
-        if variant == "stacked+ops":
-            out = stacked_gemm(x, p.stacked, step.rows)
-            y = torch.empty(x.shape[0], p.stacked.n_out, device=x.device, dtype=x.dtype)
-            stacked_expand(out, p.lora_stacked, step.meta, y, expand=step.meta.stacked_expand)
-            return y
-        workspace = self.workspace[: p.n_slices]
-        if self.side is None:
-            y = F.linear(x, p.stacked.weight())
-            lora_shrink(x, p.lora_kernels, step.meta, workspace)
-        else:  # the engine's decode: the shrink beside the GEMM
-            main = torch.cuda.current_stream()
-            self.side.wait_stream(main)
-            with torch.cuda.stream(self.side):
-                lora_shrink(x, p.lora_kernels, step.meta, workspace)
-            y = F.linear(x, p.stacked.weight())
-            main.wait_stream(self.side)
-        lora_expand(workspace, p.lora_kernels, step.meta, y)
-        return y
+    def _project(self, variant: str, p: Projection, x: torch.Tensor, step: Step) -> torch.Tensor:
+        return project(p, STACK_VARIANTS[variant], x, step.meta, step.rows, self.workspace[: p.n_slices], self.side)
 
     def reference(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 torch, the reference shrink and expand: the last layer's (down, q|k|v)."""
