@@ -1,4 +1,5 @@
-"""Triton helpers shared by the segment kernels: tiles, packed rank rows, slices, activations."""
+"""Triton helpers shared by the segment kernels: tiles, packed rank rows, slices, activations,
+the stacked expands' base output."""
 from __future__ import annotations
 
 import triton
@@ -104,3 +105,12 @@ def slice_group(pid_g, c1, c2, c3, c4, NUM_SLICES: tl.constexpr, GROUP_N: tl.con
         n_end = tl.where(mine, c_hi, n_end)
         first = first + groups
     return sl, n0, n_end
+
+
+@triton.jit
+def base_tile(out_rows, bias_ptr, n, tile_mask, nmask, stride_on, HAS_BIAS: tl.constexpr):
+    """A stacked GEMM's base output for a tile (+ bias), in float32: an expand's accumulator start."""
+    acc = tl.load(out_rows + n[None, :] * stride_on, mask=tile_mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    return acc

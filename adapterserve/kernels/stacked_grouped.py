@@ -17,17 +17,8 @@ import triton.language as tl
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
 from adapterserve.kernels.pdl import pdl_args, pdl_wait
-from adapterserve.kernels.segment_common import MAX_SLICES, slice_group, tile_tokens
+from adapterserve.kernels.segment_common import MAX_SLICES, base_tile, slice_group, tile_tokens
 from adapterserve.kernels.stacked import GroupedTiles, check_stacked, grouped_tiles
-
-
-@triton.jit
-def _base(out_rows, bias_ptr, n, tile_mask, nmask, stride_on, HAS_BIAS: tl.constexpr):
-    """The tile's base output (+ bias) in float32."""
-    acc = tl.load(out_rows + n[None, :] * stride_on, mask=tile_mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    return acc
 
 
 @triton.jit
@@ -59,7 +50,7 @@ def _adapter_tile(
         n = n0 + step + tl.arange(0, BLOCK_N)
         nmask = n < n_end
         tile_mask = tmask[:, None] & nmask[None, :]
-        acc = _base(out_rows, bias_ptr, n, tile_mask, nmask, stride_on, HAS_BIAS)
+        acc = base_tile(out_rows, bias_ptr, n, tile_mask, nmask, stride_on, HAS_BIAS)
         if ONE_R:
             b = tl.load(b_ptr + prow[:, None] * stride_br + n[None, :] * stride_bn,
                         mask=rmask[:, None] & nmask[None, :], other=0.0)
@@ -93,7 +84,7 @@ def _plain_tile(
         n = n0 + step + tl.arange(0, BLOCK_N)
         nmask = n < n_end
         tile_mask = tmask[:, None] & nmask[None, :]
-        acc = _base(out_rows, bias_ptr, n, tile_mask, nmask, stride_on, HAS_BIAS)
+        acc = base_tile(out_rows, bias_ptr, n, tile_mask, nmask, stride_on, HAS_BIAS)
         tl.store(y_rows + n[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty), mask=tile_mask)
 
 

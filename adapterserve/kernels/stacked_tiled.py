@@ -18,7 +18,7 @@ import triton.language as tl
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
 from adapterserve.kernels.pdl import pdl_args, pdl_wait
-from adapterserve.kernels.segment_common import MAX_SLICES, slice_group
+from adapterserve.kernels.segment_common import MAX_SLICES, base_tile, slice_group
 from adapterserve.kernels.stacked import ExpandTiles, check_stacked, expand_tiles
 
 CHUNK = 16  # pool rows per dot: the smallest K a tensor-core dot takes
@@ -68,15 +68,6 @@ def _chunk_dot(acc, out_rows, b_ptr, rr, uses, row_used, n, nmask, n_out, sl, st
 
 
 @triton.jit
-def _base_tile(out_rows, bias_ptr, n, nmask, tile_mask, stride_on, HAS_BIAS: tl.constexpr):
-    """The tile's base output (+ bias) in float32: the accumulator's start."""
-    acc = tl.load(out_rows + n[None, :] * stride_on, mask=tile_mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    return acc
-
-
-@triton.jit
 def _first_chunk_after_wait(out_rows, bias_ptr, b_ptr, lo, hi, row0, end, n, nmask, tile_mask, n_out, sl,
                             stride_on, stride_br, stride_bn, NUM_SLICES: tl.constexpr, HAS_BIAS: tl.constexpr,
                             IEEE: tl.constexpr, CHUNK_ROWS: tl.constexpr, USE_PDL: tl.constexpr):
@@ -86,7 +77,7 @@ def _first_chunk_after_wait(out_rows, bias_ptr, b_ptr, lo, hi, row0, end, n, nma
     rr, uses, row_used = _chunk_rows(lo, row0, end, CHUNK_ROWS)
     b = _b_rows(b_ptr, rr, row_used, n, nmask, stride_br, stride_bn)
     pdl_wait(USE_PDL)
-    acc = _base_tile(out_rows, bias_ptr, n, nmask, tile_mask, stride_on, HAS_BIAS)
+    acc = base_tile(out_rows, bias_ptr, n, tile_mask, nmask, stride_on, HAS_BIAS)
     if lo < hi:
         acc = _dot(acc, _shrink_rows(out_rows, rr, uses, n_out, sl, stride_on, NUM_SLICES), b, IEEE)
     return acc, lo + CHUNK_ROWS
@@ -109,7 +100,7 @@ def _tiled_expand_kernel(
     out_rows = out_ptr + t.to(tl.int64)[:, None] * stride_ot
     tile_mask = tmask[:, None] & nmask[None, :]
     if not USE_PDL:
-        acc = _base_tile(out_rows, bias_ptr, n, nmask, tile_mask, stride_on, HAS_BIAS)
+        acc = base_tile(out_rows, bias_ptr, n, tile_mask, nmask, stride_on, HAS_BIAS)
     # each token's pool rows [row0, end) on this slice; empty without adapter, never past the GEMM's rows
     slot = tl.load(slots_ptr + t, mask=tmask, other=-1)
     safe = tl.maximum(slot, 0)
