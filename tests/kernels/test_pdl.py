@@ -24,6 +24,7 @@ from adapterserve.kernels.stacked import (
     stack_weight,
     stacked_gemm,
 )
+from benchmarks.measure import capture
 
 from .cases import (
     fresh_generator,
@@ -175,15 +176,8 @@ class Chain:
         return self.residual, h, self.workspace, y, self.k_cache, self.v_cache, normed, tiled, grouped, gated
 
 
-def _replayed(chain: Chain) -> tuple[torch.Tensor, ...]:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain.run()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = chain.run()
+def _replayed(chain: Chain) -> list[tuple[torch.Tensor, ...]]:
+    graph, outs = capture(chain.run)  # compiled and warmed up outside the capture
     results = []
     for _ in range(3):
         graph.replay()
