@@ -10,6 +10,8 @@ and through the in-process engine, on one machine, interleaved group by group.
                                                    # py-spy: each server process's CPU, top functions
     PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --direct on --no-inproc \
         --via haproxy replica-port own             # the same server through each of its gRPC doors
+    PYTHONPATH=. python benchmarks/server_overhead.py --model 1b --direct on --no-inproc --via own \
+        --front-workers 0 4 --connections 16       # the own port served by the replica, then by 4 workers
 
 Each server is `adapterserve serve` in a process (and a Ray) of its own. It runs its engine
 in a child process of the replica (`engine_process: true`, rows "server ..."), and, unless
@@ -25,6 +27,11 @@ thread, as the replica's engine does (its Ray actor has one CPU).
 Serve's direct-ingress port range) or "own" (the replica's own listener, setting `replica_grpc`,
 direct mode only). Several: one server answers on each, and each is a path of its own.
 
+--front-workers runs a server per value of `replica_grpc.workers` (0: the replica's loop serves its
+own port; N: N front worker processes share it, server/front/); --connections opens that many
+client connections per path and sends a group's streams over them in turn (the kernel spreads
+connections, not calls, over front workers: one connection reaches one worker).
+
 Every path is up at once (the in-process engine beside the servers); each group of prompts
 goes through each path in turn, the order rotating, so drift of clocks and caches falls on
 all alike. Reports medians of time to first token, whole-request latency and the gap
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -144,7 +152,7 @@ ENGINE = "engine"  # the in-process engine's label
 
 def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int],
              servers: dict[str, dict], vias: tuple[str, ...] = ("haproxy",),
-             profile_dir: Path | None = None) -> dict[int, dict[str, list[Timed]]]:
+             profile_dir: Path | None = None, connections: int = 1) -> dict[int, dict[str, list[Timed]]]:
     """Per concurrency: path label -> its results of the same prompts, through the in-process
     engine and each of `servers` (label -> config overrides), all up at once, interleaved.
     `vias`: where the client calls each server (several: a path each, "<label> via <via>").
@@ -165,9 +173,11 @@ def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: li
                 streams = {ENGINE: lambda p: engine.stream(p, params)}
                 for label, server in served.items():
                     for via, address in server.addresses.items():
-                        client = await clients.enter_async_context(AsyncClient(address, timeout=600))
-                        streams[_via_label(label, via, vias)] = partial(client.stream, max_tokens=max_tokens,
-                                                                        temperature=0.0, ignore_eos=True)
+                        opened = [await clients.enter_async_context(AsyncClient(address, timeout=600))
+                                  for _ in range(connections)]  # each its own connection
+                        streams[_via_label(label, via, vias)] = _in_turn(
+                            [partial(c.stream, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                             for c in opened])
                 return await _interleaved(streams, prompts, concurrency, measuring(concurrency))
 
         def measuring(concurrency: int) -> AbstractContextManager:
@@ -184,6 +194,12 @@ def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: li
             engine = None  # its GPU memory goes before the servers stop
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+
+def _in_turn(openers: list[Callable]) -> Callable:
+    """A stream opener that uses `openers` (one per client connection) in turn."""
+    turn = itertools.count()
+    return lambda prompt: openers[next(turn) % len(openers)](prompt)
 
 
 STEPS_METRIC = "adapterserve_engine_step_seconds_count"  # engine steps that ran a batch (engine/stats.py)
@@ -263,9 +279,9 @@ class Doors:
     def pick(cls, vias: tuple[str, ...]) -> Doors:
         return cls({via: free_port() for via in vias})
 
-    def config(self) -> dict:
-        """Overrides: the replica's own listener."""
-        return {"replica_grpc": {"port": self.ports["own"]}} if "own" in self.ports else {}
+    def config(self, workers: int = 0) -> dict:
+        """Overrides: the replica's own listener (served by `workers` front workers)."""
+        return {"replica_grpc": {"port": self.ports["own"], "workers": workers}} if "own" in self.ports else {}
 
     def env(self) -> dict[str, str]:
         """Serve's direct-ingress gRPC port range narrowed to one port: the Ingress replica's."""
@@ -281,10 +297,13 @@ class Doors:
 
 @contextmanager
 def _serving(config: dict, vias: tuple[str, ...]) -> Iterator[Served]:
-    """`adapterserve serve` with `config` in a process (and Ray) of its own, answering on `vias`."""
+    """`adapterserve serve` with `config` in a process (and Ray) of its own, answering on `vias`;
+    config's "front_workers": replica_grpc.workers."""
     root = Path(tempfile.mkdtemp())
     doors = Doors.pick(vias)
-    (root / "config.json").write_text(json.dumps({"store": str(root / "store"), **config, **doors.config()}))
+    config = dict(config)
+    settings = doors.config(config.pop("front_workers", 0))
+    (root / "config.json").write_text(json.dumps({"store": str(root / "store"), **config, **settings}))
     grpc_port, http_port = doors.ports.get("haproxy", free_port()), free_port()
     log = root / "serve.log"
     with open(log, "wb") as out:
@@ -379,6 +398,9 @@ def main() -> None:
     parser.add_argument("--direct", choices=tuple(DIRECT), default="both",
                         help="the server's path: two tiers (off), the engine in the ingress replica (on), the "
                              "server's choice (auto), or off then on (both)")
+    parser.add_argument("--front-workers", type=int, nargs="+", default=[0],
+                        help="replica_grpc.workers of the servers (--via own): a server per value")
+    parser.add_argument("--connections", type=int, default=1, help="client connections per path")
     args = parser.parse_args()
     vias = tuple(dict.fromkeys(args.via))
     if "own" in vias and args.direct != "on":
@@ -411,13 +433,16 @@ def main() -> None:
     servers = {}
     for mode in DIRECT[args.direct]:
         for label, own_process in (("server", True), ("server-inproc", False)):
-            if own_process or not args.no_inproc:
-                servers[label + PATH_NAMES[mode]] = {"engine_process": own_process, "direct": mode,
-                                                     "relay_chunk_ms": args.relay_chunk_ms}
-    results = _measure(path, engine_cfg, prompts, args.max_tokens, batches, servers, vias, args.profile)
+            for workers in args.front_workers:
+                if own_process or not args.no_inproc:
+                    named = label + PATH_NAMES[mode] + (f" w{workers}" if len(args.front_workers) > 1 else "")
+                    servers[named] = {"engine_process": own_process, "direct": mode,
+                                      "relay_chunk_ms": args.relay_chunk_ms, "front_workers": workers}
+    results = _measure(path, engine_cfg, prompts, args.max_tokens, batches, servers, vias, args.profile,
+                       args.connections)
     print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; {len(prompts)} requests per concurrency, "
           f"each through every path ({', '.join(servers)} and the engine in this process), interleaved; "
-          f"relay_chunk_ms {args.relay_chunk_ms}; medians in ms")
+          f"{args.connections} client connection(s) per path; relay_chunk_ms {args.relay_chunk_ms}; medians in ms")
     _report(results)
 
 

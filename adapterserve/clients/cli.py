@@ -98,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
                    "on --http-port shows the public series (docs/observability.md)")
     p.add_argument("--replica-grpc-port", type=int, help="direct mode, one replica: the replica also serves gRPC on "
                    "this port, on --host, without HAProxy's hop (setting replica_grpc; docs/serving.md)")
+    p.add_argument("--replica-grpc-workers", type=int, help="with --replica-grpc-port: this many front worker "
+                   "processes share that port and forward each call to the replica (setting replica_grpc.workers)")
     p.add_argument("--host", default="127.0.0.1", help="bind address of the HTTP and gRPC ports (Serve's "
                    "own gRPC ports bind all interfaces: docs/serving.md)")
     p.add_argument("--replicas", type=int, help="engine replicas (default 1)")
@@ -263,6 +265,8 @@ def serve_config(args: argparse.Namespace) -> dict:
         config["metrics"] = {**config.get("metrics", {}), "port": args.metrics_port, "host": args.host}
     if args.replica_grpc_port is not None:
         config["replica_grpc"] = {**config.get("replica_grpc", {}), "port": args.replica_grpc_port, "host": args.host}
+    if args.replica_grpc_workers is not None:
+        config["replica_grpc"] = {**config.get("replica_grpc", {}), "workers": args.replica_grpc_workers}
     return config
 
 

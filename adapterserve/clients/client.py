@@ -44,7 +44,10 @@ from adapterserve.proto import adapterserve_pb2_grpc as pb_grpc
 
 DEFAULT_SERVER = "localhost:50051"
 DEFAULT_TIMEOUT_S = 600.0  # as OpenAI's clients: room for a long generation, not for a hang
-_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+# each client its own connection (gRPC would share one among channels to the same server): clients in one
+# process then spread over a server's front workers (replica_grpc.workers) as clients in several do
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                    ("grpc.use_local_subchannel_pool", 1)]
 
 
 def default_server() -> str:

@@ -22,6 +22,7 @@ import grpc
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from adapterserve.server.front.pool import FrontPool
 from adapterserve.server.grpc_services import hold_pending_calls
 from adapterserve.server.ingress import Ingress
 from adapterserve.server.local_handle import LocalHandle
@@ -50,6 +51,16 @@ def ingress_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return {**config, "ingress": ingress}
 
 
+async def open_listener(servicer: Any, listen: Mapping[str, Any], wait_s: float) -> grpc.aio.Server | FrontPool:
+    """The replica's own gRPC listener: a grpc.aio server on this loop, or `workers` front
+    worker processes forwarding to it (front/pool.py)."""
+    if not listen["workers"]:
+        return await start_listener(servicer, listen["host"], listen["port"], wait_s=wait_s)
+    pool = FrontPool(servicer, listen["host"], listen["port"], listen["workers"])
+    await pool.start(wait_s)
+    return pool
+
+
 @serve.deployment
 class DirectIngress(Ingress.func_or_class):
     async def __init__(self, config: dict[str, Any], encoder: DeploymentHandle | None = None,
@@ -58,22 +69,24 @@ class DirectIngress(Ingress.func_or_class):
         self.engine_replica = await start_engine_replica(config, "model", metrics_hub)
         local = LocalHandle(ENGINE_NAME, self.engine_replica)
         await super().__init__(local, ingress_config(config), encoder, metrics_hub)
-        self.listener: grpc.aio.Server | None = None
+        self.listener: grpc.aio.Server | FrontPool | None = None
         self._grace_s = float(config["drain_grace_s"])
         listen = config[SETTING]
         if listen["port"] is not None:
             try:
                 # Serve may start this replica while the one it replaces drains on the port
-                self.listener = await start_listener(self, listen["host"], listen["port"],
-                                                     wait_s=self._grace_s + PREDECESSOR_SLACK_S)
+                self.listener = await open_listener(self, listen, wait_s=self._grace_s + PREDECESSOR_SLACK_S)
             except BaseException:  # Serve calls no __del__ for a replica that failed to start
                 self._stop_engine()
                 raise
-            logger.info("serving gRPC on %s:%s too (%s)", listen["host"], listen["port"], SETTING)
+            logger.info("serving gRPC on %s:%s too (%s, %s)", listen["host"], listen["port"], SETTING,
+                        f"{listen['workers']} front workers" if listen["workers"] else "on the replica's loop")
 
     async def check_health(self) -> None:
         """Serve's health check: the engine's (replica.py); raises when this replica must be replaced."""
         await self.engine_replica.check_health()
+        if isinstance(self.listener, FrontPool):
+            self.listener.check()
 
     def __del__(self) -> Awaitable[None] | None:
         """Serve calls it on a graceful shutdown, on the replica's loop, and awaits what it returns:
@@ -90,7 +103,7 @@ class DirectIngress(Ingress.func_or_class):
         self._stop_engine()
         return None
 
-    async def _stop_after(self, listener: grpc.aio.Server) -> None:
+    async def _stop_after(self, listener: grpc.aio.Server | FrontPool) -> None:
         self.admission.drain()  # new calls on the listener: UNAVAILABLE while its running ones finish
         try:
             await listener.stop(self._grace_s)

@@ -105,10 +105,12 @@ def _safe(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     parse = handler.request_deserializer
     if parse is None:
         return handler
-    return handler._replace(request_deserializer=_parser(method, parse))
+    return handler._replace(request_deserializer=safe_parser(method, parse))
 
 
-def _parser(method: str, parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+def safe_parser(method: str, parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """`parse`, returning an Undecodable for bytes that are no valid message of `method`."""
+
     def parse_or_mark(data: bytes) -> Any:
         try:
             return parse(data)

@@ -62,6 +62,17 @@ def claim_block() -> PortBlock:
                     "another server on this machine or free some of those ports")
 
 
+def claim_port(port: int) -> int | None:
+    """Lock `port` for this process (a listener that shares it among its own processes, front/pool.py):
+    the lock's file descriptor, to close when done, or None if another process holds it."""
+    fd = _lock_file(f"port-{port}.lock")
+    if fd is None:
+        return None
+    if fd < 0:  # another user's lock file: the port's own checks decide
+        return os.open(os.devnull, os.O_RDONLY)
+    return fd
+
+
 def release(block: PortBlock) -> None:
     """Give the block back (nothing of this server may listen in it any more)."""
     fd = _held.pop(block.first, None)
@@ -115,17 +126,27 @@ def _wildcards() -> list[str]:
 
 def _lock(first: int) -> bool:
     """Take the block's lock; False if another process holds it."""
+    fd = _lock_file(f"{first}.lock")
+    if fd is None:
+        return False
+    if fd >= 0:
+        _held[first] = fd
+    return True
+
+
+def _lock_file(name: str) -> int | None:
+    """An exclusive lock on LOCKS_DIR/name: its descriptor, None if another process holds it, -1 if
+    the file is another user's and unreadable (the free-port check decides then)."""
     try:
         if not LOCKS_DIR.is_dir():
             LOCKS_DIR.mkdir(exist_ok=True)
             LOCKS_DIR.chmod(0o1777)  # every user's servers claim blocks here, as in /tmp
-        fd = os.open(LOCKS_DIR / f"{first}.lock", os.O_RDONLY | os.O_CREAT, 0o644)
-    except PermissionError:  # a lock file another user made unreadable: the free-port check decides
-        return True
+        fd = os.open(LOCKS_DIR / name, os.O_RDONLY | os.O_CREAT, 0o644)
+    except PermissionError:
+        return -1
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        return False
-    _held[first] = fd
-    return True
+        return None
+    return fd

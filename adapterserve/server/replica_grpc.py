@@ -49,7 +49,7 @@ def address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-class _Health:
+class ListenerHealth:
     """grpc.health.v1 on the listener: the Ingress's Check and Watch (health_rpc.py); List, which
     the Ingress does not serve, UNIMPLEMENTED."""
 
@@ -68,7 +68,7 @@ async def start_listener(servicer: Any, host: str, port: int, wait_s: float = 0.
     def build() -> grpc.aio.Server:
         server = grpc.aio.server(options=SERVER_OPTIONS)
         add_adapterserve(servicer, server)
-        add_health(_Health(servicer), server)
+        add_health(ListenerHealth(servicer), server)
         return server
 
     server = await bound(build, host, port, wait_s)

@@ -116,8 +116,9 @@ DEFAULTS: dict[str, Any] = {
     # (behind it, reached through a Serve handle that routes by adapter) or "auto": true with one replica
     "direct": "auto",
     # in direct mode, a gRPC listener of the replica's own beside Serve's (server/replica_grpc.py):
-    # clients on `port` reach the Ingress without HAProxy's hop; null: none; one replica only
-    "replica_grpc": {"port": None, "host": "127.0.0.1"},
+    # clients on `port` reach the Ingress without HAProxy's hop; null: none; one replica only;
+    # workers: N front worker processes serve the port and forward each call (server/front/), 0: the replica's loop
+    "replica_grpc": {"port": None, "host": "127.0.0.1", "workers": 0},
     "replica": {  # Ray Serve options of the engine deployment
         "num_replicas": 1,
         # None: the engine's max_num_seqs + max_queued_requests + a few health and adapter calls,

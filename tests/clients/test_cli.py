@@ -130,3 +130,11 @@ def test_serve_replica_grpc_port_flag_maps_to_the_setting_on_host():
         "replica_grpc": {"port": 50061, "host": "0.0.0.0"}}
     with pytest.raises(SystemExit):
         _serve_args("--replica-grpc-port", "many")
+
+
+def test_serve_replica_grpc_workers_flag_maps_to_the_setting():
+    assert cli.serve_config(_serve_args("--replica-grpc-port", "50061", "--replica-grpc-workers", "4")) == {
+        "replica_grpc": {"port": 50061, "host": "127.0.0.1", "workers": 4}}
+    assert cli.serve_config(_serve_args("--replica-grpc-workers", "0")) == {"replica_grpc": {"workers": 0}}
+    with pytest.raises(SystemExit):
+        _serve_args("--replica-grpc-workers", "four")

@@ -5,7 +5,8 @@ replicas) is refused before anything starts, naming the setting; given to `adapt
 serve`, a port already in use (by anything, or by another server's listener) stops the
 command with one line and exit status 2, no Ray started.
 
-Requests over the listener of a live direct application (on the session's Serve): the hostile
+Requests over the listener of a live direct application (on the session's Serve), served by
+the replica's loop and by front worker processes (`replica_grpc.workers`, server/front/): the hostile
 gRPC corpus gets the very status and message it gets through Serve's replica port while
 innocent streams over the listener end token-identical to their runs alone; a message over
 the size cap is refused as Serve's port refuses it; a stream cancelled mid-way is aborted in
@@ -14,6 +15,7 @@ when Serve stops the replica end whole before the listener closes.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -53,6 +55,7 @@ def _build(**overrides) -> None:
 NOT_A_MAPPING = [5, "50051", None, [], [50051], True, b"port"]
 BAD_PORTS = ["50051", "", True, False, 0, -1, 65536, 10**9, 1.5, 50051.0, math.nan, math.inf, [], {}, [50051]]
 BAD_HOSTS = ["", None, 5, 0.0, True, [], {}, " 127.0.0.1", "127.0.0.1\n", b"127.0.0.1", "[::]"]
+BAD_WORKERS = ["4", "", None, True, False, -1, 65, 10**9, 1.5, 4.0, math.nan, [], {}, [4]]
 
 
 @pytest.mark.parametrize("value", NOT_A_MAPPING, ids=[repr(v) for v in NOT_A_MAPPING])
@@ -76,6 +79,13 @@ def test_a_bad_host_is_refused_naming_it(host):
     assert str(refused.value).endswith(f"got {host!r}")
 
 
+@pytest.mark.parametrize("workers", BAD_WORKERS, ids=[repr(v) for v in BAD_WORKERS])
+def test_a_bad_worker_count_is_refused_naming_it(workers):
+    with pytest.raises(ValueError, match=r"^replica_grpc\.workers must be a whole number from 0") as refused:
+        _build(replica_grpc={"port": 50061, "workers": workers})
+    assert repr(workers) in str(refused.value)
+
+
 def test_an_unknown_listener_key_is_refused():
     with pytest.raises(ValueError, match=r"unknown config\.replica_grpc key 'prot'"):
         _build(replica_grpc={"prot": 50061})
@@ -94,7 +104,8 @@ def test_a_port_without_one_direct_replica_to_own_it_is_refused(overrides, says)
 
 
 @pytest.mark.parametrize("listen", [{"port": None}, {"port": 50061}, {"port": 1, "host": "::1"},
-                                    {"port": 65535, "host": "0.0.0.0"}])
+                                    {"port": 65535, "host": "0.0.0.0"}, {"port": 50061, "workers": 4},
+                                    {"port": 50061, "workers": 0}, {"port": None, "workers": 2}])
 def test_good_values_build_the_app(listen):
     _build(replica_grpc=listen)
 
@@ -132,10 +143,12 @@ def test_an_out_of_range_port_stops_the_server_before_it_starts(tmp_path):
 live = pytest.mark.skipif(not serve_env.haproxy_ingress(), reason="no HAProxy here: no replica port to compare")
 
 
-@pytest.fixture(scope="module")
-def app(server, uploaded):
-    with direct_app(server, "own", replica_grpc={"port": free_port()}) as running:
-        yield running
+@pytest.fixture(scope="module", params=[0, 2], ids=["replica's loop", "2 front workers"])
+def app(server, uploaded, request):
+    """The listener served by the replica's loop, then by front worker processes (server/front/)."""
+    listen = {"port": free_port(), "workers": request.param}
+    with direct_app(server, f"own{request.param}", replica_grpc=listen) as running:
+        yield SimpleNamespace(**dataclasses.asdict(running), workers=request.param)
 
 
 def _storm(app) -> tuple[dict, dict, dict, dict]:
@@ -239,11 +252,12 @@ def test_health_answers_on_the_listener(app):
 @live
 def test_the_listener_shares_its_port_with_no_one(app, tmp_path):
     port = int(app.own.rsplit(":", 1)[1])
-    with socket.socket() as sharing:  # a server asking for port sharing is refused too
-        sharing.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        with pytest.raises(OSError) as refused:
-            sharing.bind(("127.0.0.1", port))
-        assert refused.value.errno == errno.EADDRINUSE
+    if not app.workers:  # front workers share the port among themselves: test_front.py holds their audit
+        with socket.socket() as sharing:  # a server asking for port sharing is refused too
+            sharing.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            with pytest.raises(OSError) as refused:
+                sharing.bind(("127.0.0.1", port))
+            assert refused.value.errno == errno.EADDRINUSE
     _refused_in_one_line(_serve(tmp_path, "--replica-grpc-port", str(port)),
                          f"port {port} (--replica-grpc-port) is already in use")
 
@@ -265,11 +279,13 @@ def _long_stream(address: str, started: threading.Event | None = None) -> list[i
 
 
 @live
-def test_streams_held_when_serve_stops_the_replica_end_whole(server, uploaded):
+@pytest.mark.parametrize("workers", [0, 2], ids=["replica's loop", "2 front workers"])
+def test_streams_held_when_serve_stops_the_replica_end_whole(server, uploaded, workers):
     from ray import serve
 
     engine = {**server.config["engine"], "max_num_seqs": 1}  # the held streams run one after another
-    with direct_app(server, "own-stop", engine=engine, replica_grpc={"port": free_port()}) as stopping:
+    listen = {"port": free_port(), "workers": workers}
+    with direct_app(server, f"own-stop{workers}", engine=engine, replica_grpc=listen) as stopping:
         alone = _long_stream(stopping.own)
         started = threading.Event()
         with ThreadPoolExecutor(HELD) as pool:
