@@ -237,6 +237,22 @@ def test_another_process_sharing_the_port_is_refused_at_start_and_reported_after
     assert caplog.text.count("another process listens there with port sharing") == 1
 
 
+@pytest.mark.skipif(not port_audit.supported(), reason="the listener audit reads Linux's /proc/net")
+def test_a_predecessor_s_listener_that_leaves_within_the_wait_lets_the_pool_start():
+    async def run():
+        port = free_port()
+        leaving = _sharing_listener(port)  # as a replaced replica's worker, on its way out
+        asyncio.get_running_loop().call_later(0.5, leaving.close)
+        pool = FrontPool(Servicer(), HOST, port, 1)
+        await pool.start(wait_s=30)
+        try:
+            return await _stream(f"{HOST}:{port}", 2, 0)
+        finally:
+            await pool.stop(0)
+
+    assert asyncio.run(run()) == [0, 1]
+
+
 def test_the_workers_leave_when_the_replica_s_end_of_the_link_goes():
     async def run():
         port = free_port()

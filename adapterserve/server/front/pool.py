@@ -59,15 +59,23 @@ class FrontPool:
     async def start(self, wait_s: float = 0.0) -> None:
         """Lock the port (waiting up to `wait_s` while a predecessor holds it), start the workers,
         check that they alone listen there. PortInUse naming the setting if not."""
+        deadline = time.monotonic() + wait_s
         await self._lock(wait_s)
         try:
             await asyncio.gather(*(self._spawn(i) for i in range(self.size)))
-            if taken := port_audit.foreign(self.host, self.port, self.pids) if port_audit.supported() else []:
-                raise PortInUse(f"{SETTING}.port {self.port} on {self.host} is shared with another process that "
-                                f"listens there with port sharing ({', '.join(taken)}): stop it or pick a free port")
+            await self._audit(deadline)
         except BaseException:
             await self.stop(0.0)
             raise
+
+    async def _audit(self, deadline: float) -> None:
+        """PortInUse if another process listens on the port, once the predecessor's workers (which
+        leave when their replica goes) have had until `deadline` to leave."""
+        while port_audit.supported() and (taken := port_audit.foreign(self.host, self.port, self.pids)):
+            if time.monotonic() >= deadline:
+                raise PortInUse(f"{SETTING}.port {self.port} on {self.host} is shared with another process that "
+                                f"listens there with port sharing ({', '.join(taken)}): stop it or pick a free port")
+            await asyncio.sleep(BIND_RETRY_S)
 
     def check(self) -> None:
         """Log (once per change) any other process that has come to share the port."""
