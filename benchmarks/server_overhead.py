@@ -27,6 +27,10 @@ thread, as the replica's engine does (its Ray actor has one CPU).
 Serve's direct-ingress port range) or "own" (the replica's own listener, setting `replica_grpc`,
 direct mode only). Several: one server answers on each, and each is a path of its own.
 
+--client-processes K sends the servers' streams from K processes of their own (a group's
+streams dealt out among them, all starting at one instant), as K users would, so the
+benchmark process's own gRPC work is not counted as the server's.
+
 --front-workers runs a server per value of `replica_grpc.workers` (0: the replica's loop serves its
 own port; N: N front worker processes share it, server/front/); --connections opens that many
 client connections per path and sends a group's streams over them in turn (the kernel spreads
@@ -65,6 +69,7 @@ from pathlib import Path
 import torch
 
 from adapterserve.server.serve_env import free_port
+from benchmarks.client_processes import ClientProcesses
 
 
 def _checkpoint(model: str, device: str) -> Path:
@@ -107,20 +112,21 @@ async def _group(open_stream, prompts: list[list[int]]) -> list[Timed]:
     return list(await asyncio.gather(*[_timed(open_stream(p)) for p in prompts]))
 
 
-async def _interleaved(streams: dict[str, Callable], prompts: list[list[int]], concurrency: int,
+async def _interleaved(groups: dict[str, Callable], prompts: list[list[int]], concurrency: int,
                        measuring: AbstractContextManager | None = None) -> dict[str, list[Timed]]:
     """Each group of `concurrency` prompts through every path (the in-process engine, each
-    server), the order rotating group by group, so drift (clocks, caches) falls on all alike.
-    `measuring` is entered after the warm-up, for the measured groups."""
-    for open_stream in streams.values():  # warm-up
-        await _group(open_stream, prompts[:concurrency])
-    results: dict[str, list[Timed]] = {label: [] for label in streams}
-    labels = list(streams)
+    server; `groups`: label -> an async function of a group's prompts to their timings), the
+    order rotating group by group, so drift (clocks, caches) falls on all alike. `measuring`
+    is entered after the warm-up, for the measured groups."""
+    for run_group in groups.values():  # warm-up
+        await run_group(prompts[:concurrency])
+    results: dict[str, list[Timed]] = {label: [] for label in groups}
+    labels = list(groups)
     with measuring or nullcontext():
         for n, i in enumerate(range(0, len(prompts), concurrency)):
             group = prompts[i : i + concurrency]
             for label in labels[n % len(labels):] + labels[: n % len(labels)]:
-                results[label] += await _group(streams[label], group)
+                results[label] += await groups[label](group)
     return results
 
 
@@ -152,12 +158,14 @@ ENGINE = "engine"  # the in-process engine's label
 
 def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int],
              servers: dict[str, dict], vias: tuple[str, ...] = ("haproxy",),
-             profile_dir: Path | None = None, connections: int = 1) -> dict[int, dict[str, list[Timed]]]:
+             profile_dir: Path | None = None, connections: int = 1,
+             client_processes: int = 0) -> dict[int, dict[str, list[Timed]]]:
     """Per concurrency: path label -> its results of the same prompts, through the in-process
     engine and each of `servers` (label -> config overrides), all up at once, interleaved.
     `vias`: where the client calls each server (several: a path each, "<label> via <via>").
     `profile_dir`: py-spy records every server's processes during the highest concurrency's
-    measured groups (server_profile.py) and prints where their CPU went."""
+    measured groups (server_profile.py) and prints where their CPU went. `client_processes`: the
+    servers' streams come from that many processes of their own (client_processes.py), not this one."""
     from adapterserve import Engine, SamplingParams
     from adapterserve.clients.client import AsyncClient
 
@@ -165,20 +173,24 @@ def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: li
         served = {label: running.enter_context(_serving({"model": str(path), "engine": engine_cfg,
                                                          "encoder": False, **overrides}, vias))
                   for label, overrides in servers.items()}
+        remote = running.enter_context(ClientProcesses(client_processes)) if client_processes else None
         engine = Engine.from_pretrained(path, **engine_cfg)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
         async def run(concurrency: int) -> dict[str, list[Timed]]:
             async with AsyncExitStack() as clients:
-                streams = {ENGINE: lambda p: engine.stream(p, params)}
+                groups = {ENGINE: partial(_group, lambda p: engine.stream(p, params))}
                 for label, server in served.items():
                     for via, address in server.addresses.items():
+                        if remote is not None:
+                            groups[_via_label(label, via, vias)] = partial(_remote_group, remote, address, max_tokens)
+                            continue
                         opened = [await clients.enter_async_context(AsyncClient(address, timeout=600))
                                   for _ in range(connections)]  # each its own connection
-                        streams[_via_label(label, via, vias)] = _in_turn(
+                        groups[_via_label(label, via, vias)] = partial(_group, _in_turn(
                             [partial(c.stream, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-                             for c in opened])
-                return await _interleaved(streams, prompts, concurrency, measuring(concurrency))
+                             for c in opened]))
+                return await _interleaved(groups, prompts, concurrency, measuring(concurrency))
 
         def measuring(concurrency: int) -> AbstractContextManager:
             groups = -(-len(prompts) // concurrency)
@@ -194,6 +206,10 @@ def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: li
             engine = None  # its GPU memory goes before the servers stop
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+
+async def _remote_group(remote: ClientProcesses, address: str, max_tokens: int, prompts: list[list[int]]) -> list[Timed]:
+    return [Timed(*timing) for timing in await remote.group(address, prompts, max_tokens)]
 
 
 def _in_turn(openers: list[Callable]) -> Callable:
@@ -401,6 +417,9 @@ def main() -> None:
     parser.add_argument("--front-workers", type=int, nargs="+", default=[0],
                         help="replica_grpc.workers of the servers (--via own): a server per value")
     parser.add_argument("--connections", type=int, default=1, help="client connections per path")
+    parser.add_argument("--client-processes", type=int, default=0,
+                        help="send the servers' streams from this many processes of their own (a connection "
+                             "each per path, one agreed start per group) instead of from this one")
     args = parser.parse_args()
     vias = tuple(dict.fromkeys(args.via))
     if "own" in vias and args.direct != "on":
@@ -439,11 +458,17 @@ def main() -> None:
                     servers[named] = {"engine_process": own_process, "direct": mode,
                                       "relay_chunk_ms": args.relay_chunk_ms, "front_workers": workers}
     results = _measure(path, engine_cfg, prompts, args.max_tokens, batches, servers, vias, args.profile,
-                       args.connections)
+                       args.connections, args.client_processes)
     print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; {len(prompts)} requests per concurrency, "
           f"each through every path ({', '.join(servers)} and the engine in this process), interleaved; "
-          f"{args.connections} client connection(s) per path; relay_chunk_ms {args.relay_chunk_ms}; medians in ms")
+          f"{_clients_said(args)}; relay_chunk_ms {args.relay_chunk_ms}; medians in ms")
     _report(results)
+
+
+def _clients_said(args: argparse.Namespace) -> str:
+    if args.client_processes:
+        return f"the servers' streams from {args.client_processes} client processes, a connection each"
+    return f"{args.connections} client connection(s) per path"
 
 
 def _report(results: dict[int, dict[str, list[Timed]]]) -> None:

@@ -1,0 +1,91 @@
+"""Clients in processes of their own, for the server benchmarks: K processes, each holding one
+connection per server address, send their share of a group of streams at one agreed instant,
+as K users on K machines would, so that the benchmark process's own gRPC work does not stand
+in for the server's.
+
+    with ClientProcesses(16) as clients:
+        timings = await clients.group("127.0.0.1:50061", prompts, max_tokens=64)
+
+A timing is (seconds to the first chunk, seconds to the last, gaps between chunks, tokens),
+measured in the process that ran the stream from the agreed start.
+"""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import time
+from typing import Any
+
+START_AHEAD_S = 0.005  # the agreed instant: this far after the group is handed out
+Timing = tuple[float, float, list[float], int]
+
+
+def _serve_requests(conn: Any) -> None:
+    async def run() -> None:
+        from adapterserve.clients.client import AsyncClient
+
+        loop, clients = asyncio.get_running_loop(), {}
+        while (message := await loop.run_in_executor(None, conn.recv)) is not None:
+            address, prompts, max_tokens, start_at = message
+            if address not in clients:
+                clients[address] = AsyncClient(address, timeout=600)
+            client = clients[address]
+            while time.perf_counter() < start_at:  # CLOCK_MONOTONIC: one clock for every process here
+                await asyncio.sleep(0)
+            conn.send(await asyncio.gather(*(_timed(client.stream(p, max_tokens=max_tokens, temperature=0.0,
+                                                                  ignore_eos=True), start_at) for p in prompts)))
+
+    asyncio.run(run())
+
+
+async def _timed(stream, start: float) -> Timing:
+    last, first, gaps, tokens = start, None, [], 0
+    async for chunk in stream:
+        now = time.perf_counter()
+        if first is None:
+            first = now - start
+        else:
+            gaps.append(now - last)
+        tokens += len(chunk.token_ids)
+        last = now
+    return first, last - start, gaps, tokens
+
+
+class ClientProcesses:
+    def __init__(self, count: int) -> None:
+        ctx = mp.get_context("spawn")
+        self._conns, self._processes = [], []
+        for _ in range(count):
+            ours, theirs = ctx.Pipe()
+            process = ctx.Process(target=_serve_requests, args=(theirs,), daemon=True)
+            process.start()
+            self._conns.append(ours)
+            self._processes.append(process)
+
+    async def group(self, address: str, prompts: list[list[int]], max_tokens: int) -> list[Timing]:
+        """Each prompt streamed from process i % count, all starting at one instant; in prompt order."""
+        shares = [prompts[i :: len(self._conns)] for i in range(len(self._conns))]
+        start_at = time.perf_counter() + START_AHEAD_S
+        used = [(conn, share) for conn, share in zip(self._conns, shares) if share]
+        for conn, share in used:
+            conn.send((address, share, max_tokens, start_at))
+        loop = asyncio.get_running_loop()
+        replies = await asyncio.gather(*(loop.run_in_executor(None, conn.recv) for conn, _ in used))
+        timings: list[Timing] = [None] * len(prompts)  # type: ignore[list-item]
+        for i, reply in enumerate(replies):
+            timings[i :: len(self._conns)] = reply
+        return timings
+
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.send(None)
+        for process in self._processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+
+    def __enter__(self) -> ClientProcesses:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
