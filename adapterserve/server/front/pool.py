@@ -130,6 +130,10 @@ class FrontPool:
         if started[0] == "failed":
             await asyncio.to_thread(process.wait)
             raise PortInUse(f"{SETTING}.port {self.port}: {started[1]}")
+        if self._stopping:  # a replacement that came up while the pool stopped
+            process.kill()
+            link.close()
+            return
         worker.watching = asyncio.get_running_loop().create_task(self._watch(worker))
         self._workers[index] = worker
 
