@@ -32,13 +32,14 @@ def _serve_requests(conn: Any) -> None:
             client = clients[address]
             while time.perf_counter() < start_at:  # CLOCK_MONOTONIC: one clock for every process here
                 await asyncio.sleep(0)
-            conn.send(await asyncio.gather(*(_timed(client.stream(p, max_tokens=max_tokens, temperature=0.0,
+            conn.send(await asyncio.gather(*(timed(client.stream(p, max_tokens=max_tokens, temperature=0.0,
                                                                   ignore_eos=True), start_at) for p in prompts)))
 
     asyncio.run(run())
 
 
-async def _timed(stream, start: float) -> Timing:
+async def timed(stream, start: float) -> Timing:
+    """(first, total, gaps, tokens) of a stream of chunks, in seconds from `start`."""
     last, first, gaps, tokens = start, None, [], 0
     async for chunk in stream:
         now = time.perf_counter()

@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 
 from adapterserve.server.serve_env import free_port
-from benchmarks.client_processes import ClientProcesses
+from benchmarks.client_processes import ClientProcesses, timed
 
 
 def _checkpoint(model: str, device: str) -> Path:
@@ -95,17 +95,7 @@ class Timed:
 
 
 async def _timed(stream) -> Timed:
-    start = last = time.perf_counter()
-    first, gaps, tokens = None, [], 0
-    async for chunk in stream:
-        now = time.perf_counter()
-        if first is None:
-            first = now - start
-        else:
-            gaps.append(now - last)
-        tokens += len(chunk.token_ids)
-        last = now
-    return Timed(first, last - start, gaps, tokens)
+    return Timed(*await timed(stream, time.perf_counter()))
 
 
 async def _group(open_stream, prompts: list[list[int]]) -> list[Timed]:
