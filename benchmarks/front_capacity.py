@@ -22,6 +22,7 @@ import platform
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from adapterserve.proto import adapterserve_pb2 as pb
 from adapterserve.proto import adapterserve_pb2_grpc as pb_grpc
@@ -30,7 +31,9 @@ from adapterserve.server.ports import free_port
 HOST = "127.0.0.1"
 
 
-class Servicer:
+class Servicer(pb_grpc.AdapterServeServicer, health_pb2_grpc.HealthServicer):
+    """Generate only (the generated bases stand in for the other methods, never called)."""
+
     def __init__(self, work_us: float, tokens: int) -> None:
         self.work_s, self.tokens = work_us / 1e6, tokens
 
@@ -42,11 +45,6 @@ class Servicer:
         for i in range(self.tokens):
             yield pb.GenerateResponse(token_ids=[i])
             await asyncio.sleep(0)
-
-
-for _name in ("UploadAdapter", "ListAdapters", "GetAdapter", "DeleteAdapter", "ServerInfo", "Classify", "Embed",
-              "Check", "Watch"):
-    setattr(Servicer, _name, None)  # the generated registration needs the names; never called
 
 
 def _serve(workers: int, port: int, work_us: float, tokens: int, ready, stop, cpu) -> None:

@@ -10,6 +10,8 @@ import os
 import signal
 import socket
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
 import pytest
@@ -26,8 +28,9 @@ from adapterserve.server.replica_grpc import start_listener
 HOST = "127.0.0.1"
 
 
-class Servicer:
-    """Answers that show what reached the handler: metadata, the parsed request, the stream."""
+class Servicer(pb_grpc.AdapterServeServicer, health_pb2_grpc.HealthServicer):
+    """Answers that show what reached the handler: metadata, the parsed request, the stream (the
+    generated bases stand in for the methods not used here)."""
 
     def __init__(self) -> None:
         self.cancelled = 0
@@ -62,10 +65,6 @@ class Servicer:
 
     async def Watch(self, request, context):
         yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
-
-
-for _name in ("ListAdapters", "GetAdapter", "DeleteAdapter", "Classify", "Embed"):
-    setattr(Servicer, _name, None)  # the generated registration needs the names; never called here
 
 
 def _generate(tokens: int, ms: int = 0, text: str = "p") -> pb.GenerateRequest:
@@ -122,6 +121,18 @@ def test_calls_through_front_workers_get_what_the_replica_s_own_loop_gives():
     assert front[4] == "1,1000,3"
 
 
+@asynccontextmanager
+async def _running(port: int, workers: int, servicer: Servicer | None = None,
+                   wait_s: float = 0.0) -> AsyncIterator[FrontPool]:
+    """A started pool on `port`, stopped (no grace) on the way out."""
+    pool = FrontPool(servicer or Servicer(), HOST, port, workers)
+    await pool.start(wait_s)
+    try:
+        yield pool
+    finally:
+        await pool.stop(0)
+
+
 async def _stream(address: str, tokens: int, ms: int, text: str = "p") -> list[int]:
     async with grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
         return [r.token_ids[0] async for r in pb_grpc.AdapterServeStub(channel).Generate(_generate(tokens, ms, text))]
@@ -130,9 +141,7 @@ async def _stream(address: str, tokens: int, ms: int, text: str = "p") -> list[i
 def test_a_cancelled_call_is_cancelled_in_the_replica_and_the_others_go_on():
     async def run():
         servicer, port = Servicer(), free_port()
-        pool = FrontPool(servicer, HOST, port, 2)
-        await pool.start()
-        try:
+        async with _running(port, 2, servicer):
             others = [asyncio.ensure_future(_stream(f"{HOST}:{port}", 20, 5)) for _ in range(4)]
             async with grpc.aio.insecure_channel(f"{HOST}:{port}") as channel:
                 call = pb_grpc.AdapterServeStub(channel).Generate(_generate(1000, 5))
@@ -143,8 +152,6 @@ def test_a_cancelled_call_is_cancelled_in_the_replica_and_the_others_go_on():
                 assert time.monotonic() < deadline, "the replica's handler was never cancelled"
                 await asyncio.sleep(0.05)
             return await asyncio.gather(*others)
-        finally:
-            await pool.stop(0)
 
     assert asyncio.run(run()) == [list(range(20))] * 4
 
@@ -152,9 +159,7 @@ def test_a_cancelled_call_is_cancelled_in_the_replica_and_the_others_go_on():
 def test_a_killed_worker_is_replaced_and_the_other_s_calls_go_on():
     async def run():
         port = free_port()
-        pool = FrontPool(Servicer(), HOST, port, 2)
-        await pool.start()
-        try:
+        async with _running(port, 2) as pool:
             streams = [asyncio.ensure_future(_stream(f"{HOST}:{port}", 40, 10, str(i))) for i in range(8)]
             await asyncio.sleep(0.2)
             victim = pool.pids[0]
@@ -168,8 +173,6 @@ def test_a_killed_worker_is_replaced_and_the_other_s_calls_go_on():
                 assert time.monotonic() < deadline, "the killed worker was not replaced"
                 await asyncio.sleep(0.1)
             return await asyncio.gather(*(_stream(f"{HOST}:{port}", 3, 0) for _ in range(8)))
-        finally:
-            await pool.stop(0)
 
     assert asyncio.run(run()) == [[0, 1, 2]] * 8
 
@@ -191,17 +194,11 @@ def test_a_held_call_finishes_when_the_pool_stops_within_its_grace():
 def test_a_second_pool_on_the_port_is_refused_until_the_first_stops():
     async def run():
         port = free_port()
-        first = FrontPool(Servicer(), HOST, port, 1)
-        await first.start()
-        try:
+        async with _running(port, 1):
             with pytest.raises(PortInUse, match=rf"^replica_grpc\.port {port} on {HOST} cannot be bound \(another "):
                 await FrontPool(Servicer(), HOST, port, 1).start(wait_s=0.3)
-        finally:
-            await first.stop(0)
-        again = FrontPool(Servicer(), HOST, port, 1)
-        await again.start()
-        assert await _stream(f"{HOST}:{port}", 2, 0) == [0, 1]
-        await again.stop(0)
+        async with _running(port, 1):
+            assert await _stream(f"{HOST}:{port}", 2, 0) == [0, 1]
 
     asyncio.run(run())
 
@@ -222,16 +219,12 @@ def test_another_process_sharing_the_port_is_refused_at_start_and_reported_after
             with pytest.raises(PortInUse, match=rf"^replica_grpc\.port {port} on {HOST} is shared with another "
                                                 rf"process .*{HOST}:{port}"):
                 await FrontPool(Servicer(), HOST, port, 2).start()
-        pool = FrontPool(Servicer(), HOST, port, 2)
-        await pool.start()
-        try:
+        async with _running(port, 2) as pool:
             pool.check()
             assert "another process listens" not in caplog.text
             with _sharing_listener(port), caplog.at_level(logging.ERROR, "adapterserve.server"):
                 pool.check()
                 pool.check()  # once per change
-        finally:
-            await pool.stop(0)
 
     asyncio.run(run())
     assert caplog.text.count("another process listens there with port sharing") == 1
@@ -243,12 +236,8 @@ def test_a_predecessor_s_listener_that_leaves_within_the_wait_lets_the_pool_star
         port = free_port()
         leaving = _sharing_listener(port)  # as a replaced replica's worker, on its way out
         asyncio.get_running_loop().call_later(0.5, leaving.close)
-        pool = FrontPool(Servicer(), HOST, port, 1)
-        await pool.start(wait_s=30)
-        try:
+        async with _running(port, 1, wait_s=30):
             return await _stream(f"{HOST}:{port}", 2, 0)
-        finally:
-            await pool.stop(0)
 
     assert asyncio.run(run()) == [0, 1]
 

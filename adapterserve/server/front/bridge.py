@@ -6,7 +6,7 @@ Frames from the worker: ("call", id, path, metadata, peer, request bytes or None
 client stream), ("msg", id, bytes) and ("half", id) for a client stream's messages and its
 end, ("cancel", id) when the caller went away. To the worker: ("msg", id, bytes),
 ("end", id, code, details, trailing metadata), and ("ack", id) for each client-stream
-message the handler took (the worker sends CLIENT_WINDOW ahead, no more).
+message the handler took (the worker sends worker.CLIENT_WINDOW ahead, no more).
 """
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ from adapterserve.server.front.methods import METHODS, Method
 from adapterserve.server.grpc_services import safe_parser
 from adapterserve.server.replica_grpc import ListenerHealth
 
-CLIENT_WINDOW = 4  # client-stream messages a worker sends ahead of the handler's acks
 FAILED = "the server failed on this call; see the replica's log"
 logger = logging.getLogger("adapterserve.server")
+# each method's request parser, an Undecodable for bytes that do not parse (as on the replica's own loop)
+PARSERS = {path: safe_parser(path, m.request_type.FromString) for path, m in METHODS.items()}
 
 
 def handlers(servicer: Any) -> dict[str, Callable]:
@@ -44,7 +45,7 @@ class _ClientStream:
     """A forwarded client stream's messages, parsed as the handler takes them."""
 
     def __init__(self, method: Method, call_id: int, link: FrameLink) -> None:
-        self._parse = safe_parser(method.path, method.request_type.FromString)
+        self._parse = PARSERS[method.path]
         self._id, self._link = call_id, link
         self._messages: deque[bytes | None] = deque()  # None: the stream ended
         self._arrived = asyncio.Event()
@@ -73,10 +74,6 @@ class FrontBridge:
         self._tasks: dict[int, asyncio.Task] = {}
         self._streams: dict[int, _ClientStream] = {}
 
-    @property
-    def calls(self) -> int:
-        return len(self._tasks)
-
     def on_batch(self, frames: list[Frame]) -> None:
         for frame in frames:
             kind, call_id = frame[0], frame[1]
@@ -100,7 +97,7 @@ class FrontBridge:
         if payload is None:
             request = self._streams[call_id] = _ClientStream(method, call_id, self._link)
         else:
-            request = safe_parser(path, method.request_type.FromString)(payload)
+            request = PARSERS[path](payload)
         task = asyncio.get_running_loop().create_task(self._run(call_id, method, request, context))
         self._tasks[call_id] = task
 

@@ -54,14 +54,6 @@ class FrameLink:
         except (ConnectionError, RuntimeError):  # the peer went; the reader sees EOF and says so
             self.closed = True
 
-    async def drain(self) -> None:
-        """Wait while the socket's buffer is full (backpressure from the peer)."""
-        if not self.closed:
-            try:
-                await self._writer.drain()
-            except ConnectionError:
-                self.closed = True
-
     async def receive(self) -> list[Frame]:
         """The next batch; LinkClosed at end of stream."""
         try:

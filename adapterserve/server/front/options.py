@@ -5,13 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from adapterserve.server.grpc_services import PENDING_CALL_OPTIONS
-from adapterserve.server.serve_env import H2_MAX_STREAMS, MAX_GRPC_MESSAGE_BYTES
+from adapterserve.server.replica_grpc import SERVER_OPTIONS
 
 
 def worker_options() -> list[tuple[str, Any]]:
-    return [("grpc.so_reuseport", 1),
-            ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
-            ("grpc.max_concurrent_streams", H2_MAX_STREAMS),
-            *PENDING_CALL_OPTIONS]
+    return [("grpc.so_reuseport", 1), *(o for o in SERVER_OPTIONS if o[0] != "grpc.so_reuseport")]

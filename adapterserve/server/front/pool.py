@@ -40,7 +40,7 @@ class _Worker:
     process: subprocess.Popen
     link: FrameLink
     bridge: FrontBridge
-    watching: asyncio.Task | None = field(default=None)
+    watching: asyncio.Task | None = field(default=None)  # held here: the loop keeps only weak references
 
 
 class FrontPool:
@@ -60,7 +60,7 @@ class FrontPool:
         """Lock the port (waiting up to `wait_s` while a predecessor holds it), start the workers,
         check that they alone listen there. PortInUse naming the setting if not."""
         deadline = time.monotonic() + wait_s
-        await self._lock(wait_s)
+        await self._lock(deadline)
         try:
             await asyncio.gather(*(self._spawn(i) for i in range(self.size)))
             await self._audit(deadline)
@@ -101,8 +101,7 @@ class FrontPool:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    async def _lock(self, wait_s: float) -> None:
-        deadline = time.monotonic() + wait_s
+    async def _lock(self, deadline: float) -> None:
         while (fd := claim_port(self.port)) is None:
             if time.monotonic() >= deadline:
                 raise PortInUse(f"{SETTING}.port {self.port} on {self.host} cannot be bound (another adapterserve "

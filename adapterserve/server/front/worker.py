@@ -27,7 +27,7 @@ from adapterserve.server.front.frames import Frame, FrameLink
 from adapterserve.server.front.methods import METHODS, Method
 from adapterserve.server.front.options import worker_options
 
-CLIENT_WINDOW = 4  # as bridge.CLIENT_WINDOW: client-stream messages sent ahead of the replica's acks
+CLIENT_WINDOW = 4  # client-stream messages sent ahead of the replica's acks (bridge.py acks each)
 GONE = "the replica behind this port went away; retry (another replica takes its place)"
 
 
@@ -165,10 +165,10 @@ class _Bound:
 
 
 async def _finish(context: grpc.aio.ServicerContext, end: _End) -> None:
-    if end.trailing:
-        context.set_trailing_metadata(end.trailing)
     if end.code != 0:
         await context.abort(_CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.details, tuple(end.trailing))
+    if end.trailing:
+        context.set_trailing_metadata(end.trailing)
 
 
 def build_server(forwarder: Forwarder) -> grpc.aio.Server:
