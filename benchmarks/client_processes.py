@@ -7,7 +7,8 @@ in for the server's.
         timings = await clients.group("127.0.0.1:50061", prompts, max_tokens=64)
 
 A timing is (seconds to the first chunk, seconds to the last, gaps between chunks, tokens),
-measured in the process that ran the stream from the agreed start.
+measured in the process that ran the stream from the agreed start. `traced_group` sends the
+same way but names each call's trace (server_hops.py) and returns its server_hops.Sent.
 """
 from __future__ import annotations
 
@@ -24,16 +25,24 @@ def _serve_requests(conn: Any) -> None:
     async def run() -> None:
         from adapterserve.clients.client import AsyncClient
 
-        loop, clients = asyncio.get_running_loop(), {}
+        from benchmarks.server_hops import stub_of, traced_call
+
+        loop, clients, stubs = asyncio.get_running_loop(), {}, {}
         while (message := await loop.run_in_executor(None, conn.recv)) is not None:
-            address, prompts, max_tokens, start_at = message
-            if address not in clients:
+            address, prompts, max_tokens, start_at, traced, adapter = message
+            if traced and address not in stubs:
+                stubs[address] = stub_of(address)
+            elif not traced and address not in clients:
                 clients[address] = AsyncClient(address, timeout=600)
-            client = clients[address]
             while time.perf_counter() < start_at:  # CLOCK_MONOTONIC: one clock for every process here
                 await asyncio.sleep(0)
-            conn.send(await asyncio.gather(*(timed(client.stream(p, max_tokens=max_tokens, temperature=0.0,
-                                                                  ignore_eos=True), start_at) for p in prompts)))
+            if traced:
+                calls = (traced_call(stubs[address], p, max_tokens, adapter) for p in prompts)
+            else:
+                client = clients[address]
+                calls = (timed(client.stream(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True), start_at)
+                         for p in prompts)
+            conn.send(await asyncio.gather(*calls))
 
     asyncio.run(run())
 
@@ -65,17 +74,26 @@ class ClientProcesses:
 
     async def group(self, address: str, prompts: list[list[int]], max_tokens: int) -> list[Timing]:
         """Each prompt streamed from process i % count, all starting at one instant; in prompt order."""
+        return await self._sent(address, prompts, max_tokens, False, None)
+
+    async def traced_group(self, address: str, prompts: list[list[int]], max_tokens: int,
+                           adapter: str | None = None) -> list:
+        """group(), each call under a trace of its own: server_hops.Sent per prompt, in prompt order."""
+        return await self._sent(address, prompts, max_tokens, True, adapter)
+
+    async def _sent(self, address: str, prompts: list[list[int]], max_tokens: int, traced: bool,
+                    adapter: str | None) -> list:
         shares = [prompts[i :: len(self._conns)] for i in range(len(self._conns))]
         start_at = time.perf_counter() + START_AHEAD_S
         used = [(conn, share) for conn, share in zip(self._conns, shares) if share]
         for conn, share in used:
-            conn.send((address, share, max_tokens, start_at))
+            conn.send((address, share, max_tokens, start_at, traced, adapter))
         loop = asyncio.get_running_loop()
         replies = await asyncio.gather(*(loop.run_in_executor(None, conn.recv) for conn, _ in used))
-        timings: list[Timing] = [None] * len(prompts)  # type: ignore[list-item]
+        results: list = [None] * len(prompts)
         for i, reply in enumerate(replies):
-            timings[i :: len(self._conns)] = reply
-        return timings
+            results[i :: len(self._conns)] = reply
+        return results
 
     def close(self) -> None:
         for conn in self._conns:

@@ -40,6 +40,10 @@ HOPS = (
     ("added to first token", "everything above but the engine's first token"),
     ("per later chunk", "(client stream time - engine decode time) / later chunks"),
     ("engine end -> client end", "last token in the engine -> last chunk at the client"),
+    ("group: sent", "a group's calls: last minus first sent (one value per group)"),
+    ("group: handlers start", "last minus first ingress handler start"),
+    ("group: engine adds", "last minus first added in the engine process"),
+    ("group: first tokens in engine", "last minus first first token in the engine"),
 )
 
 
@@ -52,7 +56,12 @@ class Sent:
     chunk_ns: list[int] = field(default_factory=list)
 
 
-async def _call(stub, prompt: list[int], max_tokens: int, adapter: str | None) -> Sent:
+def stub_of(grpc_address: str) -> pb_grpc.AdapterServeStub:
+    """A stub on a channel of its own (call in the loop that will use it)."""
+    return pb_grpc.AdapterServeStub(grpc.aio.insecure_channel(grpc_address))
+
+
+async def traced_call(stub, prompt: list[int], max_tokens: int, adapter: str | None) -> Sent:
     trace_id = f"{new_trace_id():032x}"
     metadata = (("traceparent", f"00-{trace_id}-{new_span_id():016x}-01"),)
     request = generate_request(prompt, adapter=adapter, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -63,16 +72,22 @@ async def _call(stub, prompt: list[int], max_tokens: int, adapter: str | None) -
 
 
 async def traced_calls(grpc_address: str, prompts: Sequence[list[int]], max_tokens: int,
-                       concurrency: int, adapter: str | None = None) -> list[Sent]:
+                       concurrency: int, adapter: str | None = None, clients=None) -> list[Sent]:
     """The prompts through the server, `concurrency` at a time (after one warm-up group), each
-    naming `adapter` (None: the base model)."""
+    naming `adapter` (None: the base model); from this process, or from `clients`
+    (client_processes.ClientProcesses: a group's calls dealt out among them, sent at one instant)."""
     async with grpc.aio.insecure_channel(grpc_address) as channel:
         stub = pb_grpc.AdapterServeStub(channel)
-        await asyncio.gather(*[_call(stub, p, max_tokens, adapter) for p in prompts[:concurrency]])
+
+        async def group(prompts: Sequence[list[int]]) -> list[Sent]:
+            if clients is not None:
+                return await clients.traced_group(grpc_address, list(prompts), max_tokens, adapter)
+            return await asyncio.gather(*[traced_call(stub, p, max_tokens, adapter) for p in prompts])
+
+        await group(prompts[:concurrency])
         sent: list[Sent] = []
         for i in range(0, len(prompts), concurrency):
-            group = prompts[i:i + concurrency]
-            sent += await asyncio.gather(*[_call(stub, p, max_tokens, adapter) for p in group])
+            sent += await group(prompts[i:i + concurrency])
         return sent
 
 
@@ -109,14 +124,37 @@ def hops_of(sent: Sent, spans: list) -> dict[str, float]:
     return hops
 
 
-def collect_hops(collector, sent: list[Sent]) -> dict[str, list[float]]:
-    """Every call's hops, once all its spans arrived (the exporters send every few seconds)."""
+def _group_spreads(group: list[tuple[Sent, list]]) -> dict[str, float]:
+    """How far apart one group's calls (sent together) reached each stage: last minus first, ms."""
+    def spread(stamps: list[int]) -> float:
+        return _ms(max(stamps) - min(stamps))
+
+    spans = [{s.name: s for s in found} for _, found in group]
+    roots = [next(s for s in found if s.name.endswith("/Generate")) for _, found in group]
+    return {
+        "group: sent": spread([sent.sent_ns for sent, _ in group]),
+        "group: handlers start": spread([root.start_ns for root in roots]),
+        "group: engine adds": spread([by["engine"].start_ns for by in spans]),
+        "group: first tokens in engine": spread([by["engine.decode"].start_ns if "engine.decode" in by
+                                                 else by["engine"].end_ns for by in spans]),
+    }
+
+
+def collect_hops(collector, sent: list[Sent], concurrency: int = 1) -> dict[str, list[float]]:
+    """Every call's hops, once all its spans arrived (the exporters send every few seconds);
+    with `concurrency` > 1 also each group's spreads (GROUP_ROWS)."""
     needed = {"ingress", "replica", "replica.generate", "engine", "first_token", "stream"}
     by_hop: dict[str, list[float]] = defaultdict(list)
+    found = []
     for call in sent:
         spans = collector.trace(call.trace_id, until=lambda s: needed <= {x.name for x in s}, wait_s=60)
+        found.append((call, spans))
         for hop, ms in hops_of(call, spans).items():
             by_hop[hop].append(ms)
+    if concurrency > 1:
+        for i in range(0, len(found) - concurrency + 1, concurrency):
+            for row, ms in _group_spreads(found[i:i + concurrency]).items():
+                by_hop[row].append(ms)
     return by_hop
 
 

@@ -346,11 +346,13 @@ def _lora(model: str, path: Path, device: str) -> Path:
 
 
 def _trace(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list[int], relay_chunk_ms: float,
-           adapter: Path | None, by_version: bool, direct: bool | str,
-           vias: tuple[str, ...] = ("haproxy",)) -> dict[str, dict[int, dict[str, list[float]]]]:
+           adapter: Path | None, by_version: bool, direct: bool | str, vias: tuple[str, ...] = ("haproxy",),
+           workers: int = 0, client_processes: int = 0) -> dict[str, dict[int, dict[str, list[float]]]]:
     """Per via, per concurrency: each hop's times (ms) of every call, from the server's spans
     (server_hops.py); with `adapter`, every call names it (uploaded as "bench"; `by_version`:
-    named `bench@N`). One server answers on every via; they take turns, concurrency by concurrency."""
+    named `bench@N`). One server answers on every via; they take turns, concurrency by concurrency.
+    `workers`: replica_grpc.workers (--via own); `client_processes`: the calls come from that many
+    processes of their own."""
     from adapterserve.clients.client import Client
     from adapterserve.server import launch
     from benchmarks.server_hops import collect_hops, traced_calls
@@ -360,7 +362,7 @@ def _trace(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list
         doors = Doors.pick(vias)
         config = {"model": str(path), "engine": engine_cfg, "encoder": False, "store": tempfile.mkdtemp(),
                   "engine_process": True, "relay_chunk_ms": relay_chunk_ms, "direct": direct,
-                  "tracing": {"otlp_endpoint": collector.endpoint}, **doors.config()}
+                  "tracing": {"otlp_endpoint": collector.endpoint}, **doors.config(workers)}
         os.environ.update(doors.env())  # read by the Ray launch.start starts here
         endpoints = launch.start(config, grpc_port=doors.ports.get("haproxy", free_port()), http_port=free_port())
         try:
@@ -369,9 +371,10 @@ def _trace(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: list
                 with Client(endpoints.grpc, timeout=600) as client:
                     ref = client.upload(adapter, "bench").ref if by_version else "bench"
             addresses = doors.addresses()
-            sent = {c: {via: asyncio.run(traced_calls(addresses[via], prompts, max_tokens, c, ref)) for via in vias}
-                    for c in batches}
-            return {via: {c: collect_hops(collector, by_via[via]) for c, by_via in sent.items()} for via in vias}
+            with ClientProcesses(client_processes) if client_processes else nullcontext() as clients:
+                sent = {c: {via: asyncio.run(traced_calls(addresses[via], prompts, max_tokens, c, ref, clients))
+                            for via in vias} for c in batches}
+            return {via: {c: collect_hops(collector, by_via[via], c) for c, by_via in sent.items()} for via in vias}
         finally:
             launch.shutdown()
             for key in doors.env():
@@ -431,12 +434,14 @@ def main() -> None:
         from benchmarks.server_hops import report_hops
 
         traced = {mode: _trace(path, engine_cfg, prompts, args.max_tokens, batches, args.relay_chunk_ms, lora,
-                               args.adapter == "version", mode, vias) for mode in DIRECT[args.direct]}
+                               args.adapter == "version", mode, vias, args.front_workers[0], args.client_processes)
+                  for mode in DIRECT[args.direct]}
         for mode, by_via in traced.items():
             for via, hops in by_via.items():
                 print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; {len(prompts)} requests per "
                       f"concurrency; adapter: {args.adapter}; engine in its own process; direct: {mode}; "
-                      f"via {via}; relay_chunk_ms {args.relay_chunk_ms}; traces on")
+                      f"via {via}; relay_chunk_ms {args.relay_chunk_ms}; front workers {args.front_workers[0]}; "
+                      f"{_clients_said(args)}; traces on")
                 report_hops(hops)
         return
     servers = {}

@@ -73,6 +73,11 @@ for stage in "$@"; do
         2>&1 | tail -110
       for ms in ${PACING:-0 0.5 2}; do PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout 200 python3 \
         benchmarks/server_overhead.py --model 1b --device cuda --direct on --relay-chunk-ms $ms 2>&1 | tail -8; done ;;
+    hops16)  # 1 GPU, Ray installed (with the OTLP exporter): each hop of a call and how far a group of 16 spreads,
+      # from the server's spans, the calls from 16 client processes; WORKERS: replica_grpc.workers per run
+      for w in ${WORKERS:-0}; do PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-240} python3 \
+        benchmarks/server_overhead.py --model 1b --device cuda --direct on --via own --trace --concurrency 1 16 \
+        --requests ${REQUESTS:-128} --client-processes 16 --front-workers $w 2>&1 | tail -22; done ;;
     overlap)  # 4 GPUs: a row-parallel GEMM and its all-reduce, serial against pipelined in column chunks
       timeout ${STAGE_S:-200} python3 -m benchmarks.tp_overlap --world 4 2>&1 | tail -14 ;;
     tp8b)  # 4 GPUs: the 8B decode step at TP 1, 2, 4, NCCL against the symmetric all-reduce (engines build cold)

@@ -17,6 +17,11 @@ case "${1:-}" in
     [ -f "$src"/ray-2.60.0-*.whl ] || pip download "ray[serve]==2.60.0" grpcio==1.84.0 grpcio-health-checking==1.84.0 \
       grpcio-reflection==1.84.0 --python-version 3.12 --platform manylinux2014_x86_64 \
       --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --only-binary=:all: -d "$src"
+    # the OTLP exporter, for server_overhead.py --trace (the server's spans)
+    ls "$src"/opentelemetry_exporter_otlp_proto_grpc-*.whl >/dev/null 2>&1 || pip download --no-deps \
+      opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
+      opentelemetry-exporter-otlp-common==0.66b2 \
+      --python-version 3.12 --only-binary=:all: -d "$src"
     rm -rf .rw1 .rw2 && mkdir .rw1 .rw2
     for w in "$src"/*.whl; do
       name=$(basename "$w" | cut -d- -f1 | tr 'A-Z-' 'a-z_')

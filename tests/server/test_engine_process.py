@@ -14,7 +14,7 @@ import pytest
 from adapterserve import Engine, SamplingParams
 from adapterserve.adapters_store.formats.read import read_adapter
 from adapterserve.errors import AdapterError, AdapterNotFound, EngineDied, RequestError
-from adapterserve.server.engine_process import EngineProcess, LocalEngine, start_engine
+from adapterserve.server.engine_process import EngineProcess, LocalEngine, start_engine, wire
 
 ENGINE = {"max_lora_rank": 16, "max_loras": 4, "num_kv_blocks": 32}
 PROMPTS = ["The lighthouse keeper", "To make bread you need", [0, 347, 411, 23]]
@@ -85,6 +85,46 @@ def test_concurrent_streams_arrive_in_one_message_per_step(proc, monkeypatch):
 
     assert all(len(_joined(chunks)[0]) == 12 for chunks in asyncio.run(run()))
     assert sum(sizes) >= 6 * 2 and len(sizes) <= 12 + 2, sizes
+
+
+def test_a_burst_started_in_one_loop_turn_reaches_one_engine_step(proc, local):
+    """The streams a replica starts in one loop turn cross in one message and are planned
+    together: their prompts run in the same first step (one step of 2 tokens: prefill + decode)."""
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompts = [f"burst {i}" for i in range(8)]
+
+    async def steps() -> float:
+        return (await proc.stats()).stats.step_seconds.count
+
+    async def run():
+        before = await steps()
+        outs = await asyncio.gather(*[_collect(proc.stream(p, params)) for p in prompts])
+        return outs, await steps() - before
+
+    outs, taken = asyncio.run(run())
+    assert taken == 2, f"the burst took {taken} steps"
+    for chunks, want in zip(outs, local.generate(prompts, params)):
+        assert _joined(chunks)[0] == want.token_ids
+
+
+def test_a_message_sent_in_the_turn_a_stream_started_goes_after_its_start(proc, monkeypatch):
+    """A start waits for the end of its loop turn; anything sent before then (an abort) takes the
+    waiting starts first, so the child never sees an abort before its stream."""
+    sent, send = [], proc._conn.send_bytes
+    monkeypatch.setattr(proc._conn, "send_bytes", lambda payload: (sent.append(wire.decode(payload)[0]),
+                                                                   send(payload)))
+
+    async def run():
+        stream = proc.stream("To make bread you need", LONG)
+        task = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)  # the stream has started; its start waits for the end of the turn
+        proc.discard_adapter("not-loaded")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await stream.aclose()
+
+    asyncio.run(run())
+    assert sent[:2] == ["streams", "call"], sent
 
 
 def test_closing_a_stream_early_aborts_it_and_frees_its_blocks(proc):

@@ -25,10 +25,12 @@ from adapterserve.engine.request import RequestOutput, RequestTimes
 from adapterserve.server.engine_process import wire
 from adapterserve.server.engine_process.local import LocalEngine
 
+_MOST_AT_ONCE = 64  # messages the reader hands over in one callback: a flood still reaches the loop
 _EXIT_GRACE_S = 10.0  # after the parent went away, how long the loop may take to stop
 
 
-def main(conn: Connection, model_dir: str, engine_kwargs: dict[str, Any], parent_pid: int) -> None:
+def main(conn: Connection, model_dir: str, engine_kwargs: dict[str, Any], parent_pid: int,
+         coalesce: bool = True) -> None:
     """The process's target: build the engine, report its facts (or the failure), serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the parent to handle
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # warm-up progress
@@ -41,7 +43,7 @@ def main(conn: Connection, model_dir: str, engine_kwargs: dict[str, Any], parent
     gc.collect()  # startup's garbage goes; what is left (the engine, warmed up) stays out of later
     gc.freeze()  # collections' scans, as Serve does in its replicas (this process is not one)
     wire.send(conn, ("ready", engine.facts))
-    asyncio.run(EngineServer(engine, conn, parent_pid).serve())
+    asyncio.run(EngineServer(engine, conn, parent_pid, coalesce).serve())
     engine.close()  # a tensor-parallel engine's workers stop with it
     sys.stdout.flush()
     sys.stderr.flush()
@@ -49,8 +51,9 @@ def main(conn: Connection, model_dir: str, engine_kwargs: dict[str, Any], parent
 
 
 class EngineServer:
-    def __init__(self, engine: LocalEngine, conn: Connection, parent_pid: int) -> None:
+    def __init__(self, engine: LocalEngine, conn: Connection, parent_pid: int, coalesce: bool = True) -> None:
         self.engine, self.conn, self.parent_pid = engine, conn, parent_pid
+        self.coalesce = coalesce  # take every message waiting in the pipe in one loop callback
         self.tasks: dict[int, asyncio.Task] = {}  # calls running
         self.streams: dict[int, _PushedStream] = {}  # streams running
         self.outbox: list[tuple[int, bool, Any]] = []
@@ -69,11 +72,16 @@ class EngineServer:
     # commands
 
     def _read(self) -> None:
-        """Reader thread: each command to the loop; on EOF (or an orphaned child) stop it."""
+        """Reader thread: the commands to the loop, those waiting together in one callback (so
+        that a burst is added before the step loop plans its next step); on EOF (or an orphaned
+        child) stop it."""
         try:
             while os.getppid() == self.parent_pid:
                 if self.conn.poll(1.0):
-                    self.loop.call_soon_threadsafe(self._handle, wire.recv(self.conn))
+                    messages = [wire.recv(self.conn)]
+                    while self.coalesce and len(messages) < _MOST_AT_ONCE and self.conn.poll(0):
+                        messages.append(wire.recv(self.conn))
+                    self.loop.call_soon_threadsafe(self._handle_all, messages)
         except (EOFError, OSError):
             pass
         except Exception:  # a command that does not unpickle: stop rather than leave its caller waiting
@@ -85,10 +93,17 @@ class EngineServer:
         time.sleep(_EXIT_GRACE_S)
         os._exit(0)  # the loop did not stop (a step that never ends): nobody is left to serve
 
+    def _handle_all(self, messages: list[tuple]) -> None:
+        for message in messages:
+            self._handle(message)
+
     def _handle(self, message: tuple) -> None:
         op, *args = message
         if op == "stream":
             self._stream(*args)
+        elif op == "streams":  # the starts of one loop turn of the parent
+            for start in args[0]:
+                self._stream(*start[1:])
         elif op == "call":
             self._start(args[0], self._call(*args))
         elif op == "abort" and args[0] in self.tasks:

@@ -64,19 +64,25 @@ class _Stream:
 
 class EngineProcess:
     def __init__(self, model_dir: str | Path, engine_kwargs: Mapping[str, Any] | None = None,
-                 on_exit: Callable[[EngineDied], None] | None = None) -> None:
-        """Start the child and wait until its engine is built (its error, if building fails)."""
+                 on_exit: Callable[[EngineDied], None] | None = None, coalesce: bool = True) -> None:
+        """Start the child and wait until its engine is built (its error, if building fails).
+        `coalesce`: the streams started in one loop turn cross in one message, and the child
+        takes every message waiting in the pipe at once, so a burst reaches one engine step
+        (False: a message per stream, taken one by one; kept to measure the difference)."""
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self._process = ctx.Process(target=child.main, name="adapterserve-engine", daemon=True,
-                                    args=(child_conn, str(model_dir), dict(engine_kwargs or {}), os.getpid()))
+                                    args=(child_conn, str(model_dir), dict(engine_kwargs or {}), os.getpid(),
+                                          coalesce))
         self._process.start()
         child_conn.close()  # the child's end lives in the child only: its death is our EOF
         self.facts: EngineFacts = self._wait_ready()
         self.last_load = EngineLoad()  # as of the child's latest message
         self._ids = itertools.count()
         self._lock = threading.Lock()  # the tables and _dead
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # also guards _starts
+        self._coalesce = coalesce
+        self._starts: list[tuple] = []  # stream starts of this loop turn, not sent yet
         self._streams: dict[int, _Stream] = {}
         self._calls: dict[int, Future] = {}
         self._dead: EngineDied | None = None
@@ -115,7 +121,7 @@ class EngineProcess:
         self._register(self._streams, call_id, stream)
         unfinished = sampling.n if sampling is not None else 1  # choices still running
         try:
-            self._send(("stream", call_id, prompt, sampling, adapter_id, request_id, times is not None, cache_salt))
+            self._start(("stream", call_id, prompt, sampling, adapter_id, request_id, times is not None, cache_salt))
             while unfinished:
                 for chunk in merge_chunks([await stream.queue.get()], stream.queue):
                     unfinished -= chunk.finished
@@ -212,15 +218,38 @@ class EngineProcess:
         with self._lock:
             table.pop(call_id, None)
 
+    def _start(self, message: tuple) -> None:
+        """Send a stream's start: coalesced, at the end of this loop turn with the turn's other starts."""
+        if not self._coalesce:
+            self._send(message)
+            return
+        if self._dead is not None:
+            raise EngineDied(str(self._dead))
+        with self._send_lock:
+            if not self._starts:
+                asyncio.get_running_loop().call_soon(self._send_starts)
+            self._starts.append(message)
+
+    def _send_starts(self) -> None:
+        try:
+            self._send_bytes(b"")
+        except EngineDied:  # the reader thread fails the streams
+            pass
+
     def _send(self, message: tuple) -> None:
         self._send_bytes(wire.encode(message))
 
     def _send_bytes(self, payload: bytes) -> None:
+        """Write a message (b"": none), after the starts waiting to go, which come first."""
         if self._dead is not None:
             raise EngineDied(str(self._dead))
         with self._send_lock:
+            starts, self._starts = self._starts, []
             try:
-                self._conn.send_bytes(payload)
+                if starts:
+                    self._conn.send_bytes(wire.encode(("streams", starts)))
+                if payload:
+                    self._conn.send_bytes(payload)
             except OSError as exc:
                 raise EngineDied(f"the engine process is gone ({exc})") from exc
 

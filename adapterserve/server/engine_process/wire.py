@@ -3,6 +3,7 @@
 Parent -> child, tuples:
     ("stream", call_id, prompt, sampling, adapter_id, request_id, timed, cache_salt)
                                           timed: send its RequestTimes; cache_salt: Engine.add_request's
+    ("streams", [("stream", ...), ...])   the stream starts of one loop turn of the parent
     ("call", call_id, method, args)       method in CALLS; a reply comes back
     ("abort", call_id)                    cancel that stream or call (frees its KV blocks)
     ("close",)
@@ -33,7 +34,11 @@ def send(conn: Connection, message: Any) -> None:
 
 
 def recv(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
+    return decode(conn.recv_bytes())
+
+
+def decode(payload: bytes) -> Any:
+    return pickle.loads(payload)
 
 
 def portable(exc: BaseException) -> BaseException:
