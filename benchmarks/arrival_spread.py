@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
