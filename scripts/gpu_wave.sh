@@ -73,6 +73,11 @@ for stage in "$@"; do
         2>&1 | tail -110
       for ms in ${PACING:-0 0.5 2}; do PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout 200 python3 \
         benchmarks/server_overhead.py --model 1b --device cuda --direct on --relay-chunk-ms $ms 2>&1 | tail -8; done ;;
+    procs16)  # 1 GPU, Ray installed: the server path through the replica's own port, the loop against 4 front
+      # workers, both up at once, the streams from 16 client processes
+      PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-330} python3 benchmarks/server_overhead.py \
+        --model 1b --device cuda --direct on --no-inproc --via own --front-workers 0 4 --client-processes 16 \
+        2>&1 | tail -16 ;;
     hops16)  # 1 GPU, Ray installed (with the OTLP exporter): each hop of a call and how far a group of 16 spreads,
       # from the server's spans, the calls from 16 client processes; WORKERS: replica_grpc.workers per run
       for w in ${WORKERS:-0}; do PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-240} python3 \
