@@ -24,6 +24,7 @@ from typing import Any
 from adapterserve.engine.request import RequestOutput, RequestTimes
 from adapterserve.server.engine_process import wire
 from adapterserve.server.engine_process.local import LocalEngine
+from adapterserve.server.gil_switch import apply_gil_switch
 
 _MOST_AT_ONCE = 64  # messages the reader hands over in one callback: a flood still reaches the loop
 _EXIT_GRACE_S = 10.0  # after the parent went away, how long the loop may take to stop
@@ -33,6 +34,7 @@ def main(conn: Connection, model_dir: str, engine_kwargs: dict[str, Any], parent
          coalesce: bool = True) -> None:
     """The process's target: build the engine, report its facts (or the failure), serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the parent to handle
+    apply_gil_switch()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # warm-up progress
     try:
         engine = LocalEngine.from_pretrained(model_dir, engine_kwargs)
@@ -78,9 +80,9 @@ class EngineServer:
         try:
             while os.getppid() == self.parent_pid:
                 if self.conn.poll(1.0):
-                    messages = [wire.recv(self.conn)]
+                    messages = _received(self.conn)
                     while self.coalesce and len(messages) < _MOST_AT_ONCE and self.conn.poll(0):
-                        messages.append(wire.recv(self.conn))
+                        messages += _received(self.conn)
                     self.loop.call_soon_threadsafe(self._handle_all, messages)
         except (EOFError, OSError):
             pass
@@ -101,9 +103,6 @@ class EngineServer:
         op, *args = message
         if op == "stream":
             self._stream(*args)
-        elif op == "streams":  # the starts of one loop turn of the parent
-            for start in args[0]:
-                self._stream(*start[1:])
         elif op == "call":
             self._start(args[0], self._call(*args))
         elif op == "abort" and args[0] in self.tasks:
@@ -166,6 +165,12 @@ class EngineServer:
             wire.send(self.conn, (entries, self.engine.last_load))
         except OSError:  # the parent is gone
             self.stopping.set()
+
+
+def _received(conn: Connection) -> list[tuple]:
+    """The next message, a "streams" batch taken apart into its starts."""
+    op, *args = message = wire.recv(conn)
+    return [wire.decode(start) for start in args[0]] if op == "streams" else [message]
 
 
 class _PushedStream:

@@ -82,7 +82,7 @@ class EngineProcess:
         self._lock = threading.Lock()  # the tables and _dead
         self._send_lock = threading.Lock()  # also guards _starts
         self._coalesce = coalesce
-        self._starts: list[tuple] = []  # stream starts of this loop turn, not sent yet
+        self._starts: list[bytes] = []  # stream starts of this loop turn (pickled), not sent yet
         self._streams: dict[int, _Stream] = {}
         self._calls: dict[int, Future] = {}
         self._dead: EngineDied | None = None
@@ -223,12 +223,13 @@ class EngineProcess:
         if not self._coalesce:
             self._send(message)
             return
+        payload = wire.encode(message)  # here, so that one that does not pickle fails its own caller
         if self._dead is not None:
             raise EngineDied(str(self._dead))
         with self._send_lock:
             if not self._starts:
                 asyncio.get_running_loop().call_soon(self._send_starts)
-            self._starts.append(message)
+            self._starts.append(payload)
 
     def _send_starts(self) -> None:
         try:

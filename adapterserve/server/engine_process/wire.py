@@ -3,7 +3,8 @@
 Parent -> child, tuples:
     ("stream", call_id, prompt, sampling, adapter_id, request_id, timed, cache_salt)
                                           timed: send its RequestTimes; cache_salt: Engine.add_request's
-    ("streams", [("stream", ...), ...])   the stream starts of one loop turn of the parent
+    ("streams", [payload, ...])           the stream starts of one loop turn of the parent, each
+                                          a pickled ("stream", ...)
     ("call", call_id, method, args)       method in CALLS; a reply comes back
     ("abort", call_id)                    cancel that stream or call (frees its KV blocks)
     ("close",)
