@@ -68,7 +68,6 @@ from pathlib import Path
 
 import torch
 
-from adapterserve.server.gil_switch import ENV as GIL_ENV
 from adapterserve.server.serve_env import free_port
 from benchmarks.client_processes import ClientProcesses, timed
 
@@ -305,12 +304,11 @@ class Doors:
 @contextmanager
 def _serving(config: dict, vias: tuple[str, ...]) -> Iterator[Served]:
     """`adapterserve serve` with `config` in a process (and Ray) of its own, answering on `vias`;
-    config's "front_workers": replica_grpc.workers; "env": the server's environment variables."""
+    config's "front_workers": replica_grpc.workers."""
     root = Path(tempfile.mkdtemp())
     doors = Doors.pick(vias)
     config = dict(config)
     settings = doors.config(config.pop("front_workers", 0))
-    env = {**os.environ, **doors.env(), **config.pop("env", {})}
     (root / "config.json").write_text(json.dumps({"store": str(root / "store"), **config, **settings}))
     grpc_port, http_port = doors.ports.get("haproxy", free_port()), free_port()
     log = root / "serve.log"
@@ -318,7 +316,7 @@ def _serving(config: dict, vias: tuple[str, ...]) -> Iterator[Served]:
         server = subprocess.Popen([sys.executable, "-m", "adapterserve.clients.cli", "serve", "--config",
                                    str(root / "config.json"), "--grpc-port", str(grpc_port), "--http-port",
                                    str(http_port)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                  env=env)
+                                  env={**os.environ, **doors.env()})
     try:
         deadline = time.monotonic() + 900
         while b"adapterserve is serving" not in log.read_bytes():
@@ -411,9 +409,6 @@ def main() -> None:
                              "server's choice (auto), or off then on (both)")
     parser.add_argument("--front-workers", type=int, nargs="+", default=[0],
                         help="replica_grpc.workers of the servers (--via own): a server per value")
-    parser.add_argument("--gil-switch-ms", type=float, nargs="+", default=[0],
-                        help="the servers' interpreter lock switch interval (server/gil_switch.py), a server per "
-                             "value; 0: Python's own")
     parser.add_argument("--connections", type=int, default=1, help="client connections per path")
     parser.add_argument("--client-processes", type=int, default=0,
                         help="send the servers' streams from this many processes of their own (a connection "
@@ -452,13 +447,11 @@ def main() -> None:
     servers = {}
     for mode in DIRECT[args.direct]:
         for label, own_process in (("server", True), ("server-inproc", False)):
-            for workers, switch in itertools.product(args.front_workers, args.gil_switch_ms):
+            for workers in args.front_workers:
                 if own_process or not args.no_inproc:
-                    named = label + PATH_NAMES[mode] + (f" w{workers}" if len(args.front_workers) > 1 else "") \
-                        + (f" gil {switch:g} ms" if len(args.gil_switch_ms) > 1 else "")
+                    named = label + PATH_NAMES[mode] + (f" w{workers}" if len(args.front_workers) > 1 else "")
                     servers[named] = {"engine_process": own_process, "direct": mode,
-                                      "relay_chunk_ms": args.relay_chunk_ms, "front_workers": workers,
-                                      "env": {GIL_ENV: f"{switch:g}"} if switch else {}}
+                                      "relay_chunk_ms": args.relay_chunk_ms, "front_workers": workers}
     results = _measure(path, engine_cfg, prompts, args.max_tokens, batches, servers, vias, args.profile,
                        args.connections, args.client_processes)
     print(f"\n{name}; {args.model}; {args.max_tokens} output tokens; {len(prompts)} requests per concurrency, "

@@ -78,11 +78,6 @@ for stage in "$@"; do
       PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-330} python3 benchmarks/server_overhead.py \
         --model 1b --device cuda --direct on --no-inproc --via own --front-workers 0 4 --client-processes 16 \
         2>&1 | tail -16 ;;
-    gil16)  # 1 GPU, Ray installed: the server path with Python's interpreter lock switch interval at its default
-      # and at 0.5 ms (server/gil_switch.py), both up at once, the streams from 16 client processes
-      PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-330} python3 benchmarks/server_overhead.py \
-        --model 1b --device cuda --direct on --no-inproc --via own --gil-switch-ms 0 ${GIL_MS:-0.5} \
-        --client-processes 16 2>&1 | tail -16 ;;
     hops16)  # 1 GPU, Ray installed (with the OTLP exporter): each hop of a call and how far a group of 16 spreads,
       # from the server's spans, the calls from 16 client processes; WORKERS: replica_grpc.workers per run
       for w in ${WORKERS:-0}; do PYTHONPATH=/tmp/site:. RAY_AUTH_MODE=disabled timeout ${STAGE_S:-240} python3 \

@@ -39,7 +39,6 @@ from adapterserve.server import messages
 from adapterserve.server.admission import Admission
 from adapterserve.server.auth import grpc_caller, load_keys
 from adapterserve.server.backends import Backends, Handle
-from adapterserve.server.gil_switch import apply_gil_switch
 from adapterserve.server.grpc_services import hold_pending_calls, refuse_undecodable
 from adapterserve.server.health import DeploymentHealth
 from adapterserve.server.health_rpc import HealthRpc
@@ -76,7 +75,6 @@ class Ingress(HealthRpc, OpenAIRoutes):
     def __init__(self, replica: Handle, config: dict[str, Any],
                  encoder: DeploymentHandle | None = None, metrics_hub: DeploymentHandle | None = None) -> None:
         hold_pending_calls()  # before Serve starts this replica's gRPC server
-        apply_gil_switch()
         self.backends = Backends(replica, encoder, config)
         self.replica = self.backends.model  # the generation backbone: ServerInfo asks it
         self.admission = Admission(config["max_in_flight"], config["max_health_watches"])

@@ -46,7 +46,6 @@ from adapterserve.errors import (
     RequestError,
 )
 from adapterserve.server.engine_process import EngineSupervisor, start_engine
-from adapterserve.server.gil_switch import apply_gil_switch
 from adapterserve.server.loaded import LoadedAdapter
 from adapterserve.server.metrics.replica_metrics import ReplicaMetrics
 from adapterserve.server.registrations import Advertised, EngineRegistry
@@ -85,7 +84,6 @@ def cache_salt(version: AdapterVersion | None) -> str:
 @serve.deployment
 class EngineReplica:
     async def __init__(self, config: dict[str, Any], role: str = "model", metrics_hub: Any | None = None) -> None:
-        apply_gil_switch()  # before the engine process starts: it inherits the setting
         path_key, id_key, engine_key, pinned_key = ROLES[role]
         own_process = config["engine_process"]
         self.engine = EngineSupervisor(partial(start_engine, config[path_key], config[engine_key], own_process),

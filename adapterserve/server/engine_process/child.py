@@ -24,7 +24,6 @@ from typing import Any
 from adapterserve.engine.request import RequestOutput, RequestTimes
 from adapterserve.server.engine_process import wire
 from adapterserve.server.engine_process.local import LocalEngine
-from adapterserve.server.gil_switch import apply_gil_switch
 
 _MOST_AT_ONCE = 64  # messages the reader hands over in one callback: a flood still reaches the loop
 _EXIT_GRACE_S = 10.0  # after the parent went away, how long the loop may take to stop
@@ -34,7 +33,6 @@ def main(conn: Connection, model_dir: str, engine_kwargs: dict[str, Any], parent
          coalesce: bool = True) -> None:
     """The process's target: build the engine, report its facts (or the failure), serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the parent to handle
-    apply_gil_switch()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # warm-up progress
     try:
         engine = LocalEngine.from_pretrained(model_dir, engine_kwargs)
