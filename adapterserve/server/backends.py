@@ -9,7 +9,9 @@ to the engine replica in the ingress's own process.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from ray import serve
@@ -48,6 +50,7 @@ class Backends:
         if encoder is not None:
             self._handles[self.encoder_id] = own_handle(encoder)
         self._static: dict[str, dict[str, Any]] = {}
+        self._asking: dict[str, asyncio.Future] = {}  # a describe() in flight, shared by the calls that wait
 
     @property
     def model(self) -> Handle:
@@ -61,10 +64,25 @@ class Backends:
         return self._handles[backbone]
 
     async def static(self, backbone: str) -> dict[str, Any]:
-        """The backbone's fixed facts (from one replica's describe(), asked once)."""
-        if backbone not in self._static:
-            self._static[backbone] = (await self._handles[backbone].describe.remote())["static"]
-        return self._static[backbone]
+        """The backbone's fixed facts (from one replica's describe(), asked once: the calls that
+        arrive while it is asked wait for the same answer; after a failure the next call asks again)."""
+        facts = self._static.get(backbone)
+        if facts is not None:
+            return facts
+        asking = self._asking.get(backbone)
+        if asking is None:
+            asking = self._asking[backbone] = asyncio.ensure_future(self._describe(backbone))
+            asking.add_done_callback(partial(self._asked, backbone))
+        return await asyncio.shield(asking)  # a caller that goes away leaves the others' answer coming
+
+    async def _describe(self, backbone: str) -> dict[str, Any]:
+        facts = self._static[backbone] = (await self._handles[backbone].describe.remote())["static"]
+        return facts
+
+    def _asked(self, backbone: str, asking: asyncio.Future) -> None:
+        self._asking.pop(backbone, None)
+        if not asking.cancelled():
+            asking.exception()  # retrieved: a failure every waiter left is not reported as unhandled
 
     async def statics(self) -> list[dict[str, Any]]:
         """Every backbone's facts, the generation backbone first (the upload validation order)."""
