@@ -95,6 +95,13 @@ def _ms(ns: int) -> float:
     return ns / 1e6
 
 
+def _engine_first_token_ns(by_name: dict) -> int:
+    """When the engine gave the call's first token: its decode span's start (the engine span's end
+    for a call of one token)."""
+    decode = by_name.get("engine.decode")
+    return decode.start_ns if decode else by_name["engine"].end_ns
+
+
 def hops_of(sent: Sent, spans: list) -> dict[str, float]:
     """One call's hops in ms from its spans (tests/helpers/otlp_collector.Span) and client stamps."""
     by_name = {s.name: s for s in spans}
@@ -102,7 +109,7 @@ def hops_of(sent: Sent, spans: list) -> dict[str, float]:
     ingress, replica, served = by_name["ingress"], by_name["replica"], by_name["replica.generate"]
     engine, first = by_name["engine"], by_name["first_token"]
     decode = by_name.get("engine.decode")
-    first_token_ns = decode.start_ns if decode else engine.end_ns
+    first_token_ns = _engine_first_token_ns(by_name)
     later_chunks = len(sent.chunk_ns) - 1
     client_stream = sent.chunk_ns[-1] - sent.chunk_ns[0]
     engine_decode = (decode.end_ns - decode.start_ns) if decode else 0
@@ -135,14 +142,13 @@ def _group_spreads(group: list[tuple[Sent, list]]) -> dict[str, float]:
         "group: sent": spread([sent.sent_ns for sent, _ in group]),
         "group: handlers start": spread([root.start_ns for root in roots]),
         "group: engine adds": spread([by["engine"].start_ns for by in spans]),
-        "group: first tokens in engine": spread([by["engine.decode"].start_ns if "engine.decode" in by
-                                                 else by["engine"].end_ns for by in spans]),
+        "group: first tokens in engine": spread([_engine_first_token_ns(by) for by in spans]),
     }
 
 
 def collect_hops(collector, sent: list[Sent], concurrency: int = 1) -> dict[str, list[float]]:
     """Every call's hops, once all its spans arrived (the exporters send every few seconds);
-    with `concurrency` > 1 also each group's spreads (GROUP_ROWS)."""
+    with `concurrency` > 1 also each group's spreads (the "group:" rows of HOPS)."""
     needed = {"ingress", "replica", "replica.generate", "engine", "first_token", "stream"}
     by_hop: dict[str, list[float]] = defaultdict(list)
     found = []
