@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from adapterserve.engine.request import RequestTimes
+from benchmarks.client_processes import timed
 
 
 @dataclass
@@ -48,14 +49,11 @@ STAGES = (("start -> added in the engine", "start", "added_ns"),
 async def _one(open_stream: Callable, prompt: list[int], stages: dict[str, list[float]]) -> tuple[float, float]:
     times = RequestTimes()
     start, start_ns = time.perf_counter(), time.time_ns()
-    first = None
-    async for _ in open_stream(prompt, times):
-        if first is None:
-            first, received_ns = time.perf_counter() - start, time.time_ns()
-    stamps = {"start": start_ns, "received": received_ns, **vars(times)}
+    first, total, _, _ = await timed(open_stream(prompt, times), start)
+    stamps = {"start": start_ns, "received": start_ns + round(first * 1e9), **vars(times)}
     for row, begin, end in STAGES:
         stages.setdefault(row, []).append((stamps[end] - stamps[begin]) / 1e9)
-    return first, time.perf_counter() - start
+    return first, total
 
 
 async def _group(open_stream: Callable, prompts: list[list[int]], spread_s: float,
@@ -79,14 +77,12 @@ async def _measure(open_stream: Callable, steps: Callable, prompts: list[list[in
         await _group(open_stream, prompts[i:i + concurrency], spread_s, {})
     run = Run([], [], [], 0.0, {})
     before = await steps()
-    groups = 0
     for i in range(0, len(prompts), concurrency):
         results, whole = await _group(open_stream, prompts[i:i + concurrency], spread_s, run.stages)
         run.first += [r[0] for r in results]
         run.total += [r[1] for r in results]
         run.group.append(whole)
-        groups += 1
-    run.steps = (await steps() - before) / groups
+    run.steps = (await steps() - before) / len(run.group)
     return run
 
 

@@ -224,24 +224,23 @@ class EngineProcess:
             self._send(message)
             return
         payload = wire.encode(message)  # here, so that one that does not pickle fails its own caller
-        if self._dead is not None:
-            raise EngineDied(str(self._dead))
         with self._send_lock:
             if not self._starts:
                 asyncio.get_running_loop().call_soon(self._send_starts)
             self._starts.append(payload)
 
     def _send_starts(self) -> None:
+        """The loop turn's starts, unless a message sent since took them along."""
         try:
-            self._send_bytes(b"")
+            self._send_bytes()
         except EngineDied:  # the reader thread fails the streams
             pass
 
     def _send(self, message: tuple) -> None:
         self._send_bytes(wire.encode(message))
 
-    def _send_bytes(self, payload: bytes) -> None:
-        """Write a message (b"": none), after the starts waiting to go, which come first."""
+    def _send_bytes(self, payload: bytes | None = None) -> None:
+        """Write the starts waiting to go, then `payload` (a message), if any."""
         if self._dead is not None:
             raise EngineDied(str(self._dead))
         with self._send_lock:
@@ -249,7 +248,7 @@ class EngineProcess:
             try:
                 if starts:
                     self._conn.send_bytes(wire.encode(("streams", starts)))
-                if payload:
+                if payload is not None:
                     self._conn.send_bytes(payload)
             except OSError as exc:
                 raise EngineDied(f"the engine process is gone ({exc})") from exc
