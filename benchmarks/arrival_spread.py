@@ -51,6 +51,9 @@ async def _one(open_stream: Callable, prompt: list[int], stages: dict[str, list[
     start, start_ns = time.perf_counter(), time.time_ns()
     first, total, _, _ = await timed(open_stream(prompt, times), start)
     stamps = {"start": start_ns, "received": start_ns + round(first * 1e9), **vars(times)}
+    import sys
+    print("GOT", stamps["first_token_ns"], stamps["received"], file=sys.stderr, flush=True)
+    print("START", start_ns, stamps["added_ns"], file=sys.stderr, flush=True)
     for row, begin, end in STAGES:
         stages.setdefault(row, []).append((stamps[end] - stamps[begin]) / 1e9)
     return first, total
@@ -103,6 +106,10 @@ def main() -> None:
     parser.add_argument("--cached", action="store_true",
                         help="each row's prompts run once before it: their prefills hit the prefix cache "
                              "(as in server_overhead.py, whose later concurrency levels repeat the prompts)")
+    parser.add_argument("--child-host-threads", type=int, nargs="*", default=[],
+                        help="also an engine process with this many torch host threads, for each value")
+    parser.add_argument("--one-by-one", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the engine process without its coalescing of starts")
     args = parser.parse_args()
     if args.smoke:
         args.model, args.device, args.requests, args.max_tokens, args.spreads = "tiny", "cpu", 16, 8, [0, 5]
@@ -122,7 +129,7 @@ def main() -> None:
         return [torch.randint(3, vocab, (length,)).tolist() for _ in range(args.requests)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     child = EngineProcess(path, engine_cfg)
-    one_by_one = EngineProcess(path, engine_cfg, coalesce=False)
+    one_by_one = EngineProcess(path, engine_cfg, coalesce=False) if args.one_by_one else None
     engine = Engine.from_pretrained(path, **engine_cfg)
 
     async def engine_steps() -> float:
@@ -135,7 +142,12 @@ def main() -> None:
         return (lambda p, times: process.stream(p, params, times=times)), steps
 
     paths = {"engine": (lambda p, times: engine.stream(p, params, times=times), engine_steps),
-             "engine process": child_path(child), "engine process, one by one": child_path(one_by_one)}
+             "engine process": child_path(child)}
+    if one_by_one is not None:
+        paths["engine process, one by one"] = child_path(one_by_one)
+    threaded = [EngineProcess(path, {**engine_cfg, "host_threads": n}) for n in args.child_host_threads]
+    for n, process in zip(args.child_host_threads, threaded):
+        paths[f"engine process, {n} host threads"] = child_path(process)
 
     async def run_all() -> dict:
         return {(label, spread): await _measure(opened, steps, fresh_prompts(), args.concurrency, spread / 1e3,
@@ -146,7 +158,9 @@ def main() -> None:
         runs = asyncio.run(run_all())
     finally:
         child.close()
-        one_by_one.close()
+        for process in [one_by_one, *threaded]:
+            if process is not None:
+                process.close()
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"\n{name}; {args.model}; {args.concurrency} requests a group started evenly over the spread; "
           f"prompts {'cached' if args.cached else 'not cached'}; "

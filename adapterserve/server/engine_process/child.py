@@ -173,7 +173,7 @@ def _received(conn: Connection) -> list[tuple]:
 
 class _PushedStream:
     """One stream's outputs as they leave the engine's steps, posted as the parent reads them
-    (wire.py): the first as a RequestOutput, later ones as (token_ids, text, finish_reason,
+    (wire.py): the first as wire.head, later ones as (token_ids, text, finish_reason,
     index); a timed stream's RequestTimes before each finishing chunk and before an error."""
 
     def __init__(self, server: EngineServer, call_id: int, times: RequestTimes | None) -> None:
@@ -189,8 +189,8 @@ class _PushedStream:
             return
         if self.times is not None and out.finished:  # in the same message as the last chunk, before it
             self.server._post(self.call_id, True, self.times)
-        self.server._post(self.call_id, True,
-                          out if self.first else (out.token_ids, out.text, out.finish_reason, out.index))
+        later = (out.token_ids, out.text, out.finish_reason, out.index)
+        self.server._post(self.call_id, True, wire.head(out) if self.first else later)
         self.first = False
         self.finished += out.finished
         if self.finished == self.request.sampling.n:

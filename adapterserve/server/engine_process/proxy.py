@@ -38,6 +38,9 @@ from adapterserve.server.engine_process.local import AdapterIds
 from adapterserve.server.engine_process.report import EngineReport
 
 
+_LATER_FIELDS = 4  # a later chunk's: (token_ids, text, finish_reason, index)
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -53,9 +56,9 @@ class _Stream:
             if self.times is not None:
                 vars(self.times).update(vars(value))
             return None
-        if isinstance(value, RequestOutput):
-            self.head = value
-            return value
+        if len(value) != _LATER_FIELDS:  # the first chunk
+            self.head = wire.output_of_head(value)
+            return self.head
         ids, text, reason, index = value
         head = self.head
         return RequestOutput(head.request_id, ids, text, reason, head.adapter_id, head.prompt_token_ids,
