@@ -4,6 +4,8 @@ together reaches the engine spread over several ms).
 
     PYTHONPATH=. python benchmarks/arrival_spread.py --model 1b --spreads 0 3 6 10
     PYTHONPATH=. python benchmarks/arrival_spread.py --smoke       # CPU, tiny model
+    PYTHONPATH=. python benchmarks/arrival_spread.py --model 1b --cached --no-one-by-one --child-host-threads 1 2
+                                       # beside them, engine processes with 1 and 2 torch host threads
 
 Each group of --concurrency prompts starts its requests evenly over the spread (the first at
 the group's start, the last at start + spread), through the engine in this process and through
