@@ -41,7 +41,9 @@ goes through each path in turn, the order rotating, so drift of clocks and cache
 all alike. Reports medians of time to first token, whole-request latency and the gap
 between streamed chunks, for one request at a time (latency) and for a concurrent batch,
 and medians of the per-prompt differences: what each server adds to the first token, to
-the whole request, and to each later streamed token, and direct minus two-tier. Before those,
+the whole request (with a 90% bootstrap interval that resamples whole groups: at 16 streams
+64 requests are only four groups, so use several hundred), and to each later streamed token,
+and direct minus two-tier. Before those,
 the engine steps per group at each concurrency, in this process's engine and in each server's
 (from its /metrics): a server whose group takes more steps than the engine here received the
 group's requests spread over several steps, not at once.

@@ -54,6 +54,7 @@ def head(out: RequestOutput) -> tuple:
 
 
 def output_of_head(fields: tuple) -> RequestOutput:
+    """The RequestOutput that `head` packed."""
     request_id, token_ids, text, reason, adapter_id, prompt_ids, cached_tokens, index = fields
     return RequestOutput(request_id, token_ids, text, reason, adapter_id, prompt_ids.tolist(),
                          cached_tokens=cached_tokens, index=index)
