@@ -8,7 +8,9 @@ import torch
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FP8 = "fp8"  # float8_e4m3fn linear weights (Llama-family decoders); see EngineConfig.dtype
 FP8_GEMMS = ("auto", "scaled_mm", "w8a8_triton", "weight_only", "reference")  # layers.base_gemm's kernels
-LORA_DECODES = ("kernels", "stacked")  # EngineConfig.lora_decode
+LORA_DECODES = ("kernels", "stacked", "fused")  # EngineConfig.lora_decode
+STACKED_DECODES = ("stacked", "fused")  # the lora_decode values that store A rows under the base weight
+DECODE_GEMMS = ("cublas", "triton", "auto")  # EngineConfig.decode_gemm (layers.base_gemm)
 TP_LAUNCHES = ("auto", "ray", "local")  # EngineConfig.tensor_parallel_launch
 TP_ALL_REDUCES = ("auto", "nccl")  # EngineConfig.tensor_parallel_all_reduce
 
@@ -46,9 +48,16 @@ class EngineConfig:
                       configuration can reach before the engine is built (CUDA only; False for
                       development, "force" runs it on any device: tests)
     lora_decode:      how batches of at most 256 tokens (decode) apply LoRA: "kernels" (base GEMM,
-                      then the segmented shrink and expand) or "stacked" (A rows stored under
+                      then the segmented shrink and expand), "stacked" (A rows stored under
                       the base weight: one GEMM yields base output and shrink, one launch the
-                      expand; not with fp8 weights)
+                      expand; not with fp8 weights) or "fused" (as stacked, but a step of at
+                      most 64 tokens over at most 2 adapters runs each linear in one launch:
+                      kernels/stacked_fused.py)
+    decode_gemm:      the base product of decode batches (at most 64 tokens, bf16/fp16/fp32
+                      weights, CUDA): "cublas" (torch's F.linear), "triton" (our split-K
+                      decode GEMM, kernels/decode_gemm.py, which launches with PDL when that
+                      is on) or "auto" (ours for wide outputs or deep inputs on sm_90+, where
+                      it measured faster; cuBLAS for the rest)
     enable_prefix_caching: reuse the KV blocks of a prompt's prefix computed before under the
                       same KV identity (docs/prefix_caching.md)
     tensor_parallel_size: ranks the backbone is split over, one device each (docs/tensor_parallel.md):
@@ -87,6 +96,7 @@ class EngineConfig:
     lora_side_stream: bool = True
     warmup: bool | str = True
     lora_decode: str = "kernels"
+    decode_gemm: str = "cublas"
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     tensor_parallel_launch: str = "auto"
@@ -101,9 +111,11 @@ class EngineConfig:
             raise ValueError(f"fp8_gemm must be one of {list(FP8_GEMMS)}, got {self.fp8_gemm!r}")
         if self.lora_decode not in LORA_DECODES:
             raise ValueError(f"lora_decode must be one of {list(LORA_DECODES)}, got {self.lora_decode!r}")
-        if self.lora_decode == "stacked" and self.dtype == FP8:
-            raise ValueError('lora_decode="stacked" stores LoRA A rows in the base weight, so it needs bf16/fp16/fp32 '
-                             'weights; use lora_decode="kernels" with dtype="fp8"')
+        if self.lora_decode in STACKED_DECODES and self.dtype == FP8:
+            raise ValueError(f'lora_decode="{self.lora_decode}" stores LoRA A rows in the base weight, so it needs '
+                             'bf16/fp16/fp32 weights; use lora_decode="kernels" with dtype="fp8"')
+        if self.decode_gemm not in DECODE_GEMMS:
+            raise ValueError(f"decode_gemm must be one of {list(DECODE_GEMMS)}, got {self.decode_gemm!r}")
         for name in ("max_loras", "max_lora_rank", "block_size", "num_kv_blocks", "max_num_seqs",
                      "max_num_batched_tokens", "max_queued_requests", "max_staged_bytes"):
             if getattr(self, name) < 1:

@@ -227,7 +227,8 @@ def _start_lines(rows: list[dict]) -> list[str]:
 
 
 def _base_workload(name: str) -> str:
-    for suffix in VARIANTS:
+    """The workload without its variant suffixes (any number, any order)."""
+    while (suffix := next((v for v in VARIANTS if name.endswith(v)), None)) is not None:
         name = name.removesuffix(suffix)
     return name
 

@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from adapterserve.kernels import lora_expand, lora_shrink, reference, stacked_expand
+from adapterserve.kernels.decode_gemm import DecodeGemmConfig, decode_gemm
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import build_adapter_meta
 from adapterserve.kernels.stacked import (
@@ -72,6 +73,7 @@ from adapterserve.kernels.stacked import (
     stack_weight,
     stacked_gemm,
 )
+from adapterserve.kernels.stacked_fused import stacked_fused
 from adapterserve.kernels.stacked_grouped import stacked_expand_grouped
 from adapterserve.kernels.stacked_tiled import stacked_expand_tiled
 from adapterserve.kernels.stacked_triton import (
@@ -123,6 +125,7 @@ class Projection:
         rank = torch.tensor(ranks, device=device, dtype=torch.int32).repeat(len(widths), 1).contiguous()
         self.lora_stacked = LoraSlices(a, b, row_start, rank, tuple(offsets), max(ranks))
         self.lora_kernels = LoraSlices(a.contiguous(), b, row_start, rank, tuple(offsets), max(ranks))
+        self.own_config = DecodeGemmConfig()  # the "own" variant's tiles (decode_gemm.py's sweep picks)
 
     def floor_bytes(self, ranks: tuple[int, ...], adapters: int) -> int:
         n = self.lora_stacked.out_offsets[-1]
@@ -156,10 +159,16 @@ class Stack:
 
 def project(p: Projection, variant: str, x: torch.Tensor, meta, rows: int, workspace: torch.Tensor,
             side: torch.cuda.Stream | None) -> torch.Tensor:
-    """x through projection p as `variant` says (the module docstring's list): base, kernels,
+    """x through projection p as `variant` says (the module docstring's list): base, own (our
+    decode GEMM, kernels/decode_gemm.py, with p.own_config), fused (kernels/stacked_fused.py,
+    the same tiles), kernels,
     kernels+side (the shrink on `side`), or a stacked one over `rows` pool rows."""
     if variant == "base":
         return F.linear(x, p.stacked.weight())
+    if variant == "own":
+        return decode_gemm(x, p.stacked.weight(), p.own_config)
+    if variant == "fused":
+        return stacked_fused(x, p.stacked, p.lora_stacked, meta, rows, config=p.own_config)
     if variant.startswith("stacked"):
         out = stacked_gemm(x, p.stacked, rows)
         if variant == "stacked-gemm":

@@ -4,8 +4,10 @@ dependent launch (PDL) off and on: the table of ``fused_update.py --quick``.
 Each layer: add + RMS norm -> q|k|v; o (attention skipped: o's input is a fixed buffer);
 add + RMS norm -> gate|up -> SiLU-mul -> down, whose output is the next layer's residual
 add. Variants: base+ops (the base GEMMs), kernels+ops (the segmented shrink on a side
-stream beside the GEMM, then the expand: lora_decode="kernels"), stacked+ops (one GEMM
-over [W; A rows], then the expand choose_expand picks: lora_decode="stacked"). Each
+stream beside the GEMM, then the expand: lora_decode="kernels"), own+ops (base+ops with
+our decode GEMM, kernels/decode_gemm.py, in place of cuBLAS's), stacked+ops (one GEMM
+over [W; A rows], then the expand choose_expand picks: lora_decode="stacked"), fused+ops
+(the GEMM, shrink and expand in one launch, kernels/stacked_fused.py). Each
 runs with PDL off, "early" (a kernel lets the next launch right after its wait) and
 "exit" (as its programs exit); cuBLAS GEMMs launch as always.
 """
@@ -28,8 +30,10 @@ from benchmarks.measure import capture
 
 RANK = 16
 EPS = 1e-5
-VARIANTS = ("base+ops", "kernels+ops", "stacked+ops")
-STACK_VARIANTS = {"base+ops": "base", "kernels+ops": "kernels+side", "stacked+ops": "stacked auto"}  # fused_update's
+VARIANTS = ("base+ops", "own+ops", "kernels+ops", "stacked+ops", "fused+ops")
+STACK_VARIANTS = {"base+ops": "base", "own+ops": "own", "kernels+ops": "kernels+side",
+                  "stacked+ops": "stacked auto", "fused+ops": "fused"}  # fused_update's
+NO_LORA = ("base+ops", "own+ops")  # the variants without adapters
 PDL_MODES = ("off", "early", "exit")
 
 
@@ -146,7 +150,7 @@ def measure(stack: OpsStack, adapters: int, tokens: int, device: str, bw: float,
     finally:
         set_pdl("off")
     with_lora, without = stack.reference(step), stack.reference(make_step(tokens, 0, stack))
-    want = {v: without if v == "base+ops" else with_lora for v in VARIANTS}
+    want = {v: without if v in NO_LORA else with_lora for v in VARIANTS}
     base = ms["base+ops", "off"]
     cells = []
     for v in VARIANTS:

@@ -27,8 +27,10 @@ WORKLOADS = ("base", "one", "uniform8", "distinct", "zipf", "ranks", "families")
 # a workload name may end in a variant suffix: the same requests, an engine option changed
 # (+r64: the pool sized for rank 64, the engine's default, whatever the adapters' ranks;
 # +1s: LoRA shrinks on the compute stream, as before lora_side_stream became the default;
-# +st: decode LoRA through the stacked [W; A] GEMM, lora_decode="stacked")
-VARIANTS = {"+1s": {"lora_side_stream": False}, "+r64": {"max_lora_rank": 64}, "+st": {"lora_decode": "stacked"}}
+# +st: decode LoRA through the stacked [W; A] GEMM, lora_decode="stacked"; +fu: lora_decode="fused";
+# +dg / +dgt: decode_gemm "auto" / "triton")
+VARIANTS = {"+1s": {"lora_side_stream": False}, "+r64": {"max_lora_rank": 64}, "+st": {"lora_decode": "stacked"},
+            "+fu": {"lora_decode": "fused"}, "+dg": {"decode_gemm": "auto"}, "+dgt": {"decode_gemm": "triton"}}
 PEFT_ID = "peft-file"
 
 

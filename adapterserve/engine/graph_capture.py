@@ -51,7 +51,8 @@ class CapturedSteps:
         signature = self._signature(bucket, signature)
         stacked = _stacked(families, signature)
         expands = ([expand or "tiled"] if expand or not stacked
-                   else reachable_expands(self.max_requests(bucket), self.runner.num_slots))
+                   else reachable_expands(bucket, self.runner.num_slots, self.runner.lora_fused,
+                                          self.max_requests(bucket)))
         captured = False
         for choice in expands:
             key = _key(bucket, families, signature, choice)
@@ -79,7 +80,8 @@ class CapturedSteps:
         """Replay the graph of the bucket (the buffers already filled), capturing it first
         if warm-up did not; off CUDA, run its forward eagerly. The logits buffer it wrote."""
         signature = self._signature(bucket, signature)
-        expand = expand_for_slots(family_slots[0]) if _stacked(families, signature) else None
+        expand = (expand_for_slots(family_slots[0], self.runner.lora_fused, bucket) if _stacked(families, signature)
+                  else None)
         self.replays += 1
         self.capture(bucket, families, signature, expand)  # lazily, where warm-up did not
         if not self.capturable:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from adapterserve.config import EngineConfig
+from adapterserve.config import STACKED_DECODES, EngineConfig
 from adapterserve.engine.kv_cache import BlockManager
 from adapterserve.engine.pools.bottleneck import BottleneckPools
 from adapterserve.engine.pools.head import HeadPool
@@ -42,7 +42,7 @@ def build_pools(config: EngineConfig, model: DecoderModel, blocks: BlockManager,
         if with_head else None
     return PoolSet(
         lora=LoraPool(linears, cfg.max_loras, cfg.pool_rows, cfg.max_lora_rank, dtype, device,
-                      stacked=cfg.lora_decode == "stacked"),
+                      stacked=cfg.lora_decode in STACKED_DECODES, fused=cfg.lora_decode == "fused"),
         bottleneck=BottleneckPools(list(model.layers), hidden, cfg.max_loras, cfg.max_bottleneck_rank,
                                    cfg.max_num_batched_tokens, dtype, device),
         head=head,

@@ -38,6 +38,17 @@ def attach_lora_side_stream(model: DecoderModel, device: str) -> None:
     for _, linear in model.adapter_linears():
         linear.side_stream = side
 
+def use_decode_gemm(model: DecoderModel, kernel: str, device: str) -> None:
+    """Every adapter linear's decode base product through ``kernel`` (EngineConfig.decode_gemm);
+    on a GPU the split-K counters our kernels need are allocated now, before any graph capture."""
+    for _, linear in model.adapter_linears():
+        linear.decode_gemm = kernel
+    if torch.device(device).type == "cuda":
+        from adapterserve.kernels.split_counters import prepare_split_counters
+
+        prepare_split_counters(device)
+
+
 def with_sampled_ids(ids: torch.Tensor, sources: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
     """Input ids from the host, each row whose source is >= 0 taking the id the step
     before sampled into that row of ``sampled`` (a token not yet on the host)."""
@@ -167,10 +178,17 @@ class StepDevice:
         )
         for family, slots in zip(TOKEN_FAMILIES, inputs.family_slots):
             if (slots >= 0).any():
-                expand = expand_for_slots(slots) if family == "lora" and self._lora_stacked() else "tiled"
+                expand = (expand_for_slots(slots, self.lora_fused) if family == "lora" and self._lora_stacked()
+                          else "tiled")
                 setattr(ctx, family, build_adapter_meta(to_device(slots, dev), self.num_slots, stacked_expand=expand))
         ids, sources = (to_device(v, dev, torch.long) for v in (inputs.ids, inputs.sources))
         return with_sampled_ids(ids, sources, self.sampled), to_device(inputs.positions, dev, torch.long), ctx
+
+    @property
+    def lora_fused(self) -> bool:
+        """Whether steps with few adapters run the fused stacked linear (lora_decode="fused")."""
+        stacked = next(self.model.adapter_linears())[1].stacked
+        return stacked is not None and stacked.rows_in_use.fused
 
     def _lora_stacked(self) -> bool:
         """Whether the LoRA pool stacks A under the weights (bound after this object is built),

@@ -6,7 +6,8 @@ Throwaway requests run through the real step path: adapters of every family with
 zero weights (scratch ids, unloaded afterwards), prompts whose token counts land in
 each kernel class, a decode row beside a prompt, every penalty combination, seeded
 sampling, and with stacked LoRA a step of as many distinct adapters as make it run the
-grouped expand. A step's adapters are placed (their copies landed) before its requests
+grouped expand (with the fused linear, also steps of few rows over more adapters than it
+takes: the tiled expand at those sizes). A step's adapters are placed (their copies landed) before its requests
 are added, so the scheduler admits them together and the step has the planned size.
 Decode graphs are captured directly for every key the engine's DecodeGraphs can replay
 (its buckets x family mixes x, with stacked LoRA, the GEMM's row buckets and expands),
@@ -59,8 +60,14 @@ from adapterserve.engine.warmup_variants import (
     reachable,
     runs_stacked,
     segment_variants,
+    stacked_class,
 )
-from adapterserve.kernels.stacked import GROUPED_MIN_ADAPTERS, STACKED_MAX_TOKENS
+from adapterserve.kernels.stacked import (
+    FUSED_MAX_ADAPTERS,
+    FUSED_MAX_TOKENS,
+    GROUPED_MIN_ADAPTERS,
+    STACKED_MAX_TOKENS,
+)
 from adapterserve.layers.bottleneck import BOTTLENECK_ACTIVATIONS
 from adapterserve.layers.context import get_context
 
@@ -143,6 +150,7 @@ def _tasks(engine, shape: EngineShape, reached: set[Variant]) -> list[tuple[str,
     first_eager = len(tasks)
     tasks += _prefill_tasks(run, shape, scratch)
     tasks += _grouped_tasks(run, shape, scratch)
+    tasks += _tiled_beside_fused_tasks(run, shape, scratch)
     tasks += _mixed_tasks(run, shape)
     for use in PENALTY_USES:
         tasks.append((f"penalties {use}", lambda use=use: (run.penalties(use), reached.add(("penalties", use)))))
@@ -288,11 +296,32 @@ def _grouped_tasks(run: _Runner, shape: EngineShape, scratch: dict[str, Adapter]
     if not runs_stacked(shape, tokens) or "grouped" not in shape.expands(tokens) \
             or GROUPED_MIN_ADAPTERS > shape.max_num_seqs:
         return []
-    lora = scratch[f"{SCRATCH}lora"]
-    group = {f"{SCRATCH}lora-{i}": Adapter("lora", lora=lora.lora) for i in range(GROUPED_MIN_ADAPTERS)}
-    once = SamplingParams(max_tokens=1, ignore_eos=True)
     return [(f"prompts of {GROUPED_MIN_ADAPTERS} LoRA adapters (the grouped stacked expand)",
-             lambda: run.with_adapters(group, lambda: run.wave([(run.prompt(1), once, a) for a in group])))]
+             _lora_step(run, scratch, [1] * GROUPED_MIN_ADAPTERS))]
+
+
+def _tiled_beside_fused_tasks(run: _Runner, shape: EngineShape, scratch: dict[str, Adapter]) -> list:
+    """lora_decode="fused": a step of at most FUSED_MAX_TOKENS rows and one adapter runs the
+    fused linear, so the tiled expand's tile heights up to that size need steps of
+    FUSED_MAX_ADAPTERS + 1 distinct adapters: one per height."""
+    count = FUSED_MAX_ADAPTERS + 1
+    if not shape.lora_fused or count > shape.max_num_seqs:
+        return []
+    sizes = {}  # tiled expand tile height -> the largest step of that height
+    for tokens in range(count, min(FUSED_MAX_TOKENS, shape.max_tokens) + 1):
+        if runs_stacked(shape, tokens) and "tiled" in shape.expands(tokens):
+            sizes[stacked_class(shape, tokens, "tiled")] = tokens
+    return [(f"prompts of {tokens} tokens over {count} LoRA adapters (the tiled stacked expand)",
+             _lora_step(run, scratch, [tokens - count + 1] + [1] * (count - 1))) for tokens in sorted(sizes.values())]
+
+
+def _lora_step(run: _Runner, scratch: dict[str, Adapter], lengths: list[int]) -> Callable[[], None]:
+    """One prompt step: a prompt of each length, each on a distinct scratch LoRA adapter."""
+    lora = scratch[f"{SCRATCH}lora"]
+    group = {f"{SCRATCH}lora-{i}": Adapter("lora", lora=lora.lora) for i in range(len(lengths))}
+    once = SamplingParams(max_tokens=1, ignore_eos=True)
+    return lambda: run.with_adapters(group, lambda: run.wave([(run.prompt(n), once, a)
+                                                               for n, a in zip(lengths, group)]))
 
 
 def _mixed_tasks(run: "_Runner", shape: EngineShape) -> list:

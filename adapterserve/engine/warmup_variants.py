@@ -6,7 +6,7 @@ variant is named by the same choosers the kernels call at run time, from host in
 only, so warm-up (engine/warmup.py) and the real path cannot disagree:
 
     ("segment", family, "gemv" | "dot16" | "dot32")      LoRA / bottleneck shrink+expand
-    ("stacked", "tiled" | "grouped", tiles)              the stacked layout's expands (lora_decode="stacked")
+    ("stacked", "tiled" | "grouped" | "fused", tiles)    the stacked layout's expands (lora_decode="stacked"/"fused")
     ("ia3",)                                             the (IA)^3 scale
     ("decode_attention", splits, block_n, width)         paged decode (split-KV choice)
     ("prefill_attention", "single" | "multi", width)     paged prefill, its two launches
@@ -58,6 +58,7 @@ class EngineShape:
     row_buckets: tuple[int, ...] = ()  # stacked LoRA: the GEMM row buckets adapters can make
     stacked_widths: tuple[int, ...] = ()  # stacked LoRA: output widths of the stacked linears
     lora_slots: int = 0  # adapter slots (max_loras): a step's distinct adapters are at most these
+    lora_fused: bool = False  # lora_decode="fused": steps with few adapters run the fused linear
 
     @classmethod
     def of(cls, engine) -> "EngineShape":
@@ -71,7 +72,8 @@ class EngineShape:
                    cfg.max_lora_rank, cfg.max_bottleneck_rank, families,
                    tuple(graphs.buckets) if graphs is not None else None,
                    graphs.max_pages if graphs is not None else 0,
-                   tuple(engine.lora_pool.row_buckets()), tuple(widths), cfg.max_loras)
+                   tuple(engine.lora_pool.row_buckets()), tuple(widths), cfg.max_loras,
+                   cfg.lora_decode == "fused")
 
     def rank(self, family: str) -> int:
         return self.lora_rank if family == "lora" else self.bottleneck_rank
@@ -86,7 +88,7 @@ class EngineShape:
     def expands(self, num_tokens: int) -> tuple[str, ...]:
         """The stacked expands a step of num_tokens rows can choose (its distinct adapters:
         at most one per request, so at most max_num_seqs)."""
-        return reachable_expands(min(num_tokens, self.max_num_seqs), self.lora_slots)
+        return reachable_expands(num_tokens, self.lora_slots, self.lora_fused, self.max_num_seqs)
 
 
 def width_class(width: int) -> str:
@@ -108,6 +110,8 @@ def stacked_class(shape: EngineShape, num_tokens: int, expand: str) -> tuple:
     """The stacked expand's variant for a step of num_tokens: its tiles per linear width."""
     if expand == "grouped":
         return ("stacked", expand, grouped_tiles(shape.lora_rank))
+    if expand == "fused":  # one variant per linear width, as decode_config picks its tiles
+        return ("stacked", expand, tuple(sorted(shape.stacked_widths)))
     return ("stacked", expand, tuple(sorted({expand_tiles(num_tokens, n) for n in shape.stacked_widths}, key=repr)))
 
 

@@ -9,12 +9,13 @@ counter) sums the partials in split order, so results do not depend on timing.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from adapterserve.kernels.split_counters import prepare_split_counters, sms_of, split_counters
 
 FP8 = torch.float8_e4m3fn
 
@@ -84,25 +85,9 @@ def _w8a8_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, M, N
             tl.atomic_xchg(counter, 0)  # ready for the next call (and graph replay)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
 def prepare_w8a8(device: torch.device | str) -> None:
-    """Allocate the device's split-K tile counters (zeroed; each call's last split resets its
-    own). Call before CUDA-graph capture: a capture cannot initialize memory."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(1 << 16, dtype=torch.int32, device=device)
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    if device not in _COUNTERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fp8_w8a8_linear: call prepare_w8a8(device) before capturing a CUDA graph")
-        prepare_w8a8(device)
-    return _COUNTERS[device]
+    """Allocate the device's split-K tile counters before CUDA-graph capture."""
+    prepare_split_counters(device)
 
 
 def fp8_w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
@@ -112,23 +97,16 @@ def fp8_w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
     m, k = xq.shape
     n = weight.shape[0]
     if config is None:
-        config = choose_w8a8_config(m, n, k, _sms(xq.device))
+        config = choose_w8a8_config(m, n, k, sms_of(xq.device))
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), config.split_k)
-    if grid[0] * grid[1] > _counters(xq.device).numel():
+    if grid[0] * grid[1] > split_counters(xq.device).numel():
         raise ValueError(f"fp8_w8a8_linear: {grid[0] * grid[1]} output tiles exceed the counters; use larger tiles")
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     partials = (torch.empty(config.split_k, m, n, dtype=torch.float32, device=xq.device) if config.split_k > 1
                 else y)
-    _w8a8_kernel[grid](xq, x_scale, weight, w_scale, y, partials, _counters(xq.device), m, n, k, k_per_split,
+    _w8a8_kernel[grid](xq, x_scale, weight, w_scale, y, partials, split_counters(xq.device), m, n, k, k_per_split,
                        xq.stride(0), weight.stride(0), y.stride(0),
                        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                        SPLIT_K=config.split_k, num_warps=config.num_warps, num_stages=config.num_stages)
     return y
-
-
-@functools.cache
-def _sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few programs
-    return torch.cuda.get_device_properties(device).multi_processor_count

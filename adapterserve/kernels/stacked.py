@@ -10,7 +10,9 @@ each token's own columns of that output (``ops.stacked_expand``). Two expands, c
 step from the step's distinct adapters (``choose_expand``, a host int): the tiled one
 (kernels/stacked_tiled.py: a token tile walks the rows its tokens use, best with few
 adapters) and the grouped one (kernels/stacked_grouped.py: a program per adapter's
-tokens, best with many). Their tiles come from ``expand_tiles`` / ``grouped_tiles``,
+tokens, best with many). With lora_decode="fused", a decode step with at most
+FUSED_MAX_ADAPTERS adapters runs GEMM, shrink and expand in one launch instead
+(kernels/stacked_fused.py, ``ops.stacked_fused_linear``). Their tiles come from ``expand_tiles`` / ``grouped_tiles``,
 host-only choosers warm-up calls too.
 
 ``rows`` is a host int from a few sizes (``row_bucket``): a CUDA graph captures one
@@ -30,11 +32,13 @@ from adapterserve.kernels.metadata import AdapterBatchMeta
 
 MIN_ROW_BUCKET = 16
 STACKED_MAX_TOKENS = 256  # larger batches (prefill) keep the segmented kernels
+FUSED_MAX_TOKENS = 64  # the fused linear's steps: at most this many tokens (decode_gemm.MAX_ROWS) ...
+FUSED_MAX_ADAPTERS = 2  # ... over at most this many distinct adapters (each adds a dot to every tile's tail)
 MAX_SLICES = 4  # as segment_common.MAX_SLICES: slices one expand launch covers
 # a step whose tokens use at least this many distinct adapters runs the grouped expand, fewer the
 # tiled one (benchmarks/fused_update.py prints the crossover)
 GROUPED_MIN_ADAPTERS = 8
-EXPANDS = ("tiled", "grouped")
+EXPANDS = ("tiled", "grouped", "fused")
 
 
 @dataclass(frozen=True)
@@ -75,29 +79,40 @@ def grouped_tiles(max_rank: int) -> GroupedTiles:
     return GroupedTiles(min(64, max(16, 1 << max(max_rank - 1, 0).bit_length())), 128, 512)
 
 
-def choose_expand(distinct_adapters: int) -> str:
-    """The expand a step runs ("tiled" or "grouped") from its count of distinct adapters."""
+def choose_expand(distinct_adapters: int, num_tokens: int = 1, fused: bool = False) -> str:
+    """The expand a step runs ("tiled", "grouped", or with ``fused`` (lora_decode="fused")
+    "fused": the whole linear in one launch, kernels/stacked_fused.py) from its count of
+    distinct adapters and of rows."""
+    if fused and distinct_adapters <= FUSED_MAX_ADAPTERS and num_tokens <= FUSED_MAX_TOKENS:
+        return "fused"
     return "grouped" if distinct_adapters >= GROUPED_MIN_ADAPTERS else "tiled"
 
 
-def expand_for_slots(slots: Sequence[int] | np.ndarray) -> str:
-    """choose_expand for a step's per-token adapter slots (host values, -1: none)."""
+def expand_for_slots(slots: Sequence[int] | np.ndarray, fused: bool = False, num_tokens: int | None = None) -> str:
+    """choose_expand for a step's per-token adapter slots (host values, -1: none); num_tokens:
+    the rows the step's kernels see, when not one per slot (a graph's bucket)."""
     values = np.asarray(slots)
-    return choose_expand(len(np.unique(values[values >= 0])))
+    return choose_expand(len(np.unique(values[values >= 0])), len(values) if num_tokens is None else num_tokens,
+                         fused)
 
 
-def reachable_expands(num_tokens: int, num_slots: int) -> tuple[str, ...]:
-    """The expands a step of num_tokens rows over num_slots adapter slots can choose."""
-    chosen = {choose_expand(n) for n in range(1, min(num_tokens, num_slots) + 1)}
+def reachable_expands(num_tokens: int, num_slots: int, fused: bool = False, max_requests: int | None = None
+                      ) -> tuple[str, ...]:
+    """The expands a step of num_tokens rows over num_slots adapter slots can choose (its
+    distinct adapters: at most one per row, or per request where max_requests bounds them)."""
+    most = min(num_tokens if max_requests is None else max_requests, num_tokens, num_slots)
+    chosen = {choose_expand(n, num_tokens, fused) for n in range(1, most + 1)}
     return tuple(e for e in EXPANDS if e in chosen)
 
 
 @dataclass
 class RowsInUse:
     """Pool rows the stacked GEMMs cover (a row bucket; 0 = none in use). Shared by every
-    stacked linear of an engine, written by the LoRA pool as adapters come and go."""
+    stacked linear of an engine, written by the LoRA pool as adapters come and go.
+    fused: steps with few adapters run the fused linear (lora_decode="fused")."""
 
     rows: int = 0
+    fused: bool = False
 
 
 @dataclass

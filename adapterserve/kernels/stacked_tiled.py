@@ -35,6 +35,21 @@ def _chunk_rows(r0, row0, end, CHUNK_ROWS: tl.constexpr):
 
 
 @triton.jit
+def token_rows(rank_ptr, row_start_ptr, slots_ptr, t, tmask, sl, rows, max_rank, stride_rs, stride_rslot):
+    """Each token's pool rows [row0, end) on slice sl (empty without adapter, never past the
+    GEMM's rows), and the range [lo, hi) any of them uses."""
+    slot = tl.load(slots_ptr + t, mask=tmask, other=-1)
+    safe = tl.maximum(slot, 0)
+    rank = tl.minimum(tl.load(rank_ptr + sl * stride_rs + safe * stride_rslot), max_rank)
+    row0 = tl.load(row_start_ptr + sl * stride_rs + safe * stride_rslot)
+    end = tl.where(slot >= 0, tl.minimum(row0 + rank, rows), row0)
+    used = end > row0
+    lo = tl.min(tl.where(used, row0, rows), axis=0)
+    hi = tl.max(tl.where(used, end, 0), axis=0)
+    return row0, end, lo, hi
+
+
+@triton.jit
 def _b_rows(b_ptr, rr, row_used, n, nmask, stride_br, stride_bn):
     """Those rows of B (zero where no token of the tile uses one: a row being written or
     freed is never read)."""
@@ -101,15 +116,8 @@ def _tiled_expand_kernel(
     tile_mask = tmask[:, None] & nmask[None, :]
     if not USE_PDL:
         acc = base_tile(out_rows, bias_ptr, n, tile_mask, nmask, stride_on, HAS_BIAS)
-    # each token's pool rows [row0, end) on this slice; empty without adapter, never past the GEMM's rows
-    slot = tl.load(slots_ptr + t, mask=tmask, other=-1)
-    safe = tl.maximum(slot, 0)
-    rank = tl.minimum(tl.load(rank_ptr + sl * stride_rs + safe * stride_rslot), max_rank)
-    row0 = tl.load(row_start_ptr + sl * stride_rs + safe * stride_rslot)
-    end = tl.where(slot >= 0, tl.minimum(row0 + rank, rows), row0)
-    used = end > row0
-    lo = tl.min(tl.where(used, row0, rows), axis=0)
-    hi = tl.max(tl.where(used, end, 0), axis=0)
+    row0, end, lo, hi = token_rows(rank_ptr, row_start_ptr, slots_ptr, t, tmask, sl, rows, max_rank, stride_rs,
+                                   stride_rslot)
     first = lo
     if USE_PDL:
         acc, first = _first_chunk_after_wait(out_rows, bias_ptr, b_ptr, lo, hi, row0, end, n, nmask, tile_mask,

@@ -14,6 +14,9 @@ one float32 scale per output channel (an FP8 backbone). FP8 kernels, chosen by
 On CPU, scaled_mm and w8a8_triton are emulated in float32 (their e4m3 activations times the
 dequantized weight); the others run the reference.
 
+Weights in the activations' dtype run F.linear (cuBLAS), or for decode batches our split-K
+GEMM (kernels/decode_gemm.py) as ``decode_gemm`` says (EngineConfig.decode_gemm).
+
 The kernels that quantize activations take them either as x (quantized here, one launch)
 or already quantized by the op that made x (``quantized``: kernels/fp8_fused.py), which
 must be exactly quantize_rows(x).
@@ -25,20 +28,28 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from adapterserve.config import FP8_GEMMS
+from adapterserve.config import DECODE_GEMMS, FP8_GEMMS
 
 ACTIVATION_QUANTIZING = ("scaled_mm", "w8a8_triton")  # kernels that round activations to e4m3 per token
 AUTO_W8A8_MAX_TOKENS = 64  # "auto" on sm_90+: the Triton W8A8 GEMM up to this many tokens
+DECODE_GEMM_MAX_ROWS = 64  # kernels/decode_gemm.MAX_ROWS
+AUTO_WIDE, AUTO_DEEP = 16384, 8192  # decode_gemm "auto": ours for outputs or inputs at least this wide
 QuantizedRows = tuple[torch.Tensor, torch.Tensor]  # (q [T, K] float8_e4m3fn, scale [T, 1] float32)
 
 
 def base_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
-                bias: torch.Tensor | None, fp8_gemm: str = "auto", quantized: QuantizedRows | None = None
-                ) -> torch.Tensor:
+                bias: torch.Tensor | None, fp8_gemm: str = "auto", quantized: QuantizedRows | None = None,
+                decode_gemm: str = "cublas") -> torch.Tensor:
     """x: [T, K] -> [T, N] in x's dtype. weight_scale: None (weight in x's dtype) or [N].
-    quantized: x's per-token e4m3 rounding, if already made (used by the kernels that need it)."""
+    quantized: x's per-token e4m3 rounding, if already made (used by the kernels that need it).
+    decode_gemm: which kernel runs a decode batch's product with weights in x's dtype."""
     if weight_scale is None:
-        return F.linear(x, weight, bias)
+        if not uses_decode_gemm(decode_gemm, x, weight):
+            return F.linear(x, weight, bias)
+        from adapterserve.kernels.decode_gemm import decode_config, decode_gemm as triton_decode_gemm
+
+        y = triton_decode_gemm(x, weight, decode_config(*weight.shape))
+        return y if bias is None else y.add_(bias)
     y = fp8_linear(x, weight, weight_scale, fp8_gemm, quantized)
     return y if bias is None else y.add_(bias)
 
@@ -116,6 +127,22 @@ def fp8_a8_emulated(q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor
     """What scaled_mm / w8a8_triton compute, in float32 torch (CPU): the e4m3 activations
     times the dequantized weight, rounded once to out_dtype."""
     return F.linear(q.float() * x_scale, _dequantized(weight, weight_scale)).to(out_dtype)
+
+
+def uses_decode_gemm(decode_gemm: str, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether our decode GEMM (kernels/decode_gemm.py) runs x @ weight.T: "triton" for every
+    CUDA batch of 1 to 64 contiguous rows; "auto" for those on sm_90+ where the output is wide
+    or the input deep (where it measured faster than cuBLAS); never "cublas"."""
+    if decode_gemm not in DECODE_GEMMS:
+        raise ValueError(f"decode_gemm must be one of {', '.join(DECODE_GEMMS)}, got {decode_gemm!r}")
+    if decode_gemm == "cublas" or not x.is_cuda or not 0 < x.shape[0] <= DECODE_GEMM_MAX_ROWS:
+        return False
+    if x.stride(1) != 1 or weight.stride(1) != 1 or weight.dtype != x.dtype:
+        return False
+    if decode_gemm == "triton":
+        return True
+    n, k = weight.shape
+    return _capability(x.device.index) >= (9, 0) and (n >= AUTO_WIDE or k >= AUTO_DEEP)
 
 
 def resolve_fp8_gemm(fp8_gemm: str, device: torch.device, tokens: int = 1) -> str:

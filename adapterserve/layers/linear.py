@@ -26,9 +26,10 @@ from adapterserve.kernels import (
     lora_shrink,
     stacked_expand,
 )
+from adapterserve.kernels.ops import stacked_fused_linear
 from adapterserve.kernels.fp8_fused import rms_norm_quant
 from adapterserve.kernels.fused import add_rms_norm, rms_norm
-from adapterserve.kernels.stacked import STACKED_MAX_TOKENS, StackedWeight, stacked_gemm
+from adapterserve.kernels.stacked import FUSED_MAX_TOKENS, STACKED_MAX_TOKENS, StackedWeight, stacked_gemm
 from adapterserve.layers.base_gemm import (
     ACTIVATION_QUANTIZING,
     QuantizedRows,
@@ -93,6 +94,7 @@ class AdapterLinear(torch.nn.Module):
             else None
         )
         self.fp8_gemm = "auto"  # which FP8 kernel runs the base product (layers.base_gemm)
+        self.decode_gemm = "cublas"  # which kernel runs a decode batch's bf16/fp16 base product (base_gemm)
         self.fuse_input_quant = True  # FP8: may take its input quantized by the op that made it
         self.bias = (
             torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
@@ -139,7 +141,8 @@ class AdapterLinear(torch.nn.Module):
     def base_product(self, x: torch.Tensor, quantized: QuantizedRows | None = None) -> torch.Tensor:
         """The frozen base output x W^T + b, whatever the weights' storage (row-parallel over
         several ranks: this rank's partial product, without the bias)."""
-        return base_linear(x, self.weight, self.weight_scale, self._local_bias(), self.fp8_gemm, quantized)
+        return base_linear(x, self.weight, self.weight_scale, self._local_bias(), self.fp8_gemm, quantized,
+                           self.decode_gemm)
 
     def _local_bias(self) -> torch.Tensor | None:
         """The bias this rank adds before any all-reduce: none on a row-parallel layer."""
@@ -168,10 +171,17 @@ class AdapterLinear(torch.nn.Module):
 
     def _stacked_lora(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """One GEMM over [W; A rows in use] gives the base output and every slot's shrink;
-        one launch (the expand the step chose) writes base + bias + each token's own expand."""
+        one launch (the expand the step chose) writes base + bias + each token's own expand.
+        A step that chose "fused" runs all of it in one launch."""
+        expand = ctx.lora.stacked_expand
+        if expand == "fused":
+            if x.shape[0] <= FUSED_MAX_TOKENS:
+                return stacked_fused_linear(x, self.stacked, self.lora, ctx.lora, self.stacked.rows_in_use.rows,
+                                            self._local_bias())
+            expand = "tiled"  # more rows than the fused linear takes (choose_expand never picks it for them)
         out = stacked_gemm(x, self.stacked, self.stacked.rows_in_use.rows)
         y = torch.empty(x.shape[0], self.stacked.n_out, dtype=x.dtype, device=x.device)
-        stacked_expand(out, self.lora, ctx.lora, y, self._local_bias(), ctx.lora.stacked_expand)
+        stacked_expand(out, self.lora, ctx.lora, y, self._local_bias(), expand)
         return y
 
 

@@ -1,5 +1,5 @@
-"""lora_decode="stacked": LoRA A rows under the base weight, one GEMM for base output and
-shrink. A mixed batch against PEFT + transformers one request at a time (float32, CPU);
+"""lora_decode="stacked" (and "fused"): LoRA A rows under the base weight, one GEMM for base
+output and shrink (with "fused", a step with few adapters runs each linear in one launch). A mixed batch against PEFT + transformers one request at a time (float32, CPU);
 adapters placed and evicted while others decode, and the per-step choice of expand,
 against the segmented kernels' engine; every family in one batch."""
 from itertools import product
@@ -32,9 +32,10 @@ def _prompts(vocab: int, count: int, gen: torch.Generator) -> list[list[int]]:
             for _ in range(count)]
 
 
-def test_stacked_mixed_batch_matches_peft_alone(setup):
+@pytest.mark.parametrize("mode", ["stacked", "fused"])
+def test_stacked_mixed_batch_matches_peft_alone(setup, mode):
     model_dir, adapter_dirs = setup
-    engine = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=8, lora_decode="stacked")
+    engine = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=8, lora_decode=mode)
     for _, linear in engine.model.adapter_linears():
         assert linear.stacked is not None and linear.weight.data_ptr() == linear.stacked.buffer.data_ptr()
     for name, path in adapter_dirs.items():
@@ -91,17 +92,18 @@ def test_stacked_places_and_evicts_while_others_decode(setup, device):
     assert len(rows_seen - {0}) > 1, rows_seen
 
 
+@pytest.mark.parametrize("mode", ["stacked", "fused"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_stacked_expand_follows_the_step_s_distinct_adapters(setup, device):
+def test_stacked_expand_follows_the_step_s_distinct_adapters(setup, device, mode):
     """Eight adapters decoding together, then fewer as requests end: each step runs the
-    grouped expand from GROUPED_MIN_ADAPTERS distinct adapters on, the tiled one below
-    (on a GPU a decode graph per choice); every request gets the segmented kernels'
-    engine's tokens (float32)."""
+    grouped expand from GROUPED_MIN_ADAPTERS distinct adapters on, the tiled one below, and
+    with lora_decode="fused" the fused linear from FUSED_MAX_ADAPTERS down (on a GPU a decode
+    graph per choice); every request gets the segmented kernels' engine's tokens (float32)."""
     from adapterserve.kernels.stacked import GROUPED_MIN_ADAPTERS, choose_expand
     from adapterserve.layers.context import get_context
 
     model_dir, adapter_dirs = setup
-    stacked = Engine.from_pretrained(model_dir, device, max_lora_rank=64, max_loras=8, lora_decode="stacked")
+    stacked = Engine.from_pretrained(model_dir, device, max_lora_rank=64, max_loras=8, lora_decode=mode)
     kernels = Engine.from_pretrained(model_dir, device, max_lora_rank=64, max_loras=8)
     for engine in (stacked, kernels):
         for name, path in adapter_dirs.items():
@@ -111,7 +113,7 @@ def test_stacked_expand_follows_the_step_s_distinct_adapters(setup, device):
     prompts = _prompts(stacked.model_config.vocab_size, len(ids), torch.Generator().manual_seed(6))
     params = [SamplingParams(max_tokens=2 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(len(ids))]
 
-    steps: list[tuple[int, str]] = []  # (distinct adapters, expand) of each eager forward with LoRA rows
+    steps: list[tuple[int, int, str]] = []  # (distinct adapters, rows, expand) of each eager forward with LoRA rows
 
     def record(_module, _args):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -119,7 +121,7 @@ def test_stacked_expand_follows_the_step_s_distinct_adapters(setup, device):
         meta = get_context().lora
         if meta is not None:
             slots = meta.token_slots
-            steps.append((len(set(slots[slots >= 0].tolist())), meta.stacked_expand))
+            steps.append((len(set(slots[slots >= 0].tolist())), len(slots), meta.stacked_expand))
 
     handle = stacked.model.register_forward_pre_hook(record)
     got_logits, want_logits = record_logits(stacked), record_logits(kernels)
@@ -129,10 +131,11 @@ def test_stacked_expand_follows_the_step_s_distinct_adapters(setup, device):
         handle.remove()
     want = kernels.generate(prompts, params, adapter_ids=ids)
     _assert_same_outputs(got, want, got_logits, want_logits, device)
-    assert all(expand == choose_expand(distinct) for distinct, expand in steps), steps
+    fused = mode == "fused"
+    assert all(expand == choose_expand(distinct, rows, fused) for distinct, rows, expand in steps), steps
     graphs = stacked.runner.graphs
-    chosen = {expand for _, expand in steps} | ({key[3] for key in graphs._graphs} if graphs is not None else set())
-    assert {"tiled", "grouped"} <= chosen, steps
+    chosen = {step[2] for step in steps} | ({key[3] for key in graphs._graphs} if graphs is not None else set())
+    assert {"tiled", "grouped"} | ({"fused"} if fused else set()) <= chosen, steps
 
 
 def test_decode_graph_keys_follow_the_stacked_row_bucket(setup):
@@ -208,7 +211,11 @@ def test_lora_decode_names_the_choices():
     from adapterserve.config import EngineConfig
 
     with pytest.raises(ValueError, match="lora_decode must be one of"):
-        EngineConfig(lora_decode="fused")
+        EngineConfig(lora_decode="fuse")
+    with pytest.raises(ValueError, match='lora_decode="fused" stores LoRA A rows'):
+        EngineConfig(lora_decode="fused", dtype="fp8")
+    with pytest.raises(ValueError, match="decode_gemm must be one of"):
+        EngineConfig(decode_gemm="cutlass")
 
 
 def _assert_same_outputs(got, want, got_logits, want_logits, device: str) -> None:

@@ -89,7 +89,7 @@ def test_padded_mixed_steps_match_the_eager_engine(adapters, names):
     assert {key[0] for key in mixed._graphs} <= set(mixed.buckets)
 
 
-@pytest.mark.parametrize("lora_decode", ["kernels", "stacked"])
+@pytest.mark.parametrize("lora_decode", ["kernels", "stacked", "fused"])
 def test_each_padded_step_equals_the_eager_step_on_the_same_inputs(adapters, lora_decode):
     """Every step the mixed graphs take, also run eagerly on the same inputs (both write
     the same KV entries): the generating rows' logits match, in buckets mostly padding.
@@ -148,7 +148,7 @@ def test_tensor_parallel_workers_replay_the_same_padded_step(adapters):
         tp.close()
 
 
-@pytest.mark.parametrize("lora_decode", ["kernels", "stacked"])
+@pytest.mark.parametrize("lora_decode", ["kernels", "stacked", "fused"])
 def test_warm_up_plans_every_mixed_graph_key_a_run_reaches(adapters, lora_decode):
     """Warm-up over mixed graphs (off CUDA it records each key it would capture and runs its
     forward once): every variant reached; a run of

@@ -174,6 +174,25 @@ def test_stacked_lora_warm_up_covers_its_row_buckets_and_expand_tiles(llama_dir,
     assert {v[4] for v in reachable(shape) if v[0] == "graph" and "lora" not in v[2]} == {None}
 
 
+def test_fused_lora_warm_up_covers_the_fused_linear(llama_dir, adapters):
+    """lora_decode="fused": warm-up reaches the fused linear beside the stacked expands, a
+    mixed run uses nothing it did not reach, and each bucket's graphs cover every choice."""
+    from adapterserve.kernels.stacked import reachable_expands
+
+    engine = Engine.from_pretrained(llama_dir, warmup="force", **dict(ENGINE, lora_decode="fused"))
+    assert engine.warmup.missing == set(), sorted(map(str, engine.warmup.missing))
+    assert "fused" in {v[1] for v in engine.warmup.reached if v[0] == "stacked"}
+    outputs, seen = _recorded_mixed_run(engine, adapters, seed=7)
+    assert all(o.error is None for o in outputs)
+    assert seen <= engine.warmup.reached, sorted(map(str, seen - engine.warmup.reached))
+    engine.runner.enable_cuda_graphs(*decode_graph_limits(engine.config, engine.max_model_len))
+    shape = EngineShape.of(engine)
+    assert shape.lora_fused
+    graphs = {(v[1], v[4]) for v in reachable(shape) if v[0] == "graph" and "lora" in v[2]}
+    assert graphs == {(b, e) for b in (1, 2, 4) for e in reachable_expands(b, ENGINE["max_loras"], fused=True)}
+    assert ("fused" in {e for _, e in graphs}) and ("tiled" in {e for _, e in graphs})
+
+
 def test_warm_up_steps_find_their_adapters_resident(llama_dir):
     """A slot's copies land asynchronously on a GPU and the scheduler admits an adapter's
     requests only once they have: the warm-up places (and waits for) a step's adapters

@@ -129,3 +129,26 @@ def check_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, seed: 
     assert ref.norm() > 0, f"{what}: reference is all zero, the check would prove nothing; seed={seed}"
     err = rel_err(out, ref)
     assert err <= TOL[dtype], f"{what}: rel err {err:.2e} > {TOL[dtype]:.0e} ({dtype}); seed={seed}"
+
+
+def pdl_replays(chain, modes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """chain's output per PDL mode: its CUDA graph (captured with that mode) replayed three
+    times, the three outputs equal (asserted); PDL as the environment says afterwards."""
+    from adapterserve.kernels import pdl
+    from benchmarks.measure import capture
+
+    outs = {}
+    try:
+        for mode in modes:
+            pdl.set_pdl(mode)
+            graph, out = capture(chain)
+            replays = []
+            for _ in range(3):
+                graph.replay()
+                replays.append(out.clone())
+            torch.cuda.synchronize()
+            assert all(torch.equal(r, replays[0]) for r in replays), f"replays differ with PDL {mode}"
+            outs[mode] = replays[0]
+    finally:
+        pdl.set_pdl(None)
+    return outs

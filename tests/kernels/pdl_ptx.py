@@ -13,11 +13,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from adapterserve.kernels import fused, segment_gemv, stacked_grouped, stacked_tiled
+from adapterserve.kernels import decode_gemm, fused, segment_gemv, stacked_fused, stacked_grouped, stacked_tiled
 
 INT_POINTERS = {"slots_ptr", "rank_ptr", "row_start_ptr", "sorted_ptr", "tile_slots_ptr", "tile_starts_ptr",
-                "tile_ends_ptr", "slot_starts_ptr", "pos_ptr", "slot_ptr"}
-FLOAT_POINTERS = {"cos_ptr", "sin_ptr"}
+                "tile_ends_ptr", "slot_starts_ptr", "pos_ptr", "slot_ptr", "count_ptr"}
+FLOAT_POINTERS = {"cos_ptr", "sin_ptr", "part_ptr", "part_a_ptr"}
+GEMM = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2, "NUM_STAGES": 4, "IEEE": False}
 SLICES = {"NUM_SLICES": 3, "HAS_BIAS": False}
 TILED = {"IEEE": False, "BLOCK_M": 16, "BLOCK_N": 128, "CHUNK_ROWS": 16}
 KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
@@ -35,6 +36,9 @@ KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
     "grouped_expand": (stacked_grouped._grouped_expand_kernel,
                        {**SLICES, "DOT_PRECISION": "tf32", "ONE_R": True, "BLOCK_M": 16, "BLOCK_R": 16,
                         "BLOCK_N": 128, "GROUP_N": 512}),
+    "decode_gemm": (decode_gemm._decode_gemm_kernel, GEMM),
+    "stacked_fused": (stacked_fused._stacked_fused_kernel,
+                      {**SLICES, **GEMM, "CHUNK_ROWS": 16, "HAS_LORA": True, "ALIGNED": True}),
 }
 
 

@@ -138,17 +138,18 @@ def _stack_under_weight(linear: AdapterLinear, pool_rows: int, dtype: torch.dtyp
 
 
 class LoraPool:
-    """``stacked``: keep each linear's A rows under its base weight (EngineConfig.lora_decode)."""
+    """``stacked``: keep each linear's A rows under its base weight; ``fused``: and let steps with
+    few adapters run each linear in one launch (EngineConfig.lora_decode)."""
 
     family = "lora"
 
     def __init__(self, linears: list[tuple[int, AdapterLinear]], num_slots: int, pool_rows: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device | str, stacked: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device | str, stacked: bool = False, fused: bool = False) -> None:
         roles: dict[tuple, list[tuple[int, AdapterLinear]]] = defaultdict(list)
         for layer, linear in linears:
             roles[(linear.slice_kinds, linear.slice_widths, linear.in_features)].append((layer, linear))
         self.pool_rows = pool_rows
-        self.rows_in_use = RowsInUse() if stacked else None
+        self.rows_in_use = RowsInUse(fused=fused) if stacked else None
         self.stacks = [_Stack(group, num_slots, pool_rows, max_rank, dtype, device, self.rows_in_use)
                        for group in roles.values()]
         kinds = sorted({kind for stack in self.stacks for kind in stack.kinds})

@@ -1,0 +1,142 @@
+"""A decode GEMM of our own (Triton): ``y = x @ w.T`` for a decode batch (M <= 64 rows):
+one row tile, narrow column tiles, split over K until the grid gives each multiprocessor
+about ``waves`` programs, the K loop software-pipelined. It launches with programmatic
+dependent launch when that is on (kernels/pdl.py). Its loop and split-K sum are shared
+with the fused stacked LoRA linear (kernels/stacked_fused.py), which is why it exists:
+cuBLAS cannot take the LoRA update into its launch.
+
+Each split writes a float32 partial tile; the last split to finish a tile (a per-tile
+counter) sums the partials in split order, so results do not depend on timing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from adapterserve.kernels.pdl import pdl_args, pdl_wait
+from adapterserve.kernels.split_counters import sms_of, split_counters
+
+MAX_ROWS = 64  # the largest decode batch a launch takes
+
+
+@dataclass(frozen=True)
+class DecodeGemmConfig:
+    block_n: int = 32
+    block_k: int = 128
+    split_k: int = 0  # 0: chosen so that about `waves` programs run per multiprocessor
+    num_warps: int = 4
+    num_stages: int = 3
+    waves: int = 2
+
+
+WIDE = 16384  # output columns from which a program takes 128 of them (gate|up)
+
+
+def decode_config(n: int, k: int) -> DecodeGemmConfig:
+    """Tiles for a [<=64, k] x [k, n] decode product: 32 columns a program, 4 pipeline stages;
+    128 columns and 3 stages for wide outputs (the fastest in benchmarks/decode_gemm.py's
+    sweep over the 8B's projections)."""
+    if n >= WIDE:
+        return DecodeGemmConfig(block_n=128, block_k=128, num_stages=3)
+    return DecodeGemmConfig(block_n=32, block_k=128, num_stages=4)
+
+
+def split_for(n: int, k: int, config: DecodeGemmConfig, sms: int) -> int:
+    """config.split_k, or the split that brings the grid nearest `waves` programs per
+    multiprocessor while each split keeps at least two K chunks."""
+    if config.split_k:
+        return config.split_k
+    tiles, split = triton.cdiv(n, config.block_n), 1
+    while tiles * split * 2 <= config.waves * sms and k // (config.block_k * split * 2) >= 2:
+        split *= 2
+    return split
+
+
+@triton.jit
+def k_loop(acc, x_rows, w_rows, rm, M, n_mask, k_start, k_end, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+           IEEE: tl.constexpr):
+    """acc + x[rm, k_start:k_end] @ w[rows, k_start:k_end].T, BLOCK_K columns at a time (IEEE:
+    float32 products, not TF32)."""
+    rk = tl.arange(0, BLOCK_K)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + rk
+        x = tl.load(x_rows + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < k_end), other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k[None, :] < k_end), other=0.0)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def split_total(acc, part_ptr, counter, pid_k, rm, cols, out_mask, M, width, SPLIT_K: tl.constexpr):
+    """The tile's sum over its K splits, and whether this program holds it: with one split
+    always; else each split stores its float32 partial and the last to finish (the tile's
+    counter) sums them in split order and resets the counter."""
+    if SPLIT_K == 1:
+        total = acc
+        last = pid_k == 0
+    else:
+        tile = rm[:, None] * width + cols[None, :]
+        tl.store(part_ptr + pid_k * M * width + tile, acc, mask=out_mask)
+        tl.debug_barrier()
+        last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1
+        total = tl.zeros_like(acc)
+        if last:
+            for split in range(SPLIT_K):
+                total += tl.load(part_ptr + split * M * width + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(counter, 0)  # ready for the next call (and graph replay)
+    return total, last
+
+
+@triton.jit
+def _decode_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
+                        stride_xm, stride_wn, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, IEEE: tl.constexpr,
+                        USE_PDL: tl.constexpr = 0):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    pdl_wait(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, w_ptr + rn[:, None] * stride_wn, rm, M, n_mask,
+                 k_start, k_end, BLOCK_K, NUM_STAGES, IEEE)
+    out_mask = (rm[:, None] < M) & n_mask[None, :]
+    total, last = split_total(acc, part_ptr, count_ptr + pid_n, pid_k, rm, rn, out_mask, M, N, SPLIT_K)
+    if last:
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+def decode_gemm(x: torch.Tensor, weight: torch.Tensor, config: DecodeGemmConfig | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, K] (M <= 64, rows contiguous), weight: [N, K] (rows contiguous) -> y [M, N] in
+    x's dtype, accumulated in float32 (``out``, if given, receives it)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > MAX_ROWS or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"decode_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} need M <= {MAX_ROWS}, "
+                         "one K and contiguous rows")
+    config = config or DecodeGemmConfig()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    split = split_for(n, k, config, sms_of(x.device))
+    grid = (triton.cdiv(n, config.block_n), split)
+    counters = split_counters(x.device)
+    if grid[0] > counters.numel():
+        raise ValueError(f"decode_gemm: {grid[0]} output tiles exceed the counters; use wider tiles")
+    k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
+    partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    _decode_gemm_kernel[grid](x, weight, y, partials, counters, m, n, k, k_per_split,
+                              x.stride(0), weight.stride(0), y.stride(0),
+                              BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=config.block_n,
+                              BLOCK_K=config.block_k, SPLIT_K=split, NUM_STAGES=config.num_stages,
+                              IEEE=x.dtype == torch.float32,
+                              num_warps=config.num_warps, **pdl_args(x))
+    return y

@@ -1,0 +1,188 @@
+"""The stacked LoRA linear of a decode step in one launch: base GEMM, shrink and expand.
+
+One Triton grid over the columns of a stacked [W; A] buffer (kernels/stacked.py), split
+over K like the decode GEMM (kernels/decode_gemm.py). Its first tiles are the A rows
+(the shrink of every adapter in use); the rest are W's columns, tiled per slice. A shrink
+tile stores the tokens' shrink values and counts itself done. A base tile, once its K sum
+is whole, waits until every shrink tile is done, then adds its tokens' updates as the
+tiled expand does (kernels/stacked_tiled.py: a tensor-core dot per 16 pool rows its
+tokens use) and stores the layer output. The expand costs no launch of its own, and its
+base output never goes through memory in bf16.
+
+The shrink tiles come first in the grid, so they start first: a base tile waits only for
+programs that began before it. The last base tile resets the two step counters for the
+next call (and graph replay).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from adapterserve.kernels.decode_gemm import MAX_ROWS, DecodeGemmConfig, k_loop, split_for, split_total
+from adapterserve.kernels.lora_slices import LoraSlices
+from adapterserve.kernels.metadata import AdapterBatchMeta
+from adapterserve.kernels.pdl import pdl_args, pdl_wait
+from adapterserve.kernels.segment_common import MAX_SLICES, slice_group
+from adapterserve.kernels.split_counters import sms_of, split_counters
+from adapterserve.kernels.stacked import StackedWeight
+from adapterserve.kernels.stacked_tiled import (
+    CHUNK,
+    _b_rows,
+    _chunk_dot,
+    _chunk_rows,
+    _dot,
+    _shrink_rows,
+    token_rows,
+)
+
+STEP_COUNTERS = 2  # shrink tiles done, base tiles done: after the tile counters
+
+
+@triton.jit
+def _wait_for(flag_ptr, target):
+    """Spin until the counter at flag_ptr reaches target (acquire: the writes counted are seen)."""
+    done = tl.atomic_add(flag_ptr, 0, sem="acquire")
+    while done < target:
+        done = tl.atomic_add(flag_ptr, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _expand(acc, s_rows, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl, stride_br, stride_bn,
+            NUM_SLICES: tl.constexpr, IEEE: tl.constexpr, CHUNK_ROWS: tl.constexpr):
+    """acc + each token's update on columns n of slice sl (the tiled expand's walk); b_first:
+    the B rows of the first chunk, loaded earlier."""
+    if lo < hi:
+        rr, uses, row_used = _chunk_rows(lo, row0, end, CHUNK_ROWS)
+        acc = _dot(acc, _shrink_rows(s_rows, rr, uses, 0, sl, 1, NUM_SLICES), b_first, IEEE)
+    for r0 in range(lo + CHUNK_ROWS, hi, CHUNK_ROWS):
+        rr, uses, row_used = _chunk_rows(r0, row0, end, CHUNK_ROWS)
+        if tl.max(row_used.to(tl.int32), axis=0) > 0:
+            acc = _chunk_dot(acc, s_rows, b_ptr, rr, uses, row_used, n, nmask, 0, sl,
+                             1, stride_br, stride_bn, NUM_SLICES, IEEE)
+    return acc
+
+
+@triton.jit
+def _columns(pid, a_tiles, n_out, a_width, c1, c2, c3, c4, NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr,
+             SPLIT_K: tl.constexpr, ALIGNED: tl.constexpr):
+    """Program pid's tile: whether it is a shrink tile, its index among its kind, its K split,
+    its slice, its columns (of the shrink values or of the output) and their buffer rows."""
+    tile, pid_k = pid // SPLIT_K, pid % SPLIT_K
+    is_shrink = tile < a_tiles
+    tile = tl.where(is_shrink, tile, tile - a_tiles)
+    sl, n0, n_end = slice_group(tile, c1, c2, c3, c4, NUM_SLICES, BLOCK_N)
+    col0 = tl.where(is_shrink, tile * BLOCK_N, n0)
+    if ALIGNED:  # every slice starts at a multiple of 16: say so, for vector stores
+        col0 = tl.multiple_of(col0, 16)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    n_mask = cols < tl.where(is_shrink, a_width, n_end)
+    return is_shrink, tile, pid_k, sl, cols, n_mask, tl.where(is_shrink, n_out + cols, cols)
+
+
+@triton.jit(do_not_specialize=["M", "rows", "a_tiles"])
+def _stacked_fused_kernel(
+    x_ptr, w_ptr, y_ptr, s_ptr, part_ptr, part_a_ptr, count_ptr, b_ptr, bias_ptr, rank_ptr, row_start_ptr,
+    slots_ptr, M, K, k_per_split, n_out, rows, max_rank, a_tiles, b_tiles, c1, c2, c3, c4,
+    stride_xm, stride_wn, stride_ym, stride_sm, stride_br, stride_bn, stride_rs, stride_rslot,
+    NUM_SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, CHUNK_ROWS: tl.constexpr, HAS_LORA: tl.constexpr, ALIGNED: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
+):
+    a_width = rows * NUM_SLICES
+    is_shrink, tile, pid_k, sl, cols, n_mask, w_row = _columns(
+        tl.program_id(0), a_tiles, n_out, a_width, c1, c2, c3, c4, NUM_SLICES, BLOCK_N, SPLIT_K, ALIGNED)
+    rm = tl.arange(0, BLOCK_M)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if HAS_LORA:  # the tokens' rows and the first chunk of B: no activation, before the wait
+        row0, end, lo, hi = token_rows(rank_ptr, row_start_ptr, slots_ptr, rm, rm < M, sl, rows, max_rank,
+                                        stride_rs, stride_rslot)
+        hi = tl.where(is_shrink, lo, hi)  # a shrink tile's columns are no B columns: it reads none
+        rr, uses, row_used = _chunk_rows(lo, row0, end, CHUNK_ROWS)
+        b_first = _b_rows(b_ptr, rr, row_used & (rr < hi), cols, n_mask, stride_br, stride_bn)
+    pdl_wait(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, w_ptr + w_row[:, None] * stride_wn, rm, M, n_mask,
+                 k_start, k_end, BLOCK_K, NUM_STAGES, IEEE)
+    out_mask = (rm[:, None] < M) & n_mask[None, :]
+    step = count_ptr + a_tiles + b_tiles  # shrink tiles done, then base tiles past their wait
+    if is_shrink:
+        total, last = split_total(acc, part_a_ptr, count_ptr + tile, pid_k, rm, cols, out_mask, M, a_width, SPLIT_K)
+        if last:
+            tl.store(s_ptr + rm[:, None] * stride_sm + cols[None, :], total.to(s_ptr.dtype.element_ty),
+                     mask=out_mask)
+            tl.debug_barrier()
+            tl.atomic_add(step, 1, sem="release")
+    else:
+        total, last = split_total(acc, part_ptr, count_ptr + a_tiles + tile, pid_k, rm, cols, out_mask, M, n_out,
+                                  SPLIT_K)
+        if last:
+            if HAS_LORA:
+                _wait_for(step, a_tiles)
+                total = _expand(total, s_ptr + rm[:, None] * stride_sm, b_ptr, b_first, row0, end, lo, hi, cols,
+                                n_mask, sl, stride_br, stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS)
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + rm[:, None] * stride_ym + cols[None, :], total.to(y_ptr.dtype.element_ty),
+                     mask=out_mask)
+            if HAS_LORA:
+                # a base tile counts itself past its wait; the last one resets both counters (relaxed:
+                # the count follows the wait it depends on, and the next call starts after this one ends)
+                if tl.atomic_add(step + 1, 1, sem="relaxed") == b_tiles - 1:
+                    tl.atomic_xchg(step, 0, sem="relaxed")
+                    tl.atomic_xchg(step + 1, 0, sem="relaxed")
+
+
+def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, meta: AdapterBatchMeta, rows: int,
+                  bias: torch.Tensor | None = None, config: DecodeGemmConfig | None = None) -> torch.Tensor:
+    """x: [T, K] (T <= 64) -> the layer output [T, N]: x @ W.T + each token's own LoRA update
+    from pool rows [0, rows) (semantics of stacked_gemm then reference.stacked_expand), one
+    launch. B has the LoRA scaling folded in; tokens with slot -1 get the base output."""
+    m, k = x.shape
+    n_slices, offs, n_out = lora.num_slices, lora.out_offsets, stacked.n_out
+    _check(x, stacked, lora, rows, bias)
+    config = config or DecodeGemmConfig()
+    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    a_width = rows * n_slices
+    a_tiles = triton.cdiv(a_width, config.block_n)
+    b_tiles = sum(triton.cdiv(offs[s + 1] - offs[s], config.block_n) for s in range(n_slices))
+    split = split_for(n_out + a_width, k, config, sms_of(x.device))
+    counters = split_counters(x.device)
+    if a_tiles + b_tiles + STEP_COUNTERS > counters.numel():
+        raise ValueError(f"stacked_fused: {a_tiles + b_tiles} tiles exceed the counters; use wider tiles")
+    s = torch.empty(m, max(a_width, 1), dtype=x.dtype, device=x.device)
+    partials = torch.empty(split, m, n_out, dtype=torch.float32, device=x.device) if split > 1 else y
+    partials_a = torch.empty(split, m, max(a_width, 1), dtype=torch.float32, device=x.device)
+    c = list(offs[1:]) + [0] * (MAX_SLICES - n_slices)
+    _stacked_fused_kernel[((a_tiles + b_tiles) * split,)](
+        x, stacked.buffer, y, s, partials, partials_a, counters, lora.b, bias if bias is not None else y, lora.rank,
+        lora.row_start, meta.token_slots, m, k, triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k,
+        n_out, rows, lora.max_rank, a_tiles, b_tiles, *c,
+        x.stride(0), stacked.buffer.stride(0), y.stride(0), s.stride(0), lora.b.stride(0), lora.b.stride(1),
+        lora.rank.stride(0), lora.rank.stride(1),
+        NUM_SLICES=n_slices, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        SPLIT_K=split, NUM_STAGES=config.num_stages, CHUNK_ROWS=CHUNK, HAS_LORA=rows > 0,
+        ALIGNED=all(o % 16 == 0 for o in offs), num_warps=config.num_warps, **pdl_args(x))
+    return y
+
+
+def _check(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, rows: int, bias: torch.Tensor | None) -> None:
+    m, k = x.shape
+    if m > MAX_ROWS or stacked.buffer.shape[1] != k or x.stride(1) != 1 or stacked.buffer.stride(1) != 1:
+        raise ValueError(f"stacked_fused: x {tuple(x.shape)} and the buffer {tuple(stacked.buffer.shape)} need "
+                         f"T <= {MAX_ROWS}, one K and contiguous rows")
+    if stacked.buffer.shape[0] * stacked.buffer.stride(0) >= 2**31:
+        raise ValueError("stacked_fused: the buffer's offsets need 64 bits; this kernel indexes in 32")
+    if not 0 <= rows <= stacked.pool_rows:
+        raise ValueError(f"rows must be in [0, {stacked.pool_rows}], got {rows}")
+    if lora.out_offsets[-1] != stacked.n_out or lora.num_slices != stacked.n_slices:
+        raise ValueError("stacked_fused: the pool's slices do not match the stacked weight's")
+    if lora.num_slices > MAX_SLICES:
+        raise ValueError(f"{lora.num_slices} slices in one launch; at most {MAX_SLICES} are supported")
+    if lora.b.dtype != x.dtype:
+        raise ValueError(f"B ({lora.b.dtype}) and x ({x.dtype}) must share a dtype")
+    if bias is not None and bias.shape != (stacked.n_out,):
+        raise ValueError(f"bias must be [N={stacked.n_out}], got {tuple(bias.shape)}")

@@ -1,0 +1,104 @@
+"""The fused stacked LoRA linear (kernels/stacked_fused.py: base GEMM, shrink and expand in
+one launch) against the float32 base GEMM plus the reference shrink and expand, with the
+stacked path's cases (every popularity pattern, mixed ranks, tokens without adapter,
+bias, ragged slices), output poisoned before use; on a GPU also the 8B's shapes and CUDA
+graph replays with PDL on and off."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from adapterserve.kernels.decode_gemm import DecodeGemmConfig
+from adapterserve.kernels.split_counters import prepare_split_counters
+from adapterserve.kernels.lora_slices import LoraSlices
+from adapterserve.kernels.metadata import build_adapter_meta
+from adapterserve.kernels.stacked_fused import stacked_fused
+
+from .cases import check_close, expand_touched, fresh_generator, gpu, interpreted, needs_cuda, pdl_replays
+from .test_stacked import CPU_CASES, GPU_CASES, _oracle, _stacked_case
+
+CPU_FUSED = [c for c in CPU_CASES if c[1] <= 64]
+GPU_FUSED = [c for c in GPU_CASES if c[1] <= 64]
+SMALL = DecodeGemmConfig(block_n=16, block_k=32, split_k=1)
+
+
+def _on(device: str, x, stacked, lora, bias, slots):
+    stacked.buffer = stacked.buffer.to(device)
+    lora_dev = LoraSlices(stacked.lora_a(), lora.b.to(device), lora.row_start.to(device), lora.rank.to(device),
+                          lora.out_offsets, lora.max_rank)
+    meta = build_adapter_meta(slots.to(device), lora.rank.shape[1])
+    return x.to(device), stacked, lora_dev, None if bias is None else bias.to(device), meta
+
+
+def _run(case, dtype, device, config):
+    gen, seed = fresh_generator()
+    x, stacked, lora, bias, slots, rows = _stacked_case(case, dtype, gen)
+    ref = _oracle(x, stacked, lora, bias, slots)
+    x_dev, stacked, lora_dev, bias_dev, meta = _on(device, x, stacked, lora, bias, slots)
+    y = stacked_fused(x_dev, stacked, lora_dev, meta, rows, bias_dev, config).cpu()
+    check_close(y, ref, dtype, seed, f"fused {case}")
+    touched = expand_touched(lora, slots)
+    base32 = F.linear(x.float(), stacked.weight().float().cpu(), None if bias is None else bias.float())
+    if touched.any():
+        check_close((y.float() - base32)[touched], (ref - base32)[touched], dtype, seed, f"update {case}")
+    if (~touched).any():
+        check_close(y[~touched].float(), base32[~touched], dtype, seed, f"untouched {case}")
+
+
+@interpreted
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CPU_FUSED, ids=str)
+def test_fused_interpreted(case, dtype, split):
+    _run(case, dtype, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=split))
+
+
+@interpreted
+def test_fused_twice_resets_its_counters():
+    case = CPU_FUSED[0]
+    for _ in range(2):
+        _run(case, torch.float32, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=3))
+
+
+def test_fused_refuses_what_it_cannot_take():
+    gen, _ = fresh_generator()
+    x, stacked, lora, bias, slots, rows = _stacked_case(CPU_FUSED[0], torch.float32, gen)
+    meta = build_adapter_meta(slots, lora.rank.shape[1])
+    with pytest.raises(ValueError, match="T <= 64"):
+        stacked_fused(torch.zeros(65, x.shape[1]), stacked, lora, meta, rows)
+    with pytest.raises(ValueError, match="rows must be"):
+        stacked_fused(x, stacked, lora, meta, stacked.pool_rows + 1)
+    with pytest.raises(ValueError, match="share a dtype"):
+        stacked_fused(x, stacked, LoraSlices(lora.a, lora.b.half(), lora.row_start, lora.rank, lora.out_offsets,
+                                             lora.max_rank), meta, rows)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("config", [DecodeGemmConfig(), DecodeGemmConfig(block_n=64, split_k=4)],
+                         ids=["default", "n64-split4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", GPU_FUSED, ids=str)
+def test_fused_gpu(case, dtype, config):
+    _run(case, dtype, "cuda", config)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["early", "exit"])
+def test_fused_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
+    """Two fused linears back to back, replayed: PDL on gives PDL off's bits, every replay."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90")
+    prepare_split_counters("cuda")
+    gen, seed = fresh_generator()
+    case = ("uniform", 64, 8, 4096, (4096,), 16, 0.1, False, "bucket")
+    x, stacked, lora, bias, slots, rows = _stacked_case(case, torch.bfloat16, gen)
+    x, stacked, lora, _, meta = _on("cuda", x, stacked, lora, bias, slots)
+
+    def chain():
+        return stacked_fused(torch.relu(stacked_fused(x, stacked, lora, meta, rows)), stacked, lora, meta, rows)
+
+    outs = pdl_replays(chain, ("off", mode))
+    assert torch.equal(outs["off"], outs[mode]), f"seed {seed}"
