@@ -38,6 +38,7 @@ def attach_lora_side_stream(model: DecoderModel, device: str) -> None:
     for _, linear in model.adapter_linears():
         linear.side_stream = side
 
+
 def use_decode_gemm(model: DecoderModel, kernel: str, device: str) -> None:
     """Every adapter linear's decode base product through ``kernel`` (EngineConfig.decode_gemm);
     on a GPU the split-K counters our kernels need are allocated now, before any graph capture."""

@@ -9,9 +9,10 @@ tiled expand does (kernels/stacked_tiled.py: a tensor-core dot per 16 pool rows 
 tokens use) and stores the layer output. The expand costs no launch of its own, and its
 base output never goes through memory in bf16.
 
-The shrink tiles come first in the grid, so they start first: a base tile waits only for
-programs that began before it. The last base tile resets the two step counters for the
-next call (and graph replay).
+The shrink tiles come first in the grid and a GPU starts a grid's programs in order, so a
+base tile waits only for programs already running (with PDL the next kernel launches only
+once every program of this one has started, so its waiting programs cannot crowd them out).
+The last base tile resets the two step counters for the next call (and graph replay).
 """
 from __future__ import annotations
 

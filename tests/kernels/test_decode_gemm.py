@@ -57,6 +57,17 @@ def test_refuses_what_it_cannot_take():
         decode_gemm(torch.zeros(4, 8), w)
 
 
+def test_base_products_take_it_only_on_a_gpu_and_by_name():
+    from adapterserve.layers.base_gemm import base_linear, uses_decode_gemm
+
+    x, w = torch.randn(4, 32), torch.randn(48, 32)
+    for kernel in ("cublas", "triton", "auto"):
+        assert not uses_decode_gemm(kernel, x, w)  # CPU tensors: F.linear
+        assert torch.allclose(base_linear(x, w, None, None, decode_gemm=kernel), x @ w.T, atol=1e-5)
+    with pytest.raises(ValueError, match="decode_gemm must be one of"):
+        uses_decode_gemm("cutlass", x, w)
+
+
 SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # q|k|v, o, gate|up, down
 
 
