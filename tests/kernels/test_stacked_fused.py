@@ -47,8 +47,7 @@ def _run(case, dtype, device, config):
 
 
 @interpreted
-@pytest.mark.parametrize("split", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype,split", [(torch.float32, 1), (torch.float16, 2)], ids=["f32-whole-k", "f16-split-k"])
 @pytest.mark.parametrize("case", CPU_FUSED, ids=str)
 def test_fused_interpreted(case, dtype, split):
     _run(case, dtype, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=split))
