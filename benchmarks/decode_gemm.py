@@ -89,7 +89,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="one K chunk depth (128) in the sweep")
-    p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny shapes: the code runs, figures mean nothing")
+    p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny shapes: the figures mean nothing")
     args = p.parse_args()
     if args.smoke:
         device, dtype, shape, layers, tokens, name = "cpu", torch.float32, SHAPES["tiny"], 2, 8, "CPU (smoke)"

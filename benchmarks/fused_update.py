@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from adapterserve.kernels import lora_expand, lora_shrink, reference, stacked_expand
-from adapterserve.kernels.decode_gemm import DecodeGemmConfig, decode_gemm
+from adapterserve.kernels.decode_gemm import decode_config, decode_gemm
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import build_adapter_meta
 from adapterserve.kernels.stacked import (
@@ -125,7 +125,7 @@ class Projection:
         rank = torch.tensor(ranks, device=device, dtype=torch.int32).repeat(len(widths), 1).contiguous()
         self.lora_stacked = LoraSlices(a, b, row_start, rank, tuple(offsets), max(ranks))
         self.lora_kernels = LoraSlices(a.contiguous(), b, row_start, rank, tuple(offsets), max(ranks))
-        self.own_config = DecodeGemmConfig()  # the "own" variant's tiles (decode_gemm.py's sweep picks)
+        self.own_config = decode_config(offsets[-1], k)  # the engine's tiles (decode_gemm.py's sweep sets others)
 
     def floor_bytes(self, ranks: tuple[int, ...], adapters: int) -> int:
         n = self.lora_stacked.out_offsets[-1]
@@ -161,8 +161,8 @@ def project(p: Projection, variant: str, x: torch.Tensor, meta, rows: int, works
             side: torch.cuda.Stream | None) -> torch.Tensor:
     """x through projection p as `variant` says (the module docstring's list): base, own (our
     decode GEMM, kernels/decode_gemm.py, with p.own_config), fused (kernels/stacked_fused.py,
-    the same tiles), kernels,
-    kernels+side (the shrink on `side`), or a stacked one over `rows` pool rows."""
+    the same tiles), kernels, kernels+side (the shrink on `side`), or a stacked one over
+    `rows` pool rows."""
     if variant == "base":
         return F.linear(x, p.stacked.weight())
     if variant == "own":

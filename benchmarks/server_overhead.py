@@ -218,7 +218,8 @@ def _measure(path: Path, engine_cfg: dict, prompts, max_tokens: int, batches: li
                 torch.cuda.empty_cache()
 
 
-async def _remote_group(remote: ClientProcesses, address: str, max_tokens: int, prompts: list[list[int]]) -> list[Timed]:
+async def _remote_group(remote: ClientProcesses, address: str, max_tokens: int, prompts: list[list[int]]
+                        ) -> list[Timed]:
     return [Timed(*timing) for timing in await remote.group(address, prompts, max_tokens)]
 
 

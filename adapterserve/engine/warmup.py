@@ -7,8 +7,9 @@ zero weights (scratch ids, unloaded afterwards), prompts whose token counts land
 each kernel class, a decode row beside a prompt, every penalty combination, seeded
 sampling, and with stacked LoRA a step of as many distinct adapters as make it run the
 grouped expand (with the fused linear, also steps of few rows over more adapters than it
-takes: the tiled expand at those sizes). A step's adapters are placed (their copies landed) before its requests
-are added, so the scheduler admits them together and the step has the planned size.
+takes: the tiled expand at those sizes). A step's adapters are placed (their copies
+landed) before its requests are added, so the scheduler admits them together and the step
+has the planned size.
 Decode graphs are captured directly for every key the engine's DecodeGraphs can replay
 (its buckets x family mixes x, with stacked LoRA, the GEMM's row buckets and expands),
 and so are the mixed-step graphs (MixedGraphs: its token buckets x the same keys). The

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from itertools import combinations, product
 
 from adapterserve.kernels.attention import decode_blocks
+from adapterserve.kernels.decode_gemm import row_tile
 from adapterserve.kernels.metadata import default_block_m
 from adapterserve.kernels.segment_ops import use_gemv
 from adapterserve.kernels.stacked import (
@@ -110,8 +111,8 @@ def stacked_class(shape: EngineShape, num_tokens: int, expand: str) -> tuple:
     """The stacked expand's variant for a step of num_tokens: its tiles per linear width."""
     if expand == "grouped":
         return ("stacked", expand, grouped_tiles(shape.lora_rank))
-    if expand == "fused":  # one variant per linear width, as decode_config picks its tiles
-        return ("stacked", expand, tuple(sorted(shape.stacked_widths)))
+    if expand == "fused":  # its row tile, and per linear width the tiles decode_config picks
+        return ("stacked", expand, row_tile(num_tokens), tuple(sorted(shape.stacked_widths)))
     return ("stacked", expand, tuple(sorted({expand_tiles(num_tokens, n) for n in shape.stacked_widths}, key=repr)))
 
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from adapterserve.kernels.pdl import pdl_args, pdl_wait
-from adapterserve.kernels.split_counters import sms_of, split_counters
+from adapterserve.kernels.split_counters import INDEX_LIMIT, sms_of, split_counters, split_span
 
 MAX_ROWS = 64  # the largest decode batch a launch takes
 
@@ -30,6 +30,11 @@ class DecodeGemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     waves: int = 2
+
+
+def row_tile(m: int) -> int:
+    """The row tile (BLOCK_M) a launch of m rows compiles with: 16, 32 or 64."""
+    return max(16, triton.next_power_of_2(m))
 
 
 WIDE = 16384  # output columns from which a program takes 128 of them (gate|up)
@@ -124,6 +129,8 @@ def decode_gemm(x: torch.Tensor, weight: torch.Tensor, config: DecodeGemmConfig 
     if m > MAX_ROWS or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"decode_gemm: x {tuple(x.shape)} and weight {tuple(weight.shape)} need M <= {MAX_ROWS}, "
                          "one K and contiguous rows")
+    if weight.shape[0] * weight.stride(0) >= INDEX_LIMIT:
+        raise ValueError("decode_gemm: the weight's offsets need 64 bits; this kernel indexes in 32")
     config = config or DecodeGemmConfig()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     split = split_for(n, k, config, sms_of(x.device))
@@ -131,11 +138,11 @@ def decode_gemm(x: torch.Tensor, weight: torch.Tensor, config: DecodeGemmConfig 
     counters = split_counters(x.device)
     if grid[0] > counters.numel():
         raise ValueError(f"decode_gemm: {grid[0]} output tiles exceed the counters; use wider tiles")
-    k_per_split = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
+    k_per_split = split_span(k, split, config.block_k)
     partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     _decode_gemm_kernel[grid](x, weight, y, partials, counters, m, n, k, k_per_split,
                               x.stride(0), weight.stride(0), y.stride(0),
-                              BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=config.block_n,
+                              BLOCK_M=row_tile(m), BLOCK_N=config.block_n,
                               BLOCK_K=config.block_k, SPLIT_K=split, NUM_STAGES=config.num_stages,
                               IEEE=x.dtype == torch.float32,
                               num_warps=config.num_warps, **pdl_args(x))

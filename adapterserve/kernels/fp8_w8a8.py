@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from adapterserve.kernels.split_counters import prepare_split_counters, sms_of, split_counters
+from adapterserve.kernels.split_counters import prepare_split_counters, sms_of, split_counters, split_span
 
 FP8 = torch.float8_e4m3fn
 
@@ -102,7 +102,7 @@ def fp8_w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), config.split_k)
     if grid[0] * grid[1] > split_counters(xq.device).numel():
         raise ValueError(f"fp8_w8a8_linear: {grid[0] * grid[1]} output tiles exceed the counters; use larger tiles")
-    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    k_per_split = split_span(k, config.split_k, config.block_k)
     partials = (torch.empty(config.split_k, m, n, dtype=torch.float32, device=xq.device) if config.split_k > 1
                 else y)
     _w8a8_kernel[grid](xq, x_scale, weight, w_scale, y, partials, split_counters(xq.device), m, n, k, k_per_split,

@@ -6,7 +6,7 @@ import torch
 from adapterserve.kernels import reference
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
-from adapterserve.kernels.stacked import EXPANDS, StackedWeight, stacked_gemm
+from adapterserve.kernels.stacked import EXPAND_KERNELS, StackedWeight, stacked_gemm
 
 
 def _on_gpu(t: torch.Tensor) -> bool:
@@ -37,8 +37,8 @@ def stacked_expand(out: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, 
                    bias: torch.Tensor | None = None, expand: str = "tiled") -> None:
     """See reference.stacked_expand (on a GPU the tiled or the grouped kernel, as ``expand``
     says: stacked.choose_expand's choice for the step)."""
-    if expand not in EXPANDS or expand == "fused":
-        raise ValueError(f"expand must be one of {EXPANDS[:2]} (fused: stacked_fused_linear), got {expand!r}")
+    if expand not in EXPAND_KERNELS:
+        raise ValueError(f"expand must be one of {EXPAND_KERNELS} (fused: stacked_fused_linear), got {expand!r}")
     if not _on_gpu(out):
         reference.stacked_expand(out, lora, meta, y, bias)
     elif expand == "grouped":

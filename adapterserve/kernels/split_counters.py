@@ -13,6 +13,7 @@ import functools
 import torch
 
 COUNTERS = 1 << 16  # tiles (and step counters) one launch may use
+INDEX_LIMIT = 2**31  # these kernels index a weight's elements in 32 bits
 
 _ARRAYS: dict[torch.device, torch.Tensor] = {}
 
@@ -33,6 +34,11 @@ def split_counters(device: torch.device) -> torch.Tensor:
             raise RuntimeError("split-K GEMM: call prepare_split_counters(device) before capturing a CUDA graph")
         prepare_split_counters(device)
     return _ARRAYS[device]
+
+
+def split_span(k: int, split: int, block_k: int) -> int:
+    """The K columns each of ``split`` splits covers: whole K chunks, the last split the rest."""
+    return -(-(-(-k // split)) // block_k) * block_k
 
 
 def _indexed(device: torch.device) -> torch.device:

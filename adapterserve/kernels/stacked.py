@@ -10,10 +10,10 @@ each token's own columns of that output (``ops.stacked_expand``). Two expands, c
 step from the step's distinct adapters (``choose_expand``, a host int): the tiled one
 (kernels/stacked_tiled.py: a token tile walks the rows its tokens use, best with few
 adapters) and the grouped one (kernels/stacked_grouped.py: a program per adapter's
-tokens, best with many). With lora_decode="fused", a decode step with at most
-FUSED_MAX_ADAPTERS adapters runs GEMM, shrink and expand in one launch instead
-(kernels/stacked_fused.py, ``ops.stacked_fused_linear``). Their tiles come from ``expand_tiles`` / ``grouped_tiles``,
-host-only choosers warm-up calls too.
+tokens, best with many). Their tiles come from ``expand_tiles`` / ``grouped_tiles``,
+host-only choosers warm-up calls too. With lora_decode="fused", a decode step with at
+most FUSED_MAX_ADAPTERS adapters runs GEMM, shrink and expand in one launch instead
+(kernels/stacked_fused.py, ``ops.stacked_fused_linear``).
 
 ``rows`` is a host int from a few sizes (``row_bucket``): a CUDA graph captures one
 GEMM shape per size, and adapters placed in the low rows keep the GEMM short.
@@ -38,7 +38,8 @@ MAX_SLICES = 4  # as segment_common.MAX_SLICES: slices one expand launch covers
 # a step whose tokens use at least this many distinct adapters runs the grouped expand, fewer the
 # tiled one (benchmarks/fused_update.py prints the crossover)
 GROUPED_MIN_ADAPTERS = 8
-EXPANDS = ("tiled", "grouped", "fused")
+EXPAND_KERNELS = ("tiled", "grouped")  # the expands that follow a stacked GEMM (ops.stacked_expand)
+EXPANDS = (*EXPAND_KERNELS, "fused")  # a step's choices
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from adapterserve.kernels.decode_gemm import MAX_ROWS, DecodeGemmConfig, k_loop, split_for, split_total
+from adapterserve.kernels.decode_gemm import MAX_ROWS, DecodeGemmConfig, k_loop, row_tile, split_for, split_total
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
 from adapterserve.kernels.pdl import pdl_args, pdl_wait
 from adapterserve.kernels.segment_common import MAX_SLICES, slice_group
-from adapterserve.kernels.split_counters import sms_of, split_counters
+from adapterserve.kernels.split_counters import INDEX_LIMIT, sms_of, split_counters, split_span
 from adapterserve.kernels.stacked import StackedWeight
 from adapterserve.kernels.stacked_tiled import (
     CHUNK,
@@ -88,8 +88,8 @@ def _stacked_fused_kernel(
     slots_ptr, M, K, k_per_split, n_out, rows, max_rank, a_tiles, b_tiles, c1, c2, c3, c4,
     stride_xm, stride_wn, stride_ym, stride_sm, stride_br, stride_bn, stride_rs, stride_rslot,
     NUM_SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, CHUNK_ROWS: tl.constexpr, HAS_LORA: tl.constexpr, ALIGNED: tl.constexpr,
-    USE_PDL: tl.constexpr = 0,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    CHUNK_ROWS: tl.constexpr, HAS_LORA: tl.constexpr, ALIGNED: tl.constexpr, USE_PDL: tl.constexpr = 0,
 ):
     a_width = rows * NUM_SLICES
     is_shrink, tile, pid_k, sl, cols, n_mask, w_row = _columns(
@@ -159,12 +159,12 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
     c = list(offs[1:]) + [0] * (MAX_SLICES - n_slices)
     _stacked_fused_kernel[((a_tiles + b_tiles) * split,)](
         x, stacked.buffer, y, s, partials, partials_a, counters, lora.b, bias if bias is not None else y, lora.rank,
-        lora.row_start, meta.token_slots, m, k, triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k,
-        n_out, rows, lora.max_rank, a_tiles, b_tiles, *c,
+        lora.row_start, meta.token_slots, m, k, split_span(k, split, config.block_k), n_out, rows, lora.max_rank,
+        a_tiles, b_tiles, *c,
         x.stride(0), stacked.buffer.stride(0), y.stride(0), s.stride(0), lora.b.stride(0), lora.b.stride(1),
         lora.rank.stride(0), lora.rank.stride(1),
         NUM_SLICES=n_slices, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_M=row_tile(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=split, NUM_STAGES=config.num_stages, CHUNK_ROWS=CHUNK, HAS_LORA=rows > 0,
         ALIGNED=all(o % 16 == 0 for o in offs), num_warps=config.num_warps, **pdl_args(x))
     return y
@@ -175,7 +175,7 @@ def _check(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, rows: int,
     if m > MAX_ROWS or stacked.buffer.shape[1] != k or x.stride(1) != 1 or stacked.buffer.stride(1) != 1:
         raise ValueError(f"stacked_fused: x {tuple(x.shape)} and the buffer {tuple(stacked.buffer.shape)} need "
                          f"T <= {MAX_ROWS}, one K and contiguous rows")
-    if stacked.buffer.shape[0] * stacked.buffer.stride(0) >= 2**31:
+    if stacked.buffer.shape[0] * stacked.buffer.stride(0) >= INDEX_LIMIT:
         raise ValueError("stacked_fused: the buffer's offsets need 64 bits; this kernel indexes in 32")
     if not 0 <= rows <= stacked.pool_rows:
         raise ValueError(f"rows must be in [0, {stacked.pool_rows}], got {rows}")

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from adapterserve.config import DECODE_GEMMS, FP8_GEMMS
+from adapterserve.kernels.split_counters import INDEX_LIMIT
 
 ACTIVATION_QUANTIZING = ("scaled_mm", "w8a8_triton")  # kernels that round activations to e4m3 per token
 AUTO_W8A8_MAX_TOKENS = 64  # "auto" on sm_90+: the Triton W8A8 GEMM up to this many tokens
@@ -138,6 +139,8 @@ def uses_decode_gemm(decode_gemm: str, x: torch.Tensor, weight: torch.Tensor) ->
     if decode_gemm == "cublas" or not x.is_cuda or not 0 < x.shape[0] <= DECODE_GEMM_MAX_ROWS:
         return False
     if x.stride(1) != 1 or weight.stride(1) != 1 or weight.dtype != x.dtype:
+        return False
+    if weight.shape[0] * weight.stride(0) >= INDEX_LIMIT:  # it indexes in 32 bits: cuBLAS takes these
         return False
     if decode_gemm == "triton":
         return True

@@ -1,5 +1,6 @@
 """lora_decode="stacked" (and "fused"): LoRA A rows under the base weight, one GEMM for base
-output and shrink (with "fused", a step with few adapters runs each linear in one launch). A mixed batch against PEFT + transformers one request at a time (float32, CPU);
+output and shrink (with "fused", a step with few adapters runs each linear in one launch).
+A mixed batch against PEFT + transformers one request at a time (float32, CPU);
 adapters placed and evicted while others decode, and the per-step choice of expand,
 against the segmented kernels' engine; every family in one batch."""
 from itertools import product

@@ -23,6 +23,8 @@ interpreted = pytest.mark.skipif(
 )
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                                  reason="PDL needs sm_90 or later")
 
 
 def fresh_generator() -> tuple[torch.Generator, int]:

@@ -9,7 +9,7 @@ import torch
 from adapterserve.kernels.decode_gemm import DecodeGemmConfig, decode_gemm
 from adapterserve.kernels.split_counters import prepare_split_counters
 
-from .cases import NAN, TOL, fresh_generator, gpu, interpreted, needs_cuda, pdl_replays
+from .cases import NAN, TOL, fresh_generator, gpu, interpreted, needs_cuda, needs_hopper, pdl_replays
 
 
 def _inputs(m: int, n: int, k: int, dtype: torch.dtype, device: str):
@@ -88,10 +88,9 @@ def test_gpu_matches_float32_on_8b_shapes(m, n, k, config):
 
 @gpu
 @needs_cuda
+@needs_hopper
 @pytest.mark.parametrize("mode", ["early", "exit"])
 def test_gpu_pdl_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("PDL needs sm_90")
     prepare_split_counters("cuda")
     x, w1, seed = _inputs(64, 4096, 4096, torch.bfloat16, "cuda")
     w2 = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02

@@ -33,6 +33,7 @@ from .cases import (
     lora_to,
     make_lora,
     needs_cuda,
+    needs_hopper,
     slot_ranks,
     token_slots,
 )
@@ -123,10 +124,6 @@ def test_ptx_waits_before_any_store_and_only_with_pdl():
         assert early["stores_before_wait"] == at_exit["stores_before_wait"] == 0, name
 
 
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-
-
 class Chain:
     """A decode step's kernels in launch order, each reading what the one before wrote:
     add + norm, GEMM, segmented shrink and expand, RoPE + cache, norm, the stacked GEMM
@@ -188,7 +185,7 @@ def _replayed(chain: Chain) -> list[tuple[torch.Tensor, ...]]:
 
 @gpu
 @needs_cuda
-@pytest.mark.skipif(not _hopper(), reason="PDL needs sm_90 or later")
+@needs_hopper
 def test_pdl_in_a_cuda_graph_gives_the_bits_of_pdl_off():
     gen, seed = fresh_generator()
     chain = Chain(gen)

@@ -15,7 +15,16 @@ from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import build_adapter_meta
 from adapterserve.kernels.stacked_fused import stacked_fused
 
-from .cases import check_close, expand_touched, fresh_generator, gpu, interpreted, needs_cuda, pdl_replays
+from .cases import (
+    check_close,
+    expand_touched,
+    fresh_generator,
+    gpu,
+    interpreted,
+    needs_cuda,
+    needs_hopper,
+    pdl_replays,
+)
 from .test_stacked import CPU_CASES, GPU_CASES, _oracle, _stacked_case
 
 CPU_FUSED = [c for c in CPU_CASES if c[1] <= 64]
@@ -85,11 +94,10 @@ def test_fused_gpu(case, dtype, config):
 
 @gpu
 @needs_cuda
+@needs_hopper
 @pytest.mark.parametrize("mode", ["early", "exit"])
 def test_fused_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
     """Two fused linears back to back, replayed: PDL on gives PDL off's bits, every replay."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("PDL needs sm_90")
     prepare_split_counters("cuda")
     gen, seed = fresh_generator()
     case = ("uniform", 64, 8, 4096, (4096,), 16, 0.1, False, "bucket")
