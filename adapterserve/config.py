@@ -7,7 +7,8 @@ import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FP8 = "fp8"  # float8_e4m3fn linear weights (Llama-family decoders); see EngineConfig.dtype
-FP8_GEMMS = ("auto", "scaled_mm", "w8a8_triton", "weight_only", "reference")  # layers.base_gemm's kernels
+FP8_GEMMS = ("auto", "scaled_mm", "w8a8_triton", "weight_only", "decode_w8a8", "decode_weight_only",
+             "reference")  # layers.base_gemm's kernels
 LORA_DECODES = ("kernels", "stacked", "fused")  # EngineConfig.lora_decode
 STACKED_DECODES = ("stacked", "fused")  # the lora_decode values that store A rows under the base weight
 DECODE_GEMMS = ("cublas", "triton", "auto")  # EngineConfig.decode_gemm (layers.base_gemm)

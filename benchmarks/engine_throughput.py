@@ -72,7 +72,6 @@ class Config:
     budget_s: float
     out: Path
     first_request: bool = False
-    fp8_gemm: str = "auto"
 
 
 def parse_args(argv: list[str] | None) -> Config:
@@ -107,16 +106,15 @@ def parse_args(argv: list[str] | None) -> Config:
                 f"each optionally with a variant suffix ({', '.join(VARIANTS)})")
     if a.smoke:
         dtype = "fp8" if a.dtype == "fp8" else "float32"
-        settings = Settings("cpu", dtype, 6, (8, 24), 16, 48, 40, 6, a.zipf_alpha, a.seed)
+        settings = Settings("cpu", dtype, 6, (8, 24), 16, 48, 40, 6, a.zipf_alpha, a.seed, a.fp8_gemm)
         return Config(settings, ("tiny",), {"tiny": (1, 4)}, split(a.workloads), ("tiny",), 4, 2, 8 << 20,
-                      a.budget_s, a.out, a.first_request, a.fp8_gemm)
+                      a.budget_s, a.out, a.first_request)
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: run on a GPU, or pass --smoke for the CPU check")
     settings = Settings("cuda", a.dtype, a.max_tokens, (a.prompt_min, a.prompt_max), 16, a.max_batched_tokens,
-                        a.zipf_adapters, a.zipf_slots, a.zipf_alpha, a.seed)
+                        a.zipf_adapters, a.zipf_slots, a.zipf_alpha, a.seed, a.fp8_gemm)
     return Config(settings, split(a.models), {"1b": ints(a.batches), "8b": ints(a.batches_8b)}, split(a.workloads),
-                  split(a.hf_models), a.hf_batch, a.hf_tokens, 1 << 30, a.budget_s, a.out, a.first_request,
-                  a.fp8_gemm)
+                  split(a.hf_models), a.hf_batch, a.hf_tokens, 1 << 30, a.budget_s, a.out, a.first_request)
 
 
 def _activations(s: Settings) -> torch.dtype:
@@ -169,7 +167,7 @@ def run_model(name: str, cfg: Config, bandwidth: float, rows: list[dict], hotswa
         ckpt = write_random_checkpoint(shape, tmp / "model", s.device)
         peft_dir = guarded(f"{name} PEFT files", write_peft_lora, shape, tmp / "peft-lora", s.device)
         log(f"{name}: loading it into the engine's decoder")
-        fp8_gemm = cfg.fp8_gemm if s.dtype == "fp8" else None
+        fp8_gemm = s.fp8_gemm if s.dtype == "fp8" else None
         model, _ = load_decoder(ckpt, _activations(s), s.device, max_positions=8192, fp8_gemm=fp8_gemm)
         backbone = Backbone(model)
         factory = AdapterFactory(shape, s.device, seed=s.seed)

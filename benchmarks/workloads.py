@@ -28,9 +28,11 @@ WORKLOADS = ("base", "one", "uniform8", "distinct", "zipf", "ranks", "families")
 # (+r64: the pool sized for rank 64, the engine's default, whatever the adapters' ranks;
 # +1s: LoRA shrinks on the compute stream, as before lora_side_stream became the default;
 # +st: decode LoRA through the stacked [W; A] GEMM, lora_decode="stacked"; +fu: lora_decode="fused";
-# +dg / +dgt: decode_gemm "auto" / "triton")
+# +dg / +dgt: decode_gemm "auto" / "triton"; with --dtype fp8, +d8 / +dw: fp8_gemm "decode_w8a8" /
+# "decode_weight_only")
 VARIANTS = {"+1s": {"lora_side_stream": False}, "+r64": {"max_lora_rank": 64}, "+st": {"lora_decode": "stacked"},
-            "+fu": {"lora_decode": "fused"}, "+dg": {"decode_gemm": "auto"}, "+dgt": {"decode_gemm": "triton"}}
+            "+fu": {"lora_decode": "fused"}, "+dg": {"decode_gemm": "auto"}, "+dgt": {"decode_gemm": "triton"},
+            "+d8": {"fp8_gemm": "decode_w8a8"}, "+dw": {"fp8_gemm": "decode_weight_only"}}
 PEFT_ID = "peft-file"
 
 
@@ -60,6 +62,7 @@ class Settings:
     zipf_slots: int
     zipf_alpha: float
     seed: int
+    fp8_gemm: str = "auto"  # EngineConfig.fp8_gemm with dtype fp8 (a variant may change it)
 
 
 def make_prompts(batch: int, vocab: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
@@ -141,7 +144,7 @@ def engine_config(p: Plan, prompts: list[list[int]], virtual: list[int], s: Sett
         lora_pool_rows=max(p.pool_rows, p.max_rank), max_bottleneck_rank=BOTTLENECK_RANK, block_size=bs,
         num_kv_blocks=blocks + prefix_blocks + 8, max_num_seqs=len(prompts),
         max_num_batched_tokens=s.max_batched_tokens, max_model_len=-(-(longest + 2 * bs) // bs) * bs,
-        cuda_graphs=True, seed=s.seed,
+        cuda_graphs=True, seed=s.seed, fp8_gemm=s.fp8_gemm,
     )
     fields.update(p.engine_options)
     fields["lora_pool_rows"] = max(fields["lora_pool_rows"], fields["max_lora_rank"])

@@ -94,12 +94,21 @@ for stage in "$@"; do
     prefix_on) timeout 240 python3 benchmarks/prefix_cache.py --model 1b --workloads spread --mixed-graphs on 2>&1 | tail -20 ;;
     fused) timeout ${STAGE_S:-300} python3 benchmarks/fused_update.py 2>&1 | tail -30 ;;
     fp8gemm) python3 benchmarks/fp8_gemm.py 2>&1 | tail -30 ;;
+    fp8dec)  # 1 GPU: our decode GEMM's GPU tests (bf16, FP8 weights, the fused linear, PDL, the FP8 engine's
+      # decode kernels, the fused warm-up), then FP8 on it against the engine's FP8 kernels
+      timeout ${STAGE_S:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_decode_gemm.py \
+        tests/kernels/test_decode_gemm.py tests/kernels/test_stacked_fused.py tests/kernels/test_pdl.py \
+        tests/models/test_fp8_kernels.py tests/models/test_fp8_gpu.py tests/engine/test_warmup_gpu.py \
+        -k "${TESTS_K:-not warmup or fused}" --tb=short -rfE 2>&1 | tee "$OUT/fp8dec_tests.log" \
+        | grep -E "^(FAILED|ERROR)|passed|failed" | tail -14
+      timeout ${BENCH_S:-240} python3 benchmarks/fp8_decode_gemm.py 2>&1 | tail -48 ;;
     engine8b) python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 480 \
                 --first-request --workloads base,one,one+st,uniform8,uniform8+st,distinct,distinct+st,zipf,families --out "$OUT/et8b.md" 2>&1 | tail -25 ;;
     fp8engine) python3 benchmarks/engine_throughput.py --models 8b --dtype fp8 --hf-models '' --budget-s 300 \
-                --workloads base,one,distinct --out "$OUT/et8b_fp8.md" 2>&1 | tail -16
+                --workloads ${FP8_WORKLOADS:-base,one,distinct} --max-tokens ${MAX_TOKENS:-128} --out "$OUT/et8b_fp8.md" \
+                2>&1 | tail -16
                python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 100 \
-                --workloads base --out "$OUT/et8b_bf16_base.md" 2>&1 | tail -40 ;;
+                --workloads base --max-tokens ${MAX_TOKENS:-128} --out "$OUT/et8b_bf16_base.md" 2>&1 | tail -40 ;;
     firstreq)  # 1 GPU: the 8B's first request after ready against steady state, and what the first two paid
       timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --first-request \
         --workloads base --budget-s 120 --out "$OUT/firstreq.md" 2>&1 | grep -E "first request|request:|^    |start-up" | head -40 ;;

@@ -50,6 +50,14 @@ def use_decode_gemm(model: DecoderModel, kernel: str, device: str) -> None:
         prepare_split_counters(device)
 
 
+def use_fp8_gemm(model: DecoderModel, kernel: str) -> None:
+    """Every FP8 linear's base product through ``kernel`` (EngineConfig.fp8_gemm), whatever
+    the model was loaded with."""
+    for _, linear in model.adapter_linears():
+        if linear.weight_scale is not None:
+            linear.fp8_gemm = kernel
+
+
 def with_sampled_ids(ids: torch.Tensor, sources: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
     """Input ids from the host, each row whose source is >= 0 taking the id the step
     before sampled into that row of ``sampled`` (a token not yet on the host)."""

@@ -8,6 +8,10 @@ one float32 scale per output channel (an FP8 backbone). FP8 kernels, chosen by
   w8a8_triton  the same arithmetic as scaled_mm in a Triton GEMM tuned for decode batches
                (split-K for narrow outputs; kernels/fp8_w8a8.py)
   weight_only  bf16 activations, weights widened in a Triton GEMM's mainloop
+  decode_w8a8  per-token e4m3 activations in our decode GEMM (kernels/decode_gemm.py: split-K,
+               PDL) for decode batches of at most 64 tokens; scaled_mm above
+  decode_weight_only  bf16 activations, e4m3 weights widened in our decode GEMM for decode
+               batches (no activation quantization); scaled_mm above 64 tokens
   reference    dequantize to the activations' dtype, F.linear (CPU; the oracle)
   auto         on sm_90+ w8a8_triton for at most AUTO_W8A8_MAX_TOKENS tokens, else scaled_mm;
                weight_only on other CUDA devices; reference on CPU
@@ -31,7 +35,8 @@ import torch.nn.functional as F
 from adapterserve.config import DECODE_GEMMS, FP8_GEMMS
 from adapterserve.kernels.split_counters import INDEX_LIMIT
 
-ACTIVATION_QUANTIZING = ("scaled_mm", "w8a8_triton")  # kernels that round activations to e4m3 per token
+ACTIVATION_QUANTIZING = ("scaled_mm", "w8a8_triton", "decode_w8a8")  # kernels that round activations to e4m3
+DECODE_FP8 = ("decode_w8a8", "decode_weight_only")  # our decode GEMM up to DECODE_GEMM_MAX_ROWS tokens
 AUTO_W8A8_MAX_TOKENS = 64  # "auto" on sm_90+: the Triton W8A8 GEMM up to this many tokens
 DECODE_GEMM_MAX_ROWS = 64  # kernels/decode_gemm.MAX_ROWS
 AUTO_WIDE, AUTO_DEEP = 16384, 8192  # decode_gemm "auto": ours for outputs or inputs at least this wide
@@ -69,6 +74,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return fp8_scaled_mm(x, weight, weight_scale, quantized)
     if kernel == "w8a8_triton":
         return fp8_w8a8(x, weight, weight_scale, quantized)
+    if kernel in DECODE_FP8:
+        return fp8_decode(x, weight, weight_scale, quantized if kernel == "decode_w8a8" else None, kernel)
     from adapterserve.kernels.fp8_gemm import fp8_weight_only_linear
 
     return fp8_weight_only_linear(x.contiguous(), weight, weight_scale)
@@ -107,6 +114,18 @@ def fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
 
     q, x_scale = _quantized(x, quantized)
     return fp8_w8a8_linear(q, x_scale, weight, weight_scale, x.dtype)
+
+
+def fp8_decode(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               quantized: QuantizedRows | None, kernel: str) -> torch.Tensor:
+    """A decode batch's FP8 product in our decode GEMM: e4m3 activations (quantized here unless
+    given) for "decode_w8a8", x itself for "decode_weight_only"."""
+    from adapterserve.kernels.decode_gemm import fp8_decode_gemm
+
+    if kernel == "decode_weight_only":
+        return fp8_decode_gemm(x.contiguous(), weight, weight_scale)
+    q, x_scale = _quantized(x, quantized)
+    return fp8_decode_gemm(q, weight, weight_scale, x_scale, x.dtype)
 
 
 def _quantized(x: torch.Tensor, quantized: QuantizedRows | None) -> QuantizedRows:
@@ -154,6 +173,8 @@ def resolve_fp8_gemm(fp8_gemm: str, device: torch.device, tokens: int = 1) -> st
         raise ValueError(f"fp8_gemm must be one of {', '.join(FP8_GEMMS)}, got {fp8_gemm!r}")
     if device.type != "cuda":
         return fp8_gemm if fp8_gemm in ACTIVATION_QUANTIZING else "reference"
+    if fp8_gemm in DECODE_FP8:
+        return fp8_gemm if tokens <= DECODE_GEMM_MAX_ROWS else "scaled_mm"
     if fp8_gemm != "auto":
         return fp8_gemm
     if _capability(device.index) < (9, 0):

@@ -17,6 +17,7 @@ PATTERNS = ("identical", "distinct", "uniform", "zipf", "skewed", "none")
 NAN = float("nan")
 # ||out - ref|| / ||ref|| bounds (ref in float32)
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K) of q|k|v, o, gate|up, down
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests run under TRITON_INTERPRET=1"

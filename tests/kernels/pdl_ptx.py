@@ -17,7 +17,7 @@ from adapterserve.kernels import decode_gemm, fused, segment_gemv, stacked_fused
 
 INT_POINTERS = {"slots_ptr", "rank_ptr", "row_start_ptr", "sorted_ptr", "tile_slots_ptr", "tile_starts_ptr",
                 "tile_ends_ptr", "slot_starts_ptr", "pos_ptr", "slot_ptr", "count_ptr"}
-FLOAT_POINTERS = {"cos_ptr", "sin_ptr", "part_ptr", "part_a_ptr"}
+FLOAT_POINTERS = {"cos_ptr", "sin_ptr", "part_ptr", "part_a_ptr", "xs_ptr", "ws_ptr"}
 GEMM = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2, "NUM_STAGES": 4, "IEEE": False}
 SLICES = {"NUM_SLICES": 3, "HAS_BIAS": False}
 TILED = {"IEEE": False, "BLOCK_M": 16, "BLOCK_N": 128, "CHUNK_ROWS": 16}
@@ -37,16 +37,26 @@ KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
                        {**SLICES, "DOT_PRECISION": "tf32", "ONE_R": True, "BLOCK_M": 16, "BLOCK_R": 16,
                         "BLOCK_N": 128, "GROUP_N": 512}),
     "decode_gemm": (decode_gemm._decode_gemm_kernel, GEMM),
+    "decode_gemm_fp8_weights": (decode_gemm._decode_gemm_kernel, {**GEMM, "W_SCALED": 1}),
+    "decode_gemm_w8a8": (decode_gemm._decode_gemm_kernel, {**GEMM, "X_SCALED": 1, "W_SCALED": 1}),
     "stacked_fused": (stacked_fused._stacked_fused_kernel,
                       {**SLICES, **GEMM, "CHUNK_ROWS": 16, "HAS_LORA": True, "ALIGNED": True}),
 }
+E4M3 = "*fp8e4nv"
+POINTER_TYPES = {  # name: the pointers that are not bf16 / int32 / float32 by their names
+    "decode_gemm_fp8_weights": {"w_ptr": E4M3},
+    "decode_gemm_w8a8": {"x_ptr": E4M3, "w_ptr": E4M3},
+}
 
 
-def signature(kernel, constexprs: dict) -> dict[str, str]:
-    """bf16 tensors, int32 metadata, float32 tables, int32 scalars (eps float32)."""
+def signature(kernel, constexprs: dict, pointers: dict[str, str] | None = None) -> dict[str, str]:
+    """bf16 tensors, int32 metadata, float32 tables, int32 scalars (eps float32); ``pointers``
+    names others."""
     types = {}
     for name in kernel.arg_names:
-        if name in constexprs:
+        if pointers and name in pointers:
+            types[name] = pointers[name]
+        elif name in constexprs:
             types[name] = "constexpr"
         elif name in INT_POINTERS:
             types[name] = "*i32"
@@ -57,9 +67,9 @@ def signature(kernel, constexprs: dict) -> dict[str, str]:
     return types
 
 
-def ptx(kernel, constexprs: dict, use_pdl: int) -> str:
+def ptx(kernel, constexprs: dict, use_pdl: int, pointers: dict[str, str] | None = None) -> str:
     constexprs = {**constexprs, "USE_PDL": use_pdl}
-    source = ASTSource(kernel, signature(kernel, constexprs), constexprs)
+    source = ASTSource(kernel, signature(kernel, constexprs, pointers), constexprs)
     options = {"launch_pdl": True} if use_pdl else {}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
@@ -74,7 +84,7 @@ def summary(text: str) -> dict:
 
 
 def main() -> None:
-    print(json.dumps({name: {mode: summary(ptx(kernel, consts, mode)) for mode in (0, 1, 2)}
+    print(json.dumps({name: {mode: summary(ptx(kernel, consts, mode, POINTER_TYPES.get(name))) for mode in (0, 1, 2)}
                       for name, (kernel, consts) in KERNELS.items()}))
 
 

@@ -9,7 +9,7 @@ import torch
 from adapterserve.kernels.decode_gemm import DecodeGemmConfig, decode_gemm
 from adapterserve.kernels.split_counters import prepare_split_counters
 
-from .cases import NAN, TOL, fresh_generator, gpu, interpreted, needs_cuda, needs_hopper, pdl_replays
+from .cases import NAN, SHAPES_8B, TOL, fresh_generator, gpu, interpreted, needs_cuda, needs_hopper, pdl_replays
 
 
 def _inputs(m: int, n: int, k: int, dtype: torch.dtype, device: str):
@@ -66,9 +66,6 @@ def test_base_products_take_it_only_on_a_gpu_and_by_name():
         assert torch.allclose(base_linear(x, w, None, None, decode_gemm=kernel), x @ w.T, atol=1e-5)
     with pytest.raises(ValueError, match="decode_gemm must be one of"):
         uses_decode_gemm("cutlass", x, w)
-
-
-SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # q|k|v, o, gate|up, down
 
 
 @gpu

@@ -80,7 +80,7 @@ def _prompts(lengths):
     return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("fp8_gemm", ["scaled_mm", "w8a8_triton"])
+@pytest.mark.parametrize("fp8_gemm", ["scaled_mm", "w8a8_triton", "decode_w8a8"])
 def test_fused_quantization_changes_nothing_with_lora_and_ia3_rows(tiny, fp8_gemm):
     float_dir, adapters = tiny
     # one run without (IA)^3 rows (the fused path), one with (the GEMMs quantize the scaled x)
@@ -108,3 +108,15 @@ def test_fused_quantization_changes_nothing_with_bottleneck_rows(tmp_path):
     records = _record_quantized_inputs(fused)
     _assert_same_run(_run(fused, prompts, ids), _run(unfused, prompts, ids))
     _assert_each_pair_is_quantize_rows_of_its_input(records)
+
+
+def test_the_engine_applies_its_fp8_gemm_to_a_model_loaded_with_another(tiny):
+    from adapterserve.config import EngineConfig
+    from adapterserve.models.loader import load_decoder
+
+    float_dir, _ = tiny
+    model, _ = load_decoder(float_dir, torch.float32, "cpu", fp8_gemm="auto")
+    engine = Engine(model, None, EngineConfig(dtype="fp8", fp8_gemm="decode_w8a8", block_size=8, num_kv_blocks=32,
+                                              max_loras=1))
+    kernels = {linear.fp8_gemm for _, linear in engine.model.adapter_linears()}
+    assert kernels == {"decode_w8a8"}

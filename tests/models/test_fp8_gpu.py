@@ -1,13 +1,13 @@
 """The fp8 engine on a GPU (bfloat16 activations, CUDA graphs, each FP8 kernel) with LoRA
-rows in the batch: every base product of its prefill against the float32 twin of its
-kernel on the same input; its logits against float32 CPU engines on the dequantized and
+rows in the batch: every base product of its steps (run eagerly) against the float32 twin
+of its kernel on the same input; its logits against float32 CPU engines on the dequantized and
 on the unquantized weights. One set of fresh random prompts per run, shared by all engines."""
 import pytest
 import torch
 
 from adapterserve import Engine, SamplingParams
 from adapterserve.kernels.fp8 import quantize_rows_reference
-from adapterserve.layers.base_gemm import fp8_linear_oracle
+from adapterserve.layers.base_gemm import ACTIVATION_QUANTIZING, fp8_linear_oracle, resolve_fp8_gemm
 from adapterserve.models.tiny import write_tiny_checkpoint
 from tests.helpers.lora import make_peft_lora
 from tests.helpers.recording import record_logits
@@ -90,22 +90,25 @@ def _record_base_products(engine) -> list[tuple[object, torch.Tensor, torch.Tens
     return records
 
 
-@pytest.mark.parametrize("kernel", ["weight_only", "scaled_mm", "w8a8_triton"])
+@pytest.mark.parametrize("kernel", ["weight_only", "scaled_mm", "w8a8_triton", "decode_w8a8", "decode_weight_only"])
 def test_each_base_product_of_the_fp8_engine_is_its_kernels_twin(setup, kernel):
     if kernel != "weight_only" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("row-wise scaled_mm and e4m3 tl.dot need sm_90")
     float_dir, _, lora, prompts = setup
-    engine = _engine(float_dir, lora, device="cuda", dtype="fp8", fp8_gemm=kernel)
+    # every step eager (graph replays call no Python), so each prefill and decode product is seen:
+    # the decode kernels take the decode steps, scaled_mm the prefills above 64 tokens
+    engine = _engine(float_dir, lora, device="cuda", dtype="fp8", fp8_gemm=kernel, cuda_graphs=False)
     records = _record_base_products(engine)
     _generate(engine, prompts)
-    assert len(records) >= 4 * 4  # the prefill's four projections in each of four layers
-    for linear, x, y, _ in records:
-        want = fp8_linear_oracle(x, linear.weight, linear.weight_scale, kernel)
+    assert len(records) >= 4 * 4 * 4  # four projections in each of four layers, prefill and 3 decode steps
+    for linear, x, y, pair in records:
+        ran = resolve_fp8_gemm(kernel, x.device, x.shape[0])  # the decode kernels: scaled_mm above 64 rows
+        want = fp8_linear_oracle(x, linear.weight, linear.weight_scale, ran)
         assert y.dtype == torch.bfloat16 and not torch.isnan(y).any()
         rel = ((y.float() - want).norm() / want.norm()).item()
         assert rel < PROJECTION_REL_TOL, (linear.slice_kinds, tuple(x.shape), rel)
-    fused = {linear.slice_kinds[0] for linear, _, _, pair in records if pair is not None}
-    assert fused == (set() if kernel == "weight_only" else {"q_proj", "gate_proj", "down_proj"})
+        fusable = linear.slice_kinds[0] in ("q_proj", "gate_proj", "down_proj")
+        assert (pair is not None) == (fusable and ran in ACTIVATION_QUANTIZING), (linear.slice_kinds, ran)
     for linear, x, _, pair in records:  # the fused kernels' rounding is quantize_rows' bit for bit
         if pair is not None:
             q_want, scale_want = quantize_rows_reference(x)
@@ -113,7 +116,7 @@ def test_each_base_product_of_the_fp8_engine_is_its_kernels_twin(setup, kernel):
             assert torch.equal(pair[0].view(torch.uint8), q_want.view(torch.uint8)), linear.slice_kinds
 
 
-@pytest.mark.parametrize("kernel", ["scaled_mm", "w8a8_triton", "auto"])
+@pytest.mark.parametrize("kernel", ["scaled_mm", "w8a8_triton", "decode_w8a8", "auto"])
 def test_fused_activation_quantization_on_gpu_matches_the_unfused_engine(setup, kernel):
     """The fused norm / SiLU-mul kernels do the unfused ops' arithmetic and quantize_rows'
     rounding, so only float32 reduction order may differ (logits within FUSED_REL_TOL);
@@ -144,3 +147,6 @@ def test_fp8_engine_on_gpu_against_float32_engines(setup):
     assert _rel(scaled_mm, unquantized) < SCALED_MM_UNQUANTIZED_REL_TOL, _rel(scaled_mm, unquantized)
     w8a8 = _generate(_engine(float_dir, lora, device="cuda", dtype="fp8", fp8_gemm="w8a8_triton"), prompts)
     assert _rel(w8a8, want) < SCALED_MM_REL_TOL, _rel(w8a8, want)  # the same arithmetic as scaled_mm
+    for kernel in ("decode_w8a8", "decode_weight_only"):  # decode steps in our decode GEMM
+        got = _rel(_generate(_engine(float_dir, lora, device="cuda", dtype="fp8", fp8_gemm=kernel), prompts), want)
+        assert got < SCALED_MM_REL_TOL, (kernel, got)

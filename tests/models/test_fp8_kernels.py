@@ -88,6 +88,12 @@ def test_kernel_choice():
     assert resolve_fp8_gemm("auto", torch.device("cpu")) == "reference"
     assert resolve_fp8_gemm("weight_only", torch.device("cpu")) == "reference"  # CPU runs the reference
     assert resolve_fp8_gemm("scaled_mm", torch.device("cpu")) == "scaled_mm"  # emulated in float32
+    assert resolve_fp8_gemm("decode_w8a8", torch.device("cpu")) == "decode_w8a8"  # emulated in float32
+    assert resolve_fp8_gemm("decode_weight_only", torch.device("cpu")) == "reference"
+    cuda = torch.device("cuda", 0)  # the decode kernels take up to 64 rows, scaled_mm the rest
+    assert [resolve_fp8_gemm("decode_w8a8", cuda, t) for t in (1, 64, 65)] == ["decode_w8a8"] * 2 + ["scaled_mm"]
+    assert resolve_fp8_gemm("decode_weight_only", cuda, 64) == "decode_weight_only"
+    assert resolve_fp8_gemm("decode_weight_only", cuda, 65) == "scaled_mm"
     with pytest.raises(ValueError, match="fp8_gemm must be one of"):
         resolve_fp8_gemm("cutlass", torch.device("cpu"))
 
@@ -134,20 +140,22 @@ def test_quantize_rows_on_gpu_is_the_twin_bit_for_bit(rows):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("m", [1, 16, 64, 256])
-@pytest.mark.parametrize("kernel", ["scaled_mm", "w8a8_triton", "weight_only"])
+@pytest.mark.parametrize("kernel", ["scaled_mm", "w8a8_triton", "weight_only", "decode_w8a8", "decode_weight_only"])
 def test_fp8_kernels_on_gpu_against_the_reference(m, kernel):
     """weight_only: the same weights, bf16 rounding only (rel < 1e-2); scaled_mm also rounds
-    the activations to e4m3 per token (rel < LAYER_REL_TOL)."""
+    the activations to e4m3 per token (rel < LAYER_REL_TOL). The decode kernels hand batches
+    above 64 rows to scaled_mm."""
     if kernel != "weight_only" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("row-wise scaled_mm and e4m3 tl.dot need sm_90")
     _, q, scale = _quantized_weight(1536, 1024, "cuda")
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    ran = resolve_fp8_gemm(kernel, x.device, m)
     want = fp8_linear_reference(x.float(), q, scale)
     got = fp8_linear(x, q, scale, kernel)
     assert got.dtype == torch.bfloat16 and not torch.isnan(got).any()
-    assert _rel(got, want) < (1e-2 if kernel == "weight_only" else LAYER_REL_TOL)
-    if kernel != "weight_only":  # against its own arithmetic: bf16 output rounding only
-        assert _rel(got, fp8_linear_oracle(x, q, scale, kernel)) < 5e-3
+    assert _rel(got, want) < (1e-2 if "weight_only" in ran else LAYER_REL_TOL)
+    if "weight_only" not in ran:  # against its own arithmetic: bf16 output rounding only
+        assert _rel(got, fp8_linear_oracle(x, q, scale, ran)) < 5e-3
 
 
 @pytest.mark.gpu
