@@ -12,7 +12,8 @@ weights (every read from HBM), one CUDA graph replay per figure, B tokens. Varia
   ours w8a8 <tiles>             e4m3 activations and weights in our decode GEMM
   ours wo <tiles>               bf16 activations, e4m3 weights widened in the loop (no
                                 activation quantization at all)
-Ours run with PDL "early" (the other kernels have no PDL path). The floor: the weights'
+Ours run with PDL "early" (the other kernels have no PDL path); the engine's tiles
+(fp8_decode_config) also with PDL off. The floor: the weights'
 bytes at the copy bandwidth measured in the same run. "err": max |y - twin| / max |twin|
 against the float32 product of what the variant reads.
 """
@@ -28,7 +29,13 @@ import torch.nn.functional as F
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' @triton.jit runs
 
-from adapterserve.kernels.decode_gemm import DecodeGemmConfig, decode_config, decode_gemm, fp8_decode_gemm
+from adapterserve.kernels.decode_gemm import (
+    DecodeGemmConfig,
+    decode_config,
+    decode_gemm,
+    fp8_decode_config,
+    fp8_decode_gemm,
+)
 from adapterserve.kernels.fp8 import quantize_rows
 from adapterserve.kernels.fp8_w8a8 import fp8_w8a8_linear
 from adapterserve.kernels.pdl import set_pdl
@@ -77,6 +84,10 @@ class Projection:
             "w8a8 triton": (lambda: [fp8_w8a8_linear(xq, xs, q, s, x.dtype) for q, s in self.fp8][-1], a8_twin,
                             "off"),
         }
+        engine_tiles = fp8_decode_config(*q.shape)
+        for mode in ("off", "early"):  # the engine's tiles (fp8_decode_config), PDL off and on
+            runs[f"ours w8a8 engine tiles, PDL {mode}"] = (
+                lambda: [fp8_decode_gemm(xq, q, s, xs, x.dtype, engine_tiles) for q, s in self.fp8][-1], a8_twin, mode)
         for c in configs:
             runs[f"ours w8a8 {label(c)}"] = (
                 lambda c=c: [fp8_decode_gemm(xq, q, s, xs, x.dtype, c) for q, s in self.fp8][-1], a8_twin, "early")
@@ -104,9 +115,10 @@ def measure(proj: Projection, configs: list[DecodeGemmConfig], device: str) -> d
 
 def rows_for(name: str, timed: dict[str, tuple[float, float]], fp8_floor: float) -> list[list[str]]:
     """The fixed variants, then the fastest two tile choices of each of ours."""
-    picked = ["bf16 cuBLAS", "bf16 ours", "scaled_mm", "w8a8 triton"]
+    picked = ["bf16 cuBLAS", "bf16 ours", "scaled_mm", "w8a8 triton", "ours w8a8 engine tiles, PDL off",
+              "ours w8a8 engine tiles, PDL early"]
     for family in ("ours w8a8", "ours wo"):
-        ours = sorted((v for v in timed if v.startswith(family + " ")), key=lambda v: timed[v][0])
+        ours = sorted((v for v in timed if v.startswith(family + " ") and "engine" not in v), key=lambda v: timed[v][0])
         picked += ours[:2]
     base = timed.get("w8a8 triton", (float("nan"), 0.0))[0]
     return [[name, v, f"{timed[v][0]:.3f}", f"{timed[v][0] / fp8_floor:.2f}", f"{timed[v][0] / base:.3f}",
@@ -127,15 +139,15 @@ def main() -> None:
         device, dtype, shape, layers = "cuda", torch.bfloat16, SHAPES["8b"], args.layers
         name, configs = torch.cuda.get_device_name(), fp8_configs(args.quick)
     torch.manual_seed(0)
-    bw = bandwidth(device)
+    bw, tokens = bandwidth(device), 8 if args.smoke else args.tokens
     rows = []
     for proj_name, (n, k) in projection_shapes(shape).items():
-        proj = Projection(n, k, layers, args.tokens if not args.smoke else 8, device, dtype)
+        proj = Projection(n, k, layers, tokens, device, dtype)
         rows += rows_for(proj_name, measure(proj, configs, device), layers * n * k / bw * 1e3)
         del proj
         if device == "cuda":
             torch.cuda.empty_cache()
-    print(f"\n{name}; torch {torch.__version__}; {shape.name}, B={args.tokens}, {layers} projections a graph; "
+    print(f"\n{name}; torch {torch.__version__}; {shape.name}, B={tokens}, {layers} projections a graph; "
           f"copy bandwidth {bw / 1e9:.0f} GB/s; ms per graph replay (ours: PDL early):")
     print_table(["proj", "variant", "ms", "x fp8 floor", "/ w8a8 triton", "err"], rows)
 

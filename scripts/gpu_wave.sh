@@ -104,11 +104,13 @@ for stage in "$@"; do
       timeout ${BENCH_S:-240} python3 benchmarks/fp8_decode_gemm.py 2>&1 | tail -48 ;;
     engine8b) python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 480 \
                 --first-request --workloads base,one,one+st,uniform8,uniform8+st,distinct,distinct+st,zipf,families --out "$OUT/et8b.md" 2>&1 | tail -25 ;;
-    fp8engine) python3 benchmarks/engine_throughput.py --models 8b --dtype fp8 --hf-models '' --budget-s 300 \
-                --workloads ${FP8_WORKLOADS:-base,one,distinct} --max-tokens ${MAX_TOKENS:-128} --out "$OUT/et8b_fp8.md" \
-                2>&1 | tail -16
-               python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 100 \
-                --workloads base --max-tokens ${MAX_TOKENS:-128} --out "$OUT/et8b_bf16_base.md" 2>&1 | tail -40 ;;
+    fp8engine)  # the 8B in FP8 (FP8_WORKLOADS), then bf16 base; logs in $OUT as they grow (a timeout keeps them)
+      timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --dtype fp8 --hf-models '' \
+        --budget-s 300 --workloads ${FP8_WORKLOADS:-base,one,distinct} --max-tokens ${MAX_TOKENS:-128} \
+        --out "$OUT/et8b_fp8.md" > "$OUT/fp8engine.log" 2>&1; tail -16 "$OUT/fp8engine.log"
+      timeout ${BF16_S:-200} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 100 \
+        --workloads base --max-tokens ${MAX_TOKENS:-128} --out "$OUT/et8b_bf16_base.md" > "$OUT/bf16base.log" 2>&1
+      tail -12 "$OUT/bf16base.log" ;;
     firstreq)  # 1 GPU: the 8B's first request after ready against steady state, and what the first two paid
       timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --first-request \
         --workloads base --budget-s 120 --out "$OUT/firstreq.md" 2>&1 | grep -E "first request|request:|^    |start-up" | head -40 ;;

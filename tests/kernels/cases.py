@@ -28,6 +28,11 @@ needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.ge
                                   reason="PDL needs sm_90 or later")
 
 
+def gpu_pdl_modes(test):
+    """A GPU test of PDL (sm_90+) run once per mode that lets the next kernel start early."""
+    return gpu(needs_cuda(needs_hopper(pytest.mark.parametrize("mode", ["early", "exit"])(test))))
+
+
 def fresh_generator() -> tuple[torch.Generator, int]:
     seed = int(os.environ.get("KERNEL_TEST_SEED", secrets.randbits(31)))
     gen = torch.Generator().manual_seed(seed)
@@ -138,8 +143,10 @@ def pdl_replays(chain, modes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """chain's output per PDL mode: its CUDA graph (captured with that mode) replayed three
     times, the three outputs equal (asserted); PDL as the environment says afterwards."""
     from adapterserve.kernels import pdl
+    from adapterserve.kernels.split_counters import prepare_split_counters
     from benchmarks.measure import capture
 
+    prepare_split_counters("cuda")  # the split-K kernels' counters, before any capture
     outs = {}
     try:
         for mode in modes:

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from adapterserve.kernels.decode_gemm import DecodeGemmConfig, decode_gemm
-from adapterserve.kernels.split_counters import prepare_split_counters
 
-from .cases import NAN, SHAPES_8B, TOL, fresh_generator, gpu, interpreted, needs_cuda, needs_hopper, pdl_replays
+from .cases import NAN, SHAPES_8B, TOL, fresh_generator, gpu, gpu_pdl_modes, interpreted, needs_cuda, pdl_replays
 
 
 def _inputs(m: int, n: int, k: int, dtype: torch.dtype, device: str):
@@ -83,12 +82,8 @@ def test_gpu_matches_float32_on_8b_shapes(m, n, k, config):
     assert _rel(out, x, w) < TOL[torch.bfloat16] / 4, f"seed {seed}"
 
 
-@gpu
-@needs_cuda
-@needs_hopper
-@pytest.mark.parametrize("mode", ["early", "exit"])
+@gpu_pdl_modes
 def test_gpu_pdl_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
-    prepare_split_counters("cuda")
     x, w1, seed = _inputs(64, 4096, 4096, torch.bfloat16, "cuda")
     w2 = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
     config = DecodeGemmConfig()

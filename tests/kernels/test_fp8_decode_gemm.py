@@ -10,10 +10,9 @@ import torch
 
 from adapterserve.kernels.decode_gemm import DecodeGemmConfig, fp8_decode_gemm
 from adapterserve.kernels.fp8 import quantize_rows, quantize_rows_reference
-from adapterserve.kernels.split_counters import prepare_split_counters
 from adapterserve.models.fp8 import dequantize, quantize_per_channel
 
-from .cases import NAN, SHAPES_8B, TOL, fresh_generator, gpu, interpreted, needs_cuda, needs_hopper, pdl_replays
+from .cases import NAN, SHAPES_8B, TOL, fresh_generator, gpu, gpu_pdl_modes, interpreted, needs_cuda, pdl_replays
 
 E4M3 = torch.float8_e4m3fn
 CONFIGS = [DecodeGemmConfig(block_n=32, block_k=32, split_k=1), DecodeGemmConfig(block_n=16, block_k=32, split_k=3)]
@@ -108,12 +107,8 @@ def test_gpu_on_8b_shapes(m, n, k, form):
     assert _rel(out, want) < tol, f"seed {seed}"
 
 
-@gpu
-@needs_cuda
-@needs_hopper
-@pytest.mark.parametrize("mode", ["early", "exit"])
+@gpu_pdl_modes
 def test_gpu_pdl_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
-    prepare_split_counters("cuda")
     x, q1, s1, seed = _inputs(64, 4096, 4096, torch.bfloat16, "cuda")
     q2, s2 = quantize_per_channel(torch.randn(4096, 4096, device="cuda") * 0.02)
 

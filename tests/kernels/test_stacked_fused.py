@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from adapterserve.kernels.decode_gemm import DecodeGemmConfig
-from adapterserve.kernels.split_counters import prepare_split_counters
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import build_adapter_meta
 from adapterserve.kernels.stacked_fused import stacked_fused
@@ -20,9 +19,9 @@ from .cases import (
     expand_touched,
     fresh_generator,
     gpu,
+    gpu_pdl_modes,
     interpreted,
     needs_cuda,
-    needs_hopper,
     pdl_replays,
 )
 from .test_stacked import CPU_CASES, GPU_CASES, _oracle, _stacked_case
@@ -92,13 +91,9 @@ def test_fused_gpu(case, dtype, config):
     _run(case, dtype, "cuda", config)
 
 
-@gpu
-@needs_cuda
-@needs_hopper
-@pytest.mark.parametrize("mode", ["early", "exit"])
+@gpu_pdl_modes
 def test_fused_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
     """Two fused linears back to back, replayed: PDL on gives PDL off's bits, every replay."""
-    prepare_split_counters("cuda")
     gen, seed = fresh_generator()
     case = ("uniform", 64, 8, 4096, (4096,), 16, 0.1, False, "bucket")
     x, stacked, lora, bias, slots, rows = _stacked_case(case, torch.bfloat16, gen)
