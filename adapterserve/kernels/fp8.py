@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from adapterserve.kernels.pdl import pdl_args, pdl_wait
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 MIN_SCALE = 1e-12  # an all-zero row gets this scale (its values stay zero)
@@ -30,9 +32,11 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, n, fp8_max, min_scale, BLOCK: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, n, fp8_max, min_scale, BLOCK: tl.constexpr,
+                          USE_PDL: tl.constexpr = 0):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
+    pdl_wait(USE_PDL)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n, BLOCK):
         mask = start + cols < n
@@ -53,7 +57,8 @@ def quantize_rows_triton(x: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple
     q = torch.empty(rows, n, dtype=out_dtype, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     block = min(triton.next_power_of_2(n), 2048)
-    _quantize_rows_kernel[(rows,)](x, q, scale, x.stride(0), q.stride(0), n, FP8_MAX, MIN_SCALE, BLOCK=block)
+    _quantize_rows_kernel[(rows,)](x, q, scale, x.stride(0), q.stride(0), n, FP8_MAX, MIN_SCALE, BLOCK=block,
+                                   **pdl_args(x))
     return q, scale
 
 

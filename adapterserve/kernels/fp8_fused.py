@@ -14,6 +14,7 @@ import triton.language as tl
 
 from adapterserve.kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, quantize_rows_reference
 from adapterserve.kernels.fused import add_rms_norm, rms_norm, silu_mul
+from adapterserve.kernels.pdl import pdl_args, pdl_wait
 
 
 @triton.jit
@@ -27,10 +28,13 @@ def _store_quantized(y, q_ptr, s_ptr, row, stride_q, cols, mask, fp8_max, min_sc
 
 @triton.jit
 def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, out_ptr, q_ptr, s_ptr, stride_x, stride_r, stride_o, stride_q,
-                           n, eps, fp8_max, min_scale, ADD: tl.constexpr, BLOCK: tl.constexpr):
+                           n, eps, fp8_max, min_scale, ADD: tl.constexpr, BLOCK: tl.constexpr,
+                           USE_PDL: tl.constexpr = 0):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)  # the norm's weight: before the PDL wait
+    pdl_wait(USE_PDL)
     h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if ADD:  # residual += x, rounded to the residual's dtype, then the norm of the sum
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -38,7 +42,6 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, out_ptr, q_ptr, s_ptr, stride_
         tl.store(res_ptr + row * stride_r + cols, summed, mask=mask)
         h = summed.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     y = (h * inv).to(out_ptr.dtype.element_ty) * w
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
     _store_quantized(y.to(out_ptr.dtype.element_ty), q_ptr, s_ptr, row, stride_q, cols, mask, fp8_max, min_scale)
@@ -59,15 +62,16 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
     res = x if residual is None else residual
     _rms_norm_quant_kernel[(rows,)](x, res, weight, out, q, scale, x.stride(0), res.stride(0), out.stride(0),
                                     q.stride(0), n, eps, FP8_MAX, MIN_SCALE, ADD=residual is not None,
-                                    BLOCK=triton.next_power_of_2(n))
+                                    BLOCK=triton.next_power_of_2(n), **pdl_args(x))
     return out, q, scale
 
 
 @triton.jit
 def _silu_mul_quant_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, stride_g, stride_o, stride_q, n, fp8_max, min_scale,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
+    pdl_wait(USE_PDL)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, n, BLOCK):  # silu(gate) * up in the output dtype, and its absmax
         mask = start + cols < n
@@ -96,5 +100,6 @@ def silu_mul_quant(gate_up: torch.Tensor, q_dtype: torch.dtype = FP8
     q = torch.empty(rows, inter, dtype=q_dtype, device=gate_up.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
     _silu_mul_quant_kernel[(rows,)](gate_up, out, q, scale, gate_up.stride(0), out.stride(0), q.stride(0), inter,
-                                    FP8_MAX, MIN_SCALE, BLOCK=min(triton.next_power_of_2(inter), 2048))
+                                    FP8_MAX, MIN_SCALE, BLOCK=min(triton.next_power_of_2(inter), 2048),
+                                    **pdl_args(gate_up))
     return out, q, scale

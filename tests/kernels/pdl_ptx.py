@@ -13,7 +13,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from adapterserve.kernels import decode_gemm, fused, segment_gemv, stacked_fused, stacked_grouped, stacked_tiled
+from adapterserve.kernels import (
+    decode_gemm,
+    fp8,
+    fp8_fused,
+    fused,
+    segment_gemv,
+    stacked_fused,
+    stacked_grouped,
+    stacked_tiled,
+)
 
 INT_POINTERS = {"slots_ptr", "rank_ptr", "row_start_ptr", "sorted_ptr", "tile_slots_ptr", "tile_starts_ptr",
                 "tile_ends_ptr", "slot_starts_ptr", "pos_ptr", "slot_ptr", "count_ptr"}
@@ -36,21 +45,28 @@ KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
     "grouped_expand": (stacked_grouped._grouped_expand_kernel,
                        {**SLICES, "DOT_PRECISION": "tf32", "ONE_R": True, "BLOCK_M": 16, "BLOCK_R": 16,
                         "BLOCK_N": 128, "GROUP_N": 512}),
+    "quantize_rows": (fp8._quantize_rows_kernel, {"BLOCK": 2048}),
+    "rms_norm_quant": (fp8_fused._rms_norm_quant_kernel, {"ADD": False, "BLOCK": 4096}),
+    "add_rms_norm_quant": (fp8_fused._rms_norm_quant_kernel, {"ADD": True, "BLOCK": 4096}),
+    "silu_mul_quant": (fp8_fused._silu_mul_quant_kernel, {"BLOCK": 2048}),
     "decode_gemm": (decode_gemm._decode_gemm_kernel, GEMM),
     "decode_gemm_fp8_weights": (decode_gemm._decode_gemm_kernel, {**GEMM, "W_SCALED": 1}),
     "decode_gemm_w8a8": (decode_gemm._decode_gemm_kernel, {**GEMM, "X_SCALED": 1, "W_SCALED": 1}),
     "stacked_fused": (stacked_fused._stacked_fused_kernel,
                       {**SLICES, **GEMM, "CHUNK_ROWS": 16, "HAS_LORA": True, "ALIGNED": True}),
 }
+FLOAT_SCALARS = {"eps", "fp8_max", "min_scale"}
 E4M3 = "*fp8e4nv"
+QUANT = {"q_ptr": E4M3, "s_ptr": "*fp32"}
 POINTER_TYPES = {  # name: the pointers that are not bf16 / int32 / float32 by their names
+    "quantize_rows": QUANT, "rms_norm_quant": QUANT, "add_rms_norm_quant": QUANT, "silu_mul_quant": QUANT,
     "decode_gemm_fp8_weights": {"w_ptr": E4M3},
     "decode_gemm_w8a8": {"x_ptr": E4M3, "w_ptr": E4M3},
 }
 
 
 def signature(kernel, constexprs: dict, pointers: dict[str, str] | None = None) -> dict[str, str]:
-    """bf16 tensors, int32 metadata, float32 tables, int32 scalars (eps float32); ``pointers``
+    """bf16 tensors, int32 metadata, float32 tables, int32 scalars (FLOAT_SCALARS float32); ``pointers``
     names others."""
     types = {}
     for name in kernel.arg_names:
@@ -63,7 +79,7 @@ def signature(kernel, constexprs: dict, pointers: dict[str, str] | None = None) 
         elif name in FLOAT_POINTERS:
             types[name] = "*fp32"
         else:
-            types[name] = "*bf16" if name.endswith("_ptr") else "fp32" if name == "eps" else "i32"
+            types[name] = "*bf16" if name.endswith("_ptr") else "fp32" if name in FLOAT_SCALARS else "i32"
     return types
 
 

@@ -10,6 +10,7 @@ import torch
 
 from adapterserve.kernels.decode_gemm import DecodeGemmConfig, fp8_decode_gemm
 from adapterserve.kernels.fp8 import quantize_rows, quantize_rows_reference
+from adapterserve.kernels.fp8_fused import rms_norm_quant, silu_mul_quant
 from adapterserve.models.fp8 import dequantize, quantize_per_channel
 
 from .cases import NAN, SHAPES_8B, TOL, fresh_generator, gpu, gpu_pdl_modes, interpreted, needs_cuda, pdl_replays
@@ -109,13 +110,22 @@ def test_gpu_on_8b_shapes(m, n, k, form):
 
 @gpu_pdl_modes
 def test_gpu_pdl_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
-    x, q1, s1, seed = _inputs(64, 4096, 4096, torch.bfloat16, "cuda")
-    q2, s2 = quantize_per_channel(torch.randn(4096, 4096, device="cuda") * 0.02)
+    """An FP8 decode layer's kernels in launch order, each reading what the one before wrote
+    (norm + quantization, W8A8 GEMM, row quantization, W8A8 GEMM, SiLU-mul + quantization,
+    W8A8 and weight-only GEMMs): PDL on gives PDL off's bits, every replay."""
+    x, q1, s1, seed = _inputs(64, 4096, 1024, torch.bfloat16, "cuda")
+    q2, s2 = quantize_per_channel(torch.randn(2048, 4096, device="cuda") * 0.02)
+    q3, s3 = quantize_per_channel(torch.randn(1024, 1024, device="cuda") * 0.02)
+    norm_w = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
 
     def chain():
-        return fp8_decode_gemm(torch.relu(fp8_decode_gemm(x, q1, s1)), q2, s2)
+        _, xq, xs = rms_norm_quant(x, norm_w, 1e-5)
+        hidden = fp8_decode_gemm(xq, q1, s1, xs, torch.bfloat16)
+        hq, hs = quantize_rows(hidden)
+        gate_up = fp8_decode_gemm(hq, q2, s2, hs, torch.bfloat16)
+        act, aq, a_scale = silu_mul_quant(gate_up)
+        return torch.stack([fp8_decode_gemm(aq, q3, s3, a_scale, torch.bfloat16), fp8_decode_gemm(act, q3, s3)])
 
     outs = pdl_replays(chain, ("off", mode))
     assert torch.equal(outs["off"], outs[mode]), f"seed {seed}"
-    hidden = torch.relu(_weight_only_twin(x, q1, s1)).to(torch.bfloat16)
-    assert _rel(outs["off"], _weight_only_twin(hidden, q2, s2)) < TOL[torch.bfloat16] / 4, f"seed {seed}"
+    assert not outs["off"].isnan().any(), f"seed {seed}"
