@@ -107,6 +107,11 @@ def shutdown(*, graceful: bool = True) -> None:
             local.stop()
 
 
+def ray_lost() -> bool:
+    """Whether the Ray start() started has lost its GCS or raylet; False for a joined Ray."""
+    return _local is not None and _local.lost()
+
+
 def kill() -> None:
     """End the Ray start() started at once, with every process it runs, without asking Ray
     (for a process about to exit: its Ray connection is left dead)."""

@@ -20,12 +20,16 @@ from adapterserve.server import ports, reaper
 from adapterserve.server.serve_env import local_serve_env
 
 
+CORE_PROCESSES = ("gcs_server", "raylet")  # without them the cluster is gone
+
+
 @dataclass
 class LocalRay:
     files_dir: Path  # HAProxy's config, sockets and state
     block: ports.PortBlock | None  # Serve's and HAProxy's ports
     watchdog: subprocess.Popen
     env_keys: list[str] = field(default_factory=list)  # set in os.environ for this Ray
+    core: set[reaper.Process] = field(default_factory=set)  # its GCS and raylet
 
     @classmethod
     def start(cls, host: str, user_ports: Mapping[str, int]) -> LocalRay:
@@ -44,8 +48,15 @@ class LocalRay:
             reaper.track(local.watchdog, reaper.descendants({os.getpid()}) - before)  # what it started halfway
             local.kill()
             raise
-        reaper.track(local.watchdog, reaper.descendants({os.getpid()}) - before)
+        started = reaper.descendants({os.getpid()}) - before
+        reaper.track(local.watchdog, started)
+        local.core = reaper.named(started, CORE_PROCESSES)
         return local
+
+    def lost(self) -> bool:
+        """Whether its GCS or raylet has exited (a signal to the whole process group, or a
+        service manager stopping every process of the unit, reaches them too)."""
+        return any(not reaper.alive(p) for p in self.core)
 
     def stop(self) -> None:
         """Shut Ray down; the watchdog ends whatever of it is still running."""

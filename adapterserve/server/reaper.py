@@ -110,6 +110,24 @@ def descendants(roots: set[int]) -> set[Process]:
     return found
 
 
+def named(processes: Iterable[Process], names: Iterable[str]) -> set[Process]:
+    """Those of `processes` whose command name (/proc/PID/stat's) is one of `names`."""
+    wanted = set(names)
+    return {p for p in processes if _command_name(p[0]) in wanted}
+
+
+def alive(process: Process) -> bool:
+    """Whether `process` (this pid, started then) still runs."""
+    return _alive(process)
+
+
+def _command_name(pid: int) -> str | None:
+    try:
+        return (_PROC / str(pid) / "stat").read_text().partition("(")[2].rpartition(")")[0]
+    except OSError:
+        return None
+
+
 def _alive(process: Process) -> bool:
     """Running, or exiting: a dead group leader (a zombie) whose other threads are still ending
     holds its files and sockets until the last one is gone."""

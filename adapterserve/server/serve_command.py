@@ -4,7 +4,9 @@ The first signal drains: every Ingress replica refuses new calls (UNAVAILABLE, h
 NOT_SERVING) while running requests finish, for at most the grace period; then Serve and
 Ray stop and every process the server started is ended, so its ports are free when the
 command exits (status 0). A second signal stops at once (status 1): every process of the
-server is killed without waiting.
+server is killed without waiting. A signal that reaches Ray's own processes too (sent to the
+whole process group, or a service manager stopping every process of its unit) leaves nothing
+to drain: the server says so, ends what is left and exits at once (status 0).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Any
 from adapterserve.server import launch
 
 STOPPED_AT_ONCE = 1  # exit status after a second signal
+RAY_CHECK_S = 0.2  # how often a drain looks whether Ray's own processes are still there
 
 
 class StopSignals:
@@ -44,7 +47,9 @@ def run(config: Mapping[str, Any], grace_s: float, announce: Callable[[launch.En
         signals.requested.wait()
         _say(f"draining: running requests get up to {grace_s:g} s to finish; new ones are refused "
              "(signal again to stop at once)")
-        left = launch.drain(config, grace_s)
+        left = _drain(config, grace_s)
+        if left is None:
+            _stop_with_ray_gone()
         if left:
             _say(f"grace period over: {left} requests still running are cut")
         launch.shutdown(graceful=left == 0)  # requests left now are cut either way: no second wait
@@ -53,6 +58,39 @@ def run(config: Mapping[str, Any], grace_s: float, announce: Callable[[launch.En
         raise
     _say("stopped")
     return 0
+
+
+def _drain(config: Mapping[str, Any], grace_s: float) -> int | None:
+    """launch.drain's count of requests left, or None when the Ray this server started loses its
+    GCS or raylet meanwhile: the signal reached them too (a signal to the whole process group, a
+    service manager stopping every process of its unit), and a drain would wait on a dead
+    cluster. The drain runs in a thread of its own so that this is seen while it waits."""
+    outcome: list = []
+
+    def draining() -> None:
+        try:
+            outcome.append(launch.drain(config, grace_s))
+        except BaseException as exc:  # handed to the caller
+            outcome.append(exc)
+
+    worker = threading.Thread(target=draining, name="adapterserve-drain", daemon=True)
+    worker.start()
+    while worker.is_alive() and not launch.ray_lost():
+        worker.join(RAY_CHECK_S)
+    if launch.ray_lost():  # its answer, if any, came from a cluster going down
+        return None
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
+def _stop_with_ray_gone() -> None:
+    """Ray's own processes are ending: nothing is left to drain or to shut down politely. End
+    what is left of it and exit now (Ray's exit hook would wait on the dead cluster)."""
+    _say("Ray's own processes got the stop signal too (sent to the whole process group or service unit): "
+         "running requests are cut; stopped")
+    launch.kill()
+    os._exit(0)
 
 
 def _stop_at_once() -> None:

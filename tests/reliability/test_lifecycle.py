@@ -1,8 +1,9 @@
 """`adapterserve serve` as an operator runs it, beside the session's live server: two servers
 on one host each answer only their own clients; a port already taken is one line and exit
 status 2; SIGTERM under load lets every running stream finish, refuses new requests, exits 0
-and leaves no process and no port behind; a second signal stops at once; kill -9 leaves no
-process behind either. And replicas that Serve itself stops (scale-down, upgrades) finish
+and leaves no process and no port behind; a second signal stops at once; a signal to the
+whole process group (Ray's processes get it too) stops at once with status 0 and a line that
+says so; kill -9 leaves no process behind either. And replicas that Serve itself stops (scale-down, upgrades) finish
 their streams.
 
 One subprocess server at a time (CI has 2 cores): `spare` starts one when a test needs it
@@ -10,6 +11,7 @@ and none is running.
 """
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -121,6 +123,19 @@ def test_a_second_signal_stops_at_once(spare):
     assert served.popen.wait(GRACE_S / 2) == 1, "it does not wait for the running streams"
     assert all(isinstance(t, ClientError) and t.code is grpc.StatusCode.UNAVAILABLE for t in streams.join())
     assert served.left_running(30.0) == set()
+
+
+def test_a_signal_to_the_whole_process_group_stops_at_once(spare):
+    """What `timeout`, `kill -TERM -PGID` or a service manager stopping every process of its unit
+    sends: Ray's own processes end with the server's signal, so there is nothing to drain."""
+    served = spare.get()
+    ports = served.listening_ports()
+    os.killpg(served.popen.pid, signal.SIGTERM)  # the server leads a session of its own (ServeProcess)
+    assert served.popen.wait(60) == 0, served.output()[-3000:]
+    assert "Ray's own processes got the stop signal too" in served.output()
+    assert "Traceback" not in served.output(), served.output()[-3000:]
+    assert served.left_running(30.0) == set()
+    _assert_ports_given_back(served, ports)
 
 
 def test_replicas_that_serve_stops_finish_their_streams(server):
