@@ -102,6 +102,13 @@ for stage in "$@"; do
         -k "${TESTS_K:-not warmup or fused}" --tb=short -rfE 2>&1 | tee "$OUT/fp8dec_tests.log" \
         | grep -E "^(FAILED|ERROR)|passed|failed" | tail -14
       timeout ${BENCH_S:-240} python3 benchmarks/fp8_decode_gemm.py 2>&1 | tail -48 ;;
+    fp8tests)  # 1 GPU: the FP8 decode GEMM's and PDL kernel tests, then the FP8 engine tests; a log per file in $OUT
+      for f in tests/kernels/test_fp8_decode_gemm.py tests/kernels/test_pdl.py tests/models/test_fp8_kernels.py \
+               tests/models/test_fp8_gpu.py; do
+        timeout ${FILE_S:-240} python3 -m pytest -q -p no:cacheprovider -m gpu "$f" --tb=short -rfE \
+          > "$OUT/$(basename "$f" .py).log" 2>&1
+        echo "$f: $(grep -E "passed|failed|error" "$OUT/$(basename "$f" .py).log" | tail -1)"
+      done ;;
     engine8b) python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 480 \
                 --first-request --workloads base,one,one+st,uniform8,uniform8+st,distinct,distinct+st,zipf,families --out "$OUT/et8b.md" 2>&1 | tail -25 ;;
     fp8engine)  # the 8B in FP8 (FP8_WORKLOADS), then bf16 base; logs in $OUT as they grow (a timeout keeps them)
