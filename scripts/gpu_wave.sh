@@ -94,13 +94,7 @@ for stage in "$@"; do
     prefix_on) timeout 240 python3 benchmarks/prefix_cache.py --model 1b --workloads spread --mixed-graphs on 2>&1 | tail -20 ;;
     fused) timeout ${STAGE_S:-300} python3 benchmarks/fused_update.py 2>&1 | tail -30 ;;
     fp8gemm) python3 benchmarks/fp8_gemm.py 2>&1 | tail -30 ;;
-    fp8dec)  # 1 GPU: our decode GEMM's GPU tests (bf16, FP8 weights, the fused linear, PDL, the FP8 engine's
-      # decode kernels, the fused warm-up), then FP8 on it against the engine's FP8 kernels
-      timeout ${STAGE_S:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_decode_gemm.py \
-        tests/kernels/test_decode_gemm.py tests/kernels/test_stacked_fused.py tests/kernels/test_pdl.py \
-        tests/models/test_fp8_kernels.py tests/models/test_fp8_gpu.py tests/engine/test_warmup_gpu.py \
-        -k "${TESTS_K:-not warmup or fused}" --tb=short -rfE 2>&1 | tee "$OUT/fp8dec_tests.log" \
-        | grep -E "^(FAILED|ERROR)|passed|failed" | tail -14
+    fp8dec)  # 1 GPU: FP8 on our decode GEMM against the engine's FP8 kernels (its GPU tests: the fp8tests stage)
       timeout ${BENCH_S:-240} python3 benchmarks/fp8_decode_gemm.py 2>&1 | tail -48 ;;
     fp8tests)  # 1 GPU: the FP8 decode GEMM's and PDL kernel tests, then the FP8 engine tests; a log per file in $OUT
       for f in tests/kernels/test_fp8_decode_gemm.py tests/kernels/test_pdl.py tests/models/test_fp8_kernels.py \

@@ -38,7 +38,8 @@ def split_counters(device: torch.device) -> torch.Tensor:
 
 def split_span(k: int, split: int, block_k: int) -> int:
     """The K columns each of ``split`` splits covers: whole K chunks, the last split the rest."""
-    return -(-(-(-k // split)) // block_k) * block_k
+    per_split = -(-k // split)  # ceil(k / split)
+    return -(-per_split // block_k) * block_k  # rounded up to whole chunks
 
 
 def _indexed(device: torch.device) -> torch.device:

@@ -74,8 +74,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return fp8_scaled_mm(x, weight, weight_scale, quantized)
     if kernel == "w8a8_triton":
         return fp8_w8a8(x, weight, weight_scale, quantized)
-    if kernel in DECODE_FP8:
-        return fp8_decode(x, weight, weight_scale, quantized if kernel == "decode_w8a8" else None, kernel)
+    if kernel == "decode_w8a8":
+        return fp8_decode_w8a8(x, weight, weight_scale, quantized)
+    if kernel == "decode_weight_only":
+        from adapterserve.kernels.decode_gemm import fp8_decode_gemm
+
+        return fp8_decode_gemm(x.contiguous(), weight, weight_scale)
     from adapterserve.kernels.fp8_gemm import fp8_weight_only_linear
 
     return fp8_weight_only_linear(x.contiguous(), weight, weight_scale)
@@ -116,14 +120,12 @@ def fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     return fp8_w8a8_linear(q, x_scale, weight, weight_scale, x.dtype)
 
 
-def fp8_decode(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               quantized: QuantizedRows | None, kernel: str) -> torch.Tensor:
-    """A decode batch's FP8 product in our decode GEMM: e4m3 activations (quantized here unless
-    given) for "decode_w8a8", x itself for "decode_weight_only"."""
+def fp8_decode_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    quantized: QuantizedRows | None = None) -> torch.Tensor:
+    """Per-token e4m3 activations (quantized here unless given) times the e4m3 weight in our
+    decode GEMM (a decode batch)."""
     from adapterserve.kernels.decode_gemm import fp8_decode_gemm
 
-    if kernel == "decode_weight_only":
-        return fp8_decode_gemm(x.contiguous(), weight, weight_scale)
     q, x_scale = _quantized(x, quantized)
     return fp8_decode_gemm(q, weight, weight_scale, x_scale, x.dtype)
 

@@ -89,8 +89,8 @@ def end(tracked: Iterable[Process], grace_s: float = 2.0) -> set[Process]:
 
 def running(tracked: set[Process]) -> set[Process]:
     """The tracked processes still running, and every live process below them."""
-    alive = {p for p in tracked if _alive(p)}
-    return alive | descendants({pid for pid, _ in alive})
+    alive_now = {p for p in tracked if alive(p)}
+    return alive_now | descendants({pid for pid, _ in alive_now})
 
 
 def descendants(roots: set[int]) -> set[Process]:
@@ -116,11 +116,6 @@ def named(processes: Iterable[Process], names: Iterable[str]) -> set[Process]:
     return {p for p in processes if _command_name(p[0]) in wanted}
 
 
-def alive(process: Process) -> bool:
-    """Whether `process` (this pid, started then) still runs."""
-    return _alive(process)
-
-
 def _command_name(pid: int) -> str | None:
     try:
         return (_PROC / str(pid) / "stat").read_text().partition("(")[2].rpartition(")")[0]
@@ -128,7 +123,7 @@ def _command_name(pid: int) -> str | None:
         return None
 
 
-def _alive(process: Process) -> bool:
+def alive(process: Process) -> bool:
     """Running, or exiting: a dead group leader (a zombie) whose other threads are still ending
     holds its files and sockets until the last one is gone."""
     stat = _stat(str(process[0]))
