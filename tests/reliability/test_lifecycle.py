@@ -3,8 +3,8 @@ on one host each answer only their own clients; a port already taken is one line
 status 2; SIGTERM under load lets every running stream finish, refuses new requests, exits 0
 and leaves no process and no port behind; a second signal stops at once; a signal to the
 whole process group (Ray's processes get it too) stops at once with status 0 and a line that
-says so; kill -9 leaves no process behind either. And replicas that Serve itself stops (scale-down, upgrades) finish
-their streams.
+says so; kill -9 leaves no process behind either. And replicas that Serve itself stops
+(scale-down, upgrades) finish their streams.
 
 One subprocess server at a time (CI has 2 cores): `spare` starts one when a test needs it
 and none is running.
