@@ -12,6 +12,7 @@ FP8_GEMMS = ("auto", "scaled_mm", "w8a8_triton", "weight_only", "decode_w8a8", "
 LORA_DECODES = ("kernels", "stacked", "fused")  # EngineConfig.lora_decode
 STACKED_DECODES = ("stacked", "fused")  # the lora_decode values that store A rows under the base weight
 DECODE_GEMMS = ("cublas", "triton", "auto")  # EngineConfig.decode_gemm (layers.base_gemm)
+PDL_MODES = ("auto", "off", "early", "exit")  # EngineConfig.pdl (kernels/pdl.py)
 TP_LAUNCHES = ("auto", "ray", "local")  # EngineConfig.tensor_parallel_launch
 TP_ALL_REDUCES = ("auto", "nccl")  # EngineConfig.tensor_parallel_all_reduce
 
@@ -59,6 +60,11 @@ class EngineConfig:
                       decode GEMM, kernels/decode_gemm.py, which launches with PDL when that
                       is on) or "auto" (ours for wide outputs or deep inputs on sm_90+, where
                       it measured faster; cuBLAS for the rest)
+    pdl:              programmatic dependent launch of the decode step's Triton kernels (sm_90+,
+                      process-wide: the engine built last sets it; kernels/pdl.py): "off",
+                      "early", "exit", or "auto": ADAPTERSERVE_PDL when that is set, else "early"
+                      for an FP8 backbone on CUDA whose decode products run our decode GEMM
+                      (fp8_gemm auto, decode_w8a8, decode_weight_only), else "off"
     enable_prefix_caching: reuse the KV blocks of a prompt's prefix computed before under the
                       same KV identity (docs/prefix_caching.md)
     tensor_parallel_size: ranks the backbone is split over, one device each (docs/tensor_parallel.md):
@@ -98,6 +104,7 @@ class EngineConfig:
     warmup: bool | str = True
     lora_decode: str = "kernels"
     decode_gemm: str = "cublas"
+    pdl: str = "auto"
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     tensor_parallel_launch: str = "auto"
@@ -117,6 +124,8 @@ class EngineConfig:
                              'bf16/fp16/fp32 weights; use lora_decode="kernels" with dtype="fp8"')
         if self.decode_gemm not in DECODE_GEMMS:
             raise ValueError(f"decode_gemm must be one of {list(DECODE_GEMMS)}, got {self.decode_gemm!r}")
+        if self.pdl not in PDL_MODES:
+            raise ValueError(f"pdl must be one of {list(PDL_MODES)}, got {self.pdl!r}")
         for name in ("max_loras", "max_lora_rank", "block_size", "num_kv_blocks", "max_num_seqs",
                      "max_num_batched_tokens", "max_queued_requests", "max_staged_bytes"):
             if getattr(self, name) < 1:

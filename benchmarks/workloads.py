@@ -29,10 +29,12 @@ WORKLOADS = ("base", "one", "uniform8", "distinct", "zipf", "ranks", "families")
 # +1s: LoRA shrinks on the compute stream, as before lora_side_stream became the default;
 # +st: decode LoRA through the stacked [W; A] GEMM, lora_decode="stacked"; +fu: lora_decode="fused";
 # +dg / +dgt: decode_gemm "auto" / "triton"; with --dtype fp8, +d8 / +dw: fp8_gemm "decode_w8a8" /
-# "decode_weight_only")
+# "decode_weight_only"; +pe / +po: pdl "early" / "off" (the engine's default, "auto", is early for an
+# FP8 backbone on our decode GEMM))
 VARIANTS = {"+1s": {"lora_side_stream": False}, "+r64": {"max_lora_rank": 64}, "+st": {"lora_decode": "stacked"},
             "+fu": {"lora_decode": "fused"}, "+dg": {"decode_gemm": "auto"}, "+dgt": {"decode_gemm": "triton"},
-            "+d8": {"fp8_gemm": "decode_w8a8"}, "+dw": {"fp8_gemm": "decode_weight_only"}}
+            "+d8": {"fp8_gemm": "decode_w8a8"}, "+dw": {"fp8_gemm": "decode_weight_only"},
+            "+pe": {"pdl": "early"}, "+po": {"pdl": "off"}}
 PEFT_ID = "peft-file"
 
 

@@ -107,7 +107,7 @@ for stage in "$@"; do
                 --first-request --workloads base,one,one+st,uniform8,uniform8+st,distinct,distinct+st,zipf,families --out "$OUT/et8b.md" 2>&1 | tail -25 ;;
     fp8engine)  # the 8B in FP8 (FP8_WORKLOADS), then bf16 base; logs in $OUT as they grow (a timeout keeps them)
       timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --dtype fp8 --hf-models '' \
-        --budget-s 300 --workloads ${FP8_WORKLOADS:-base,one,distinct} --max-tokens ${MAX_TOKENS:-128} \
+        --budget-s ${FP8_BUDGET_S:-300} --workloads ${FP8_WORKLOADS:-base,one,distinct} --max-tokens ${MAX_TOKENS:-128} \
         --out "$OUT/et8b_fp8.md" > "$OUT/fp8engine.log" 2>&1; tail -16 "$OUT/fp8engine.log"
       timeout ${BF16_S:-200} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 100 \
         --workloads base --max-tokens ${MAX_TOKENS:-128} --out "$OUT/et8b_bf16_base.md" > "$OUT/bf16base.log" 2>&1

@@ -41,7 +41,12 @@ from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.engine.scheduler import Scheduler
 from adapterserve.engine.slots import AdapterSlots
 from adapterserve.engine.stats import EngineStats
-from adapterserve.engine.step_device import attach_lora_side_stream, use_decode_gemm, use_fp8_gemm
+from adapterserve.engine.step_device import (
+    apply_pdl,
+    attach_lora_side_stream,
+    use_decode_gemm,
+    use_fp8_gemm,
+)
 from adapterserve.engine.stopping import check_stop_token, stream_delta, update_text
 from adapterserve.engine.sync_front import SyncFront, final_output
 from adapterserve.engine.tp.launch import RayPlacement, start_group
@@ -95,6 +100,7 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
             attach_lora_side_stream(model, config.device)
         use_decode_gemm(model, config.decode_gemm, config.device)
         use_fp8_gemm(model, config.fp8_gemm)
+        apply_pdl(config)
         if config.cuda_graphs and on_gpu:
             self.runner.enable_cuda_graphs(*graph_limits(config, self.max_model_len))
         # per family (lora, ia3, bottleneck): host state a captured decode graph depends on

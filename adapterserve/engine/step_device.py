@@ -10,12 +10,14 @@ feeds the same ids to the next step without the host seeing them.
 from __future__ import annotations
 
 import gc
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from adapterserve.config import EngineConfig
 from adapterserve.engine.adapter_host import TOKEN_FAMILIES
 from adapterserve.engine.attention_meta import (
     SequenceLayout,
@@ -25,7 +27,9 @@ from adapterserve.engine.attention_meta import (
 )
 from adapterserve.engine.host_copy import to_device
 from adapterserve.kernels import build_adapter_meta
+from adapterserve.kernels.pdl import ENV, set_pdl
 from adapterserve.kernels.stacked import expand_for_slots
+from adapterserve.layers.base_gemm import DECODE_FP8
 from adapterserve.layers.context import BatchContext, VirtualTokens, set_context
 from adapterserve.layers.parallel import SINGLE, TensorParallel
 from adapterserve.models.decoder import DecoderModel
@@ -56,6 +60,24 @@ def use_fp8_gemm(model: DecoderModel, kernel: str) -> None:
     for _, linear in model.adapter_linears():
         if linear.weight_scale is not None:
             linear.fp8_gemm = kernel
+
+
+def pdl_for(config: EngineConfig) -> str | None:
+    """The PDL mode EngineConfig.pdl asks for; None: ADAPTERSERVE_PDL's ("auto" with it set).
+    "auto" otherwise launches early where every decode base product is one of our Triton
+    kernels, which a PDL launch overlaps: an FP8 backbone on CUDA on our decode GEMM."""
+    if config.pdl != "auto":
+        return config.pdl
+    if ENV in os.environ:
+        return None
+    on_gpu = torch.device(config.device).type == "cuda"
+    return "early" if on_gpu and config.fp8 and config.fp8_gemm in ("auto", *DECODE_FP8) else "off"
+
+
+def apply_pdl(config: EngineConfig) -> None:
+    """Set this process's PDL mode as EngineConfig.pdl says (process-wide; the kernels read it
+    at launch, so the graphs captured after it keep it)."""
+    set_pdl(pdl_for(config))
 
 
 def with_sampled_ids(ids: torch.Tensor, sources: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,9 @@ one float32 scale per output channel (an FP8 backbone). FP8 kernels, chosen by
   decode_weight_only  bf16 activations, e4m3 weights widened in our decode GEMM for decode
                batches (no activation quantization); scaled_mm above 64 tokens
   reference    dequantize to the activations' dtype, F.linear (CPU; the oracle)
-  auto         on sm_90+ w8a8_triton for at most AUTO_W8A8_MAX_TOKENS tokens, else scaled_mm;
-               weight_only on other CUDA devices; reference on CPU
+  auto         on sm_90+ decode_w8a8 for decode batches (at most 64 tokens; w8a8_triton for
+               weights too large for its 32-bit offsets), else scaled_mm; weight_only on other
+               CUDA devices; reference on CPU
 On CPU, scaled_mm and w8a8_triton are emulated in float32 (their e4m3 activations times the
 dequantized weight); the others run the reference.
 
@@ -37,7 +38,6 @@ from adapterserve.kernels.split_counters import INDEX_LIMIT
 
 ACTIVATION_QUANTIZING = ("scaled_mm", "w8a8_triton", "decode_w8a8")  # kernels that round activations to e4m3
 DECODE_FP8 = ("decode_w8a8", "decode_weight_only")  # our decode GEMM up to DECODE_GEMM_MAX_ROWS tokens
-AUTO_W8A8_MAX_TOKENS = 64  # "auto" on sm_90+: the Triton W8A8 GEMM up to this many tokens
 DECODE_GEMM_MAX_ROWS = 64  # kernels/decode_gemm.MAX_ROWS
 AUTO_WIDE, AUTO_DEEP = 16384, 8192  # decode_gemm "auto": ours for outputs or inputs at least this wide
 QuantizedRows = tuple[torch.Tensor, torch.Tensor]  # (q [T, K] float8_e4m3fn, scale [T, 1] float32)
@@ -63,7 +63,7 @@ def base_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, fp8_gemm: str = "auto",
                quantized: QuantizedRows | None = None) -> torch.Tensor:
     """x: [T, K], weight: [N, K] float8_e4m3fn, weight_scale: [N] float32 -> [T, N] in x's dtype."""
-    kernel = resolve_fp8_gemm(fp8_gemm, x.device, x.shape[0])
+    kernel = fp8_kernel_for(fp8_gemm, x.device, x.shape[0], weight)
     if kernel == "reference":
         return fp8_linear_reference(x, weight, weight_scale)
     if x.shape[0] == 0:
@@ -175,13 +175,22 @@ def resolve_fp8_gemm(fp8_gemm: str, device: torch.device, tokens: int = 1) -> st
         raise ValueError(f"fp8_gemm must be one of {', '.join(FP8_GEMMS)}, got {fp8_gemm!r}")
     if device.type != "cuda":
         return fp8_gemm if fp8_gemm in ACTIVATION_QUANTIZING else "reference"
+    if fp8_gemm == "auto":
+        if _capability(device.index) < (9, 0):
+            return "weight_only"
+        fp8_gemm = "decode_w8a8"
     if fp8_gemm in DECODE_FP8:
         return fp8_gemm if tokens <= DECODE_GEMM_MAX_ROWS else "scaled_mm"
-    if fp8_gemm != "auto":
-        return fp8_gemm
-    if _capability(device.index) < (9, 0):
-        return "weight_only"
-    return "w8a8_triton" if tokens <= AUTO_W8A8_MAX_TOKENS else "scaled_mm"
+    return fp8_gemm
+
+
+def fp8_kernel_for(fp8_gemm: str, device: torch.device, tokens: int, weight: torch.Tensor) -> str:
+    """resolve_fp8_gemm, then w8a8_triton (the same arithmetic, 64-bit offsets) for decode_w8a8
+    on a weight whose offsets the decode GEMM's 32 bits cannot hold."""
+    kernel = resolve_fp8_gemm(fp8_gemm, device, tokens)
+    if kernel == "decode_w8a8" and device.type == "cuda" and weight.shape[0] * weight.stride(0) >= INDEX_LIMIT:
+        return "w8a8_triton"
+    return kernel
 
 
 @functools.cache

@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(autouse=True)
 def _pdl_as_the_environment_says():
+    pdl.set_pdl(None)  # an engine built earlier in this process set its own mode
     yield
     pdl.set_pdl(None)
 

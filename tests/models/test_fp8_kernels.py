@@ -12,8 +12,10 @@ if not torch.cuda.is_available():  # before the kernels' @triton.jit runs
 from adapterserve.kernels.fp8 import quantize_rows_reference, quantize_rows_triton
 from adapterserve.kernels.fp8_gemm import fp8_weight_only_linear
 from adapterserve.kernels.fp8_w8a8 import choose_w8a8_config, fp8_w8a8_linear
+from adapterserve.layers import base_gemm
 from adapterserve.layers.base_gemm import (
     base_linear,
+    fp8_kernel_for,
     fp8_linear,
     fp8_linear_oracle,
     fp8_linear_reference,
@@ -96,6 +98,19 @@ def test_kernel_choice():
     assert resolve_fp8_gemm("decode_weight_only", cuda, 65) == "scaled_mm"
     with pytest.raises(ValueError, match="fp8_gemm must be one of"):
         resolve_fp8_gemm("cutlass", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("capability, decode, prefill", [((9, 0), "decode_w8a8", "scaled_mm"),
+                                                         ((8, 9), "weight_only", "weight_only")])
+def test_auto_kernel_per_device(monkeypatch, capability, decode, prefill):
+    """auto: on Hopper our decode GEMM (W8A8) for decode batches, scaled_mm above; elsewhere on CUDA
+    the weight-only GEMM. A weight past the decode GEMM's 32-bit offsets takes w8a8_triton."""
+    monkeypatch.setattr(base_gemm, "_capability", lambda index: capability)
+    cuda, weight = torch.device("cuda", 0), torch.empty(96, 128, dtype=torch.float8_e4m3fn)
+    assert [fp8_kernel_for("auto", cuda, t, weight) for t in (1, 64, 65, 4096)] == [decode] * 2 + [prefill] * 2
+    monkeypatch.setattr(base_gemm, "INDEX_LIMIT", weight.numel())
+    assert fp8_kernel_for("auto", cuda, 64, weight) == ("w8a8_triton" if decode == "decode_w8a8" else decode)
+    assert fp8_kernel_for("decode_w8a8", torch.device("cpu"), 64, weight) == "decode_w8a8"  # CPU: emulated
 
 
 # GPU: bfloat16 activations, 8B-like aspect at small size

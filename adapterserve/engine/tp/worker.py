@@ -25,7 +25,13 @@ from adapterserve.engine.host_copy import on_copy_stream
 from adapterserve.engine.host_threads import apply_host_threads
 from adapterserve.engine.pool_set import build_pools
 from adapterserve.engine.staging import stage
-from adapterserve.engine.step_device import StepDevice, StepInputs, attach_lora_side_stream, use_decode_gemm
+from adapterserve.engine.step_device import (
+    StepDevice,
+    StepInputs,
+    apply_pdl,
+    attach_lora_side_stream,
+    use_decode_gemm,
+)
 from adapterserve.engine.tp.adapter_post import send_at_once
 from adapterserve.engine.tp.group import join_group, leave_group
 from adapterserve.engine.tp.inbox import AdapterInbox
@@ -101,6 +107,7 @@ class WorkerState:
         if config.lora_side_stream and on_gpu:
             attach_lora_side_stream(self.model, config.device)
         use_decode_gemm(self.model, config.decode_gemm, config.device)
+        apply_pdl(config)
         self.pinning_device = torch.device(config.device)
         inbox.max_staged, inbox.max_staged_bytes = config.max_staged_adapters, config.max_staged_bytes
         inbox.prepare = self._prepare  # parts arriving from now on are staged as they arrive

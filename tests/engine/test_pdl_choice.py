@@ -1,0 +1,48 @@
+"""EngineConfig.pdl: which PDL mode an engine sets for its process, and that it sets it.
+(Bit-identical outputs with PDL on: tests/engine/test_pdl_engine_gpu.py.)"""
+import pytest
+
+from adapterserve import Engine
+from adapterserve.config import EngineConfig
+from adapterserve.engine.step_device import pdl_for
+from adapterserve.kernels import pdl
+
+
+@pytest.fixture(autouse=True)
+def _pdl_as_the_environment_says(monkeypatch):
+    monkeypatch.delenv(pdl.ENV, raising=False)
+    pdl.set_pdl(None)
+    yield
+    pdl.set_pdl(None)
+
+
+@pytest.mark.parametrize("options, mode", [
+    (dict(device="cuda", dtype="fp8"), "early"),  # fp8_gemm auto: our decode GEMM on sm_90
+    (dict(device="cuda", dtype="fp8", fp8_gemm="decode_weight_only"), "early"),
+    (dict(device="cuda", dtype="fp8", fp8_gemm="scaled_mm"), "off"),  # cuBLAS: nothing for PDL to overlap
+    (dict(device="cuda", dtype="bfloat16"), "off"),
+    (dict(device="cpu", dtype="fp8"), "off"),
+    (dict(device="cpu", dtype="float32", pdl="exit"), "exit"),  # asked for: as asked
+    (dict(device="cuda", dtype="fp8", pdl="off"), "off"),
+])
+def test_auto_launches_early_for_an_fp8_backbone_on_our_decode_gemm(options, mode):
+    assert pdl_for(EngineConfig(**options)) == mode
+
+
+def test_auto_leaves_a_set_environment_variable_in_charge(monkeypatch):
+    monkeypatch.setenv(pdl.ENV, "off")
+    assert pdl_for(EngineConfig(device="cuda", dtype="fp8")) is None
+    assert pdl_for(EngineConfig(device="cuda", dtype="fp8", pdl="early")) == "early"
+
+
+def test_a_bad_mode_is_refused():
+    for bad in ("on", "", True, None):
+        with pytest.raises(ValueError, match="pdl must be one of"):
+            EngineConfig(pdl=bad)
+
+
+def test_the_engine_sets_its_process_mode(llama_dir):
+    Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1, pdl="exit")
+    assert pdl.pdl_mode() == "exit"
+    Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1)  # auto on CPU
+    assert pdl.pdl_mode() == "off"
