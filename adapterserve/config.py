@@ -13,6 +13,7 @@ LORA_DECODES = ("kernels", "stacked", "fused")  # EngineConfig.lora_decode
 STACKED_DECODES = ("stacked", "fused")  # the lora_decode values that store A rows under the base weight
 DECODE_GEMMS = ("cublas", "triton", "auto")  # EngineConfig.decode_gemm (layers.base_gemm)
 PDL_MODES = ("auto", "off", "early", "exit")  # EngineConfig.pdl (kernels/pdl.py)
+KV_CACHE_DTYPES = ("auto", "fp8")  # EngineConfig.kv_cache_dtype (kernels/kv_fp8.py)
 TP_LAUNCHES = ("auto", "ray", "local")  # EngineConfig.tensor_parallel_launch
 TP_ALL_REDUCES = ("auto", "nccl")  # EngineConfig.tensor_parallel_all_reduce
 
@@ -60,6 +61,9 @@ class EngineConfig:
                       decode GEMM, kernels/decode_gemm.py, which launches with PDL when that
                       is on) or "auto" (ours for wide outputs or deep inputs on sm_90+, where
                       it measured faster; cuBLAS for the rest)
+    kv_cache_dtype:   "auto" (the activations' dtype) or "fp8": keys and values in float8 e4m3
+                      with one float32 scale per token and KV head (kernels/kv_fp8.py); about
+                      half the cache's bytes, so twice the tokens per block budget
     pdl:              programmatic dependent launch of the decode step's Triton kernels (sm_90+,
                       process-wide: the engine built last sets it; kernels/pdl.py): "off",
                       "early", "exit", or "auto": ADAPTERSERVE_PDL when that is set, else "early"
@@ -105,6 +109,7 @@ class EngineConfig:
     lora_decode: str = "kernels"
     decode_gemm: str = "cublas"
     pdl: str = "auto"
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     tensor_parallel_launch: str = "auto"
@@ -126,6 +131,8 @@ class EngineConfig:
             raise ValueError(f"decode_gemm must be one of {list(DECODE_GEMMS)}, got {self.decode_gemm!r}")
         if self.pdl not in PDL_MODES:
             raise ValueError(f"pdl must be one of {list(PDL_MODES)}, got {self.pdl!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         for name in ("max_loras", "max_lora_rank", "block_size", "num_kv_blocks", "max_num_seqs",
                      "max_num_batched_tokens", "max_queued_requests", "max_staged_bytes"):
             if getattr(self, name) < 1:
@@ -165,6 +172,11 @@ class EngineConfig:
     @property
     def fp8(self) -> bool:
         return self.dtype == FP8
+
+    @property
+    def kv_fp8(self) -> bool:
+        """Whether the KV cache is in e4m3 (kv_cache_dtype="fp8")."""
+        return self.kv_cache_dtype == FP8
 
     @property
     def pool_rows(self) -> int:

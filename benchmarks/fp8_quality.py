@@ -1,5 +1,5 @@
-"""Quality of the FP8 backbone: greedy agreement and logit error against bf16, with and
-without an adapter, on a fixed prompt set.
+"""Quality of the FP8 backbone and, apart, of the FP8 KV cache: greedy agreement and logit
+error against bf16, with and without an adapter, on a fixed prompt set.
 
     PYTHONPATH=. python benchmarks/fp8_quality.py --model /path/to/checkpoint [--adapter DIR]
     PYTHONPATH=. python benchmarks/fp8_quality.py --shape 8b      # a random-weight 8B checkpoint
@@ -8,7 +8,8 @@ without an adapter, on a fixed prompt set.
 The reference engine runs bf16 (float32 on the CPU); each FP8 kernel available runs the
 same prompts (fixed-seed token ids, or the fixed texts below when the checkpoint has a
 tokenizer) greedily, with no adapter and with the adapter on every request (a random rank-16
-LoRA on all projections unless --adapter is given). Per prompt: tokens equal until the first
+LoRA on all projections unless --adapter is given); then the bf16 backbone with an FP8 KV
+cache (kv_cache_dtype="fp8"; on the CPU smoke: the float32 one). Per prompt: tokens equal until the first
 divergence; logits compared on the steps both runs saw the same context (up to and
 including the first divergent token). Random weights give flat logits, so their agreement
 is a stress figure, lower than a trained model's.
@@ -82,9 +83,11 @@ def _compare(ref, got) -> dict:
             "all agree": sum(a == n for a in agreed) / len(agreed), "max abs dlogit": max_abs, "max rel L2": max_rel}
 
 
-def _engine(path: Path, device: str, dtype: str, adapter_dir: Path, fp8_gemm: str = "auto") -> Engine:
+def _engine(path: Path, device: str, dtype: str, adapter_dir: Path, fp8_gemm: str = "auto",
+            kv_cache_dtype: str = "auto") -> Engine:
     engine = Engine.from_pretrained(path, device=device, dtype=dtype, fp8_gemm=fp8_gemm, max_loras=1,
-                                    max_lora_rank=64, num_kv_blocks=2048, block_size=16, cuda_graphs=device == "cuda")
+                                    max_lora_rank=64, num_kv_blocks=2048, block_size=16, cuda_graphs=device == "cuda",
+                                    kv_cache_dtype=kv_cache_dtype)
     engine.load_adapter("adapter", adapter_dir)
     return engine
 
@@ -132,10 +135,13 @@ def _measure(model: Path, adapter: Path, device: str, args) -> list[tuple[str, s
     if device == "cuda" and torch.cuda.get_device_capability() < (9, 0):
         kernels.pop("scaled_mm", None)
     rows = []
-    for kernel in kernels:
-        engine = _engine(model, device, "fp8", adapter, kernel)
+    engines = [(kernel, lambda kernel=kernel: _engine(model, device, "fp8", adapter, kernel)) for kernel in kernels]
+    engines.append((f"{ref_dtype} weights, fp8 KV cache", lambda: _engine(model, device, ref_dtype, adapter,
+                                                                            kv_cache_dtype="fp8")))
+    for label, build in engines:
+        engine = build()
         for a in (None, "adapter"):
-            rows.append((kernel, a or "none", _compare(refs[a], _run(engine, prompts, a, args.max_tokens))))
+            rows.append((label, a or "none", _compare(refs[a], _run(engine, prompts, a, args.max_tokens))))
         del engine
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -148,7 +154,7 @@ def _print(rows, device: str, model: Path, args) -> None:
     print(f"\n{name}; torch {torch.__version__}; {source}; {args.prompts} prompts x {args.max_tokens} greedy tokens; "
           f"fp8 (e4m3 weights, per-channel scales) against {'bf16' if device == 'cuda' else 'float32'}")
     cols = ["mean agreed", "min agreed", "all agree", "max abs dlogit", "max rel L2"]
-    print("| fp8 kernel | adapter | " + " | ".join(cols) + " |")
+    print("| fp8 kernel (or KV cache) | adapter | " + " | ".join(cols) + " |")
     print("|" + "---|" * (len(cols) + 2))
     for kernel, adapter, m in rows:
         print(f"| {kernel} | {adapter} | {m['mean agreed']:.1f} | {m['min agreed']} | {100 * m['all agree']:.0f}% | "

@@ -162,7 +162,11 @@ def floor_for(model, adapter_bytes: dict[str, int], bandwidth: float) -> Floor:
     embed = model.embed_tokens.weight
     if not cfg.tie_word_embeddings:  # the step reads B rows of the input embedding, not all
         weights -= embed.numel() * embed.element_size()
-    kv = cfg.num_layers * 2 * cfg.kv_size * embed.element_size()
+    caches = [t for attn in model.attention_layers() for t in attn.cache_tensors()]
+    if caches:  # as the engine stores them: an FP8 cache's entries and scales
+        kv = sum(t[0].numel() * t.element_size() for t in caches)
+    else:
+        kv = cfg.num_layers * 2 * cfg.kv_size * embed.element_size()
     return Floor(weights, kv, adapter_bytes, bandwidth)
 
 

@@ -112,6 +112,15 @@ for stage in "$@"; do
       timeout ${BF16_S:-200} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 100 \
         --workloads base --max-tokens ${MAX_TOKENS:-128} --out "$OUT/et8b_bf16_base.md" > "$OUT/bf16base.log" 2>&1
       tail -12 "$OUT/bf16base.log" ;;
+    kvfp8)  # 1 GPU: the FP8 KV cache's GPU tests (logs in $OUT), then the 8B with and without it
+      for f in tests/kernels/test_kv_fp8.py tests/engine/test_kv_fp8_gpu.py; do
+        timeout ${FILE_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu "$f" --tb=short -rfE \
+          > "$OUT/$(basename "$f" .py).log" 2>&1
+        echo "$f: $(grep -E "passed|failed|error" "$OUT/$(basename "$f" .py).log" | tail -1)"
+      done
+      timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 280 \
+        --workloads ${KV_WORKLOADS:-base,base+kv8,distinct,distinct+kv8} --max-tokens ${MAX_TOKENS:-128} \
+        --out "$OUT/et8b_kv8.md" > "$OUT/kvfp8.log" 2>&1; tail -14 "$OUT/kvfp8.log" ;;
     firstreq)  # 1 GPU: the 8B's first request after ready against steady state, and what the first two paid
       timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --first-request \
         --workloads base --budget-s 120 --out "$OUT/firstreq.md" 2>&1 | grep -E "first request|request:|^    |start-up" | head -40 ;;

@@ -111,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="engine device, e.g. cuda (default cpu)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "fp8"], help="engine dtype; fp8: "
                    "float8 linear weights of a Llama-family decoder, per-channel scales, bfloat16 elsewhere")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], help="fp8: keys and values in float8 e4m3 with a "
+                   "scale per token and KV head, about half the cache's bytes (GPUs of compute capability 8.9+; "
+                   "docs/serving.md)")
     p.add_argument("--max-lora-rank", type=int)
     p.add_argument("--tensor-parallel-size", type=int, metavar="N", help="split the backbone over N GPUs, one "
                    "engine replica driving N-1 workers placed by Ray on the replica's node (default 1; "
@@ -239,8 +242,8 @@ def serve_config(args: argparse.Namespace) -> dict:
     """The config overrides `serve`'s flags ask for (a --config file first, flags on top)."""
     config: dict = _read_config_file(args.config) if args.config else {}
     engine = dict(config.get("engine", {}))
-    for flag, key in (("device", "device"), ("dtype", "dtype"), ("max_lora_rank", "max_lora_rank"),
-                      ("tensor_parallel_size", "tensor_parallel_size")):
+    for flag, key in (("device", "device"), ("dtype", "dtype"), ("kv_cache_dtype", "kv_cache_dtype"),
+                      ("max_lora_rank", "max_lora_rank"), ("tensor_parallel_size", "tensor_parallel_size")):
         if getattr(args, flag) is not None:
             engine[key] = getattr(args, flag)
     if getattr(args, "no_warmup", False):

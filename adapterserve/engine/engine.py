@@ -82,7 +82,7 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
         self.lockstep = lockstep
         self.runner = ModelRunner(
             model, self.blocks, config.max_loras, config.max_lora_rank, config.max_num_batched_tokens, config.seed,
-            lockstep,
+            lockstep, config.kv_fp8,
         )
         on_gpu = torch.device(config.device).type == "cuda"
         copy_stream = torch.cuda.Stream(device=config.device) if on_gpu else None

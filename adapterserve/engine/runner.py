@@ -59,14 +59,15 @@ class ModelRunner:
     first), then sampling."""
 
     def __init__(self, model: DecoderModel, blocks: BlockManager, num_slots: int, max_rank: int, max_tokens: int,
-                 seed: int, lockstep: Lockstep | None = None) -> None:
+                 seed: int, lockstep: Lockstep | None = None, kv_fp8: bool = False) -> None:
         self.model = model
         self.blocks = blocks
         self.num_slots = num_slots
         self.lockstep = lockstep  # the other tensor-parallel ranks (None: this rank alone)
         tp = lockstep.tp if lockstep is not None else SINGLE
         num_cache_slots = blocks.num_blocks * blocks.block_size + 1  # the last: trash for padding rows
-        self.device_part = StepDevice(model, num_cache_slots, blocks.block_size, num_slots, max_rank, max_tokens, tp)
+        self.device_part = StepDevice(model, num_cache_slots, blocks.block_size, num_slots, max_rank, max_tokens, tp,
+                                      kv_fp8)
         self.device = self.device_part.device
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)

@@ -27,6 +27,7 @@ from adapterserve.engine.attention_meta import (
 )
 from adapterserve.engine.host_copy import to_device
 from adapterserve.kernels import build_adapter_meta
+from adapterserve.kernels.kv_fp8 import copy_rows
 from adapterserve.kernels.pdl import ENV, set_pdl
 from adapterserve.kernels.stacked import expand_for_slots
 from adapterserve.layers.base_gemm import DECODE_FP8
@@ -121,15 +122,18 @@ class StepDevice:
     """A rank's device state for steps: KV caches, LoRA workspace, last sampled ids, graphs."""
 
     def __init__(self, model: DecoderModel, num_cache_slots: int, block_size: int, num_slots: int, max_rank: int,
-                 max_tokens: int, tp: TensorParallel = SINGLE) -> None:
-        """num_cache_slots: KV entries per layer (the last one: trash for padding rows)."""
+                 max_tokens: int, tp: TensorParallel = SINGLE, kv_fp8: bool = False) -> None:
+        """num_cache_slots: KV entries per layer (the last one: trash for padding rows);
+        kv_fp8: the caches in e4m3 with per-(token, head) scales (EngineConfig.kv_cache_dtype)."""
         self.model, self.block_size, self.num_slots, self.tp = model, block_size, num_slots, tp
         param = model.embed_tokens.weight
         self.device, self.dtype = param.device, param.dtype
+        if kv_fp8 and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError(f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or later (float8 "
+                             f"conversions); {torch.cuda.get_device_name(self.device)} has "
+                             f"{torch.cuda.get_device_capability(self.device)}")
         for attn in model.attention_layers():  # this rank's KV heads
-            attn.k_cache = torch.zeros(num_cache_slots, attn.num_kv_heads, attn.head_dim, dtype=self.dtype,
-                                       device=self.device)
-            attn.v_cache = torch.zeros_like(attn.k_cache)
+            attn.allocate_cache(num_cache_slots, self.dtype, self.device, kv_fp8)
         self.trash_slot = num_cache_slots - 1
         self.lora_workspace = torch.empty(3, max_tokens, max(max_rank, 1), dtype=self.dtype, device=self.device)
         self.sampled = torch.zeros(max_tokens, dtype=torch.long, device=self.device)  # last step's token ids
@@ -195,8 +199,8 @@ class StepDevice:
         rows = [(np.asarray(blocks)[:, None] * self.block_size + offsets).reshape(-1) for blocks in (sources, copies)]
         src, dst = (to_device(r, self.device, torch.long) for r in rows)
         for attn in self.model.attention_layers():
-            for cache in (attn.k_cache, attn.v_cache):
-                cache.index_copy_(0, dst, cache.index_select(0, src))
+            for cache in attn.cache_tensors():
+                copy_rows(cache, dst, cache.index_select(0, src))
 
     def _device_batch(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor, BatchContext]:
         dev = self.device

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from adapterserve.kernels.kv_fp8 import kv_scales
 
 # keys per tile on a GPU: whole contexts of up to 1024 programs take 128, more programs and split
 # parts 64 (chosen by benchmarks/attention_decode.py --sweep; figures in BENCHMARKS.md)
@@ -26,11 +27,13 @@ MAX_SPLITS = 16  # more parts were slower (BENCHMARKS.md, paged decode attention
 
 
 @triton.jit
-def _attend(q, k_ptr, v_ptr, table_row, kv_head, lo, n_start, n_end, scale, stride_kn, stride_kh,
-            GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
-            BLOCK_N: tl.constexpr):
+def _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, kv_head, lo, n_start, n_end, scale, stride_kn, stride_kh,
+            stride_sn, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
+            BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr):
     """Online softmax of q [GROUP_PAD, DIM_PAD] over keys [max(lo, n_start), n_end), n_start
-    a multiple of BLOCK_N: (running max, sum of weights, unnormalised output), float32."""
+    a multiple of BLOCK_N: (running max, sum of weights, unnormalised output), float32.
+    KV_FP8: e4m3 entries, their scales [slots, Hkv] (slot stride stride_sn) applied to each
+    key's scores and each value's weights."""
     dims = tl.arange(0, DIM_PAD)
     dim_ok = dims < HEAD_DIM
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -45,13 +48,20 @@ def _attend(q, k_ptr, v_ptr, table_row, kv_head, lo, n_start, n_end, scale, stri
         kv_mask = valid[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k)) * scale
+        if KV_FP8:
+            k_scale = tl.load(ks_ptr + slot * stride_sn + kv_head, mask=valid, other=0.0)
+            s = s * k_scale[None, :]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        if KV_FP8:
+            v_scale = tl.load(vs_ptr + slot * stride_sn + kv_head, mask=valid, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p * v_scale[None, :], v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
     return m_i, l_i, acc
 
@@ -79,11 +89,12 @@ def _first_key(lens_ptr, start_ptr, b, window, HAS_WINDOW: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, start_ptr, order_ptr, out_ptr,
-    stride_qb, stride_qh, stride_kn, stride_kh, stride_tb, stride_ob, stride_oh,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, start_ptr, order_ptr, out_ptr,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_sn, stride_tb, stride_ob, stride_oh,
     scale, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_ORDER: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
 ):
     # programs start in grid order, kv heads fastest: with the sequences longest first, the
     # last wave holds short contexts instead of a few long ones the rest of the GPU waits for
@@ -94,8 +105,9 @@ def _decode_kernel(
         b = rank
     q, heads, dims, mask = _query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD)
     length, lo = _first_key(lens_ptr, start_ptr, b, window, HAS_WINDOW)
-    m_i, l_i, acc = _attend(q, k_ptr, v_ptr, table_ptr + b * stride_tb, kv_head, lo, (lo // BLOCK_N) * BLOCK_N,
-                            length, scale, stride_kn, stride_kh, GROUP_PAD, HEAD_DIM, DIM_PAD, PAGE, BLOCK_N)
+    m_i, l_i, acc = _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr + b * stride_tb, kv_head, lo,
+                            (lo // BLOCK_N) * BLOCK_N, length, scale, stride_kn, stride_kh, stride_sn, GROUP_PAD,
+                            HEAD_DIM, DIM_PAD, PAGE, BLOCK_N, KV_FP8)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -103,11 +115,12 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, start_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
-    stride_qb, stride_qh, stride_kn, stride_kh, stride_tb, stride_pb, stride_ph, stride_ps,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, start_ptr, part_m_ptr, part_l_ptr, part_o_ptr,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_sn, stride_tb, stride_pb, stride_ph, stride_ps,
     scale, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLITS: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     """Part `split` of each context: whole tiles, the parts of one sequence near equal."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -117,8 +130,9 @@ def _decode_split_kernel(
     tiles_per_part = tl.cdiv(tl.cdiv(tl.maximum(length - first, 0), BLOCK_N), SPLITS)
     n_start = first + split * tiles_per_part * BLOCK_N
     n_end = tl.minimum(n_start + tiles_per_part * BLOCK_N, length)
-    m_i, l_i, acc = _attend(q, k_ptr, v_ptr, table_ptr + b * stride_tb, kv_head, lo, n_start, n_end,
-                            scale, stride_kn, stride_kh, GROUP_PAD, HEAD_DIM, DIM_PAD, PAGE, BLOCK_N)
+    m_i, l_i, acc = _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr + b * stride_tb, kv_head, lo, n_start,
+                            n_end, scale, stride_kn, stride_kh, stride_sn, GROUP_PAD, HEAD_DIM, DIM_PAD, PAGE,
+                            BLOCK_N, KV_FP8)
     part = b * stride_pb + heads * stride_ph + split * stride_ps  # an empty part leaves max -inf, sum 0
     head_ok = tl.arange(0, GROUP_PAD) < GROUP
     tl.store(part_m_ptr + part, m_i, mask=head_ok)
@@ -186,6 +200,8 @@ def paged_decode_attention(
     num_stages: int = 2,
     splits: int | None = None,
     order: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Attention of each sequence's newest token over its cached context.
 
@@ -197,6 +213,7 @@ def paged_decode_attention(
     splits:       parts per context (default: decode_splits of the shapes)
     order:        [B] int32, the sequences longest context first (optional; whole contexts
                   only): programs start in this order, which shortens the tail
+    k_scale, v_scale: [slots, Hkv] float32, an FP8 (e4m3) cache's scales (kernels/kv_fp8.py)
     Semantics: out[b, h] = softmax(q[b, h] . K[j] / sqrt(D)) V over j in
     [max(kv_start, len - window), len), K, V of kv head h // (Hq / Hkv).
     """
@@ -209,12 +226,14 @@ def paged_decode_attention(
     common = dict(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page_size,
-        BLOCK_N=block_n, HAS_WINDOW=window is not None, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, HAS_WINDOW=window is not None, KV_FP8=k_scale is not None, num_warps=num_warps,
+        num_stages=num_stages,
     )
-    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0))
+    k_scale, v_scale, stride_sn = kv_scales(k_cache, k_scale, v_scale)
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), stride_sn, block_tables.stride(0))
     if splits <= 1:
         _decode_kernel[(num_kv, batch)](
-            q, k_cache, v_cache, block_tables, context_lens, kv_start, order if order is not None else context_lens,
+            q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, kv_start, order if order is not None else context_lens,
             out, *strides, out.stride(0), out.stride(1), head_dim ** -0.5, window or 0, **common,
             HAS_ORDER=order is not None,
         )
@@ -224,10 +243,11 @@ def paged_decode_attention(
     part_o = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_strides = (part_m.stride(0), part_m.stride(1), part_m.stride(2))
     _decode_split_kernel[(batch, num_kv, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, kv_start, part_m, part_l, part_o,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, kv_start, part_m, part_l, part_o,
         *strides, *part_strides, head_dim ** -0.5, window or 0, **common, SPLITS=splits,
     )
     _decode_merge_kernel[(batch, num_heads)](
         part_m, part_l, part_o, out, *part_strides, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=common["DIM_PAD"], SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
     )
+

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from adapterserve.kernels.fp8 import FP8, FP8_MAX, MIN_SCALE
+from adapterserve.kernels.kv_fp8 import kv_scales
 from adapterserve.kernels.pdl import pdl_args, pdl_wait
 
 
@@ -108,10 +110,10 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
+def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
-                       stride_cn, stride_ch, q_heads, kv_heads, HALF: tl.constexpr, QH_PAD: tl.constexpr,
-                       KVH_PAD: tl.constexpr, USE_PDL: tl.constexpr = 0):
+                       stride_cn, stride_ch, stride_sn, q_heads, kv_heads, fp8_max, min_scale, HALF: tl.constexpr, QH_PAD: tl.constexpr,
+                       KVH_PAD: tl.constexpr, KV_FP8: tl.constexpr = 0, USE_PDL: tl.constexpr = 0):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)  # positions, cache slots and tables: step metadata, read before the wait
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -132,25 +134,56 @@ def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr,
     k1 = tl.load(k_base + d, mask=kv_mask, other=0.0).to(tl.float32)
     k2 = tl.load(k_base + HALF + d, mask=kv_mask, other=0.0).to(tl.float32)
     kc = kc_ptr + slot * stride_cn + hk * stride_ch
-    tl.store(kc + d, (k1 * cos - k2 * sin).to(kc_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(kc + HALF + d, (k2 * cos + k1 * sin).to(kc_ptr.dtype.element_ty), mask=kv_mask)
     v_base = v_ptr + t * stride_vt + hk * stride_vh
     vc = vc_ptr + slot * stride_cn + hk * stride_ch
-    tl.store(vc + d, tl.load(v_base + d, mask=kv_mask, other=0.0), mask=kv_mask)
-    tl.store(vc + HALF + d, tl.load(v_base + HALF + d, mask=kv_mask, other=0.0), mask=kv_mask)
+    if KV_FP8:  # each head's vector rounded to e4m3 on its own scale (kernels/kv_fp8.py)
+        _store_e4m3(kc, ks_ptr + slot * stride_sn + hk, k1 * cos - k2 * sin, k2 * cos + k1 * sin, d, kv_mask,
+                    fp8_max, min_scale, HALF)
+        v1 = tl.load(v_base + d, mask=kv_mask, other=0.0).to(tl.float32)
+        v2 = tl.load(v_base + HALF + d, mask=kv_mask, other=0.0).to(tl.float32)
+        _store_e4m3(vc, vs_ptr + slot * stride_sn + hk, v1, v2, d, kv_mask, fp8_max, min_scale, HALF)
+    else:
+        tl.store(kc + d, (k1 * cos - k2 * sin).to(kc_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(kc + HALF + d, (k2 * cos + k1 * sin).to(kc_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(vc + d, tl.load(v_base + d, mask=kv_mask, other=0.0), mask=kv_mask)
+        tl.store(vc + HALF + d, tl.load(v_base + HALF + d, mask=kv_mask, other=0.0), mask=kv_mask)
+
+
+@triton.jit
+def _store_e4m3(out, scale_out, lower, upper, d, mask, fp8_max, min_scale, HALF: tl.constexpr):
+    """Rows [H, D] given as their halves [H, HALF] (float32) to e4m3 at ``out`` + d and
+    + HALF + d, one scale per row (absmax / 448, the IEEE divisions of
+    quantize_rows_reference) at ``scale_out``."""
+    amax = tl.maximum(tl.max(tl.abs(lower), axis=1), tl.max(tl.abs(upper), axis=1))
+    scale = tl.maximum(tl.math.div_rn(amax, fp8_max), min_scale)[:, None]
+    tl.store(scale_out, scale, mask=mask)
+    low = tl.minimum(tl.maximum(tl.math.div_rn(lower, scale), -fp8_max), fp8_max)
+    tl.store(out + d, low.to(out.dtype.element_ty), mask=mask)
+    high = tl.minimum(tl.maximum(tl.math.div_rn(upper, scale), -fp8_max), fp8_max)
+    tl.store(out + HALF + d, high.to(out.dtype.element_ty), mask=mask)
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_slots: torch.Tensor) -> None:
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_slots: torch.Tensor,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """One launch for RoPE and the KV-cache write: rotate q [T, Hq, D] in place, write
     rotated k and v ([T, Hkv, D], any token/head strides) to the caches [slots, Hkv, D]
-    at write_slots [T]. cos, sin: [P, D/2] float32 tables (rotate-half layout)."""
+    at write_slots [T]. cos, sin: [P, D/2] float32 tables (rotate-half layout). An e4m3
+    cache takes each (token, head) vector quantized on its own, its scale into k_scale /
+    v_scale [slots, Hkv] (kernels/kv_fp8.py). A float32 cache with scales takes the scaled
+    values before their e4m3 rounding (tests under the interpreter, whose float8 rounding
+    is not the GPU's)."""
     tokens, q_heads, dim = q.shape
     kv_heads = k.shape[1]
+    unrounded = k_scale is not None and k_cache.dtype == torch.float32
+    if unrounded:
+        stride_sn = k_scale.stride(0)
+    else:
+        k_scale, v_scale, stride_sn = kv_scales(k_cache, k_scale, v_scale)
     _rope_cache_kernel[(tokens,)](
-        q, k, v, positions, write_slots, cos, sin, k_cache, v_cache,
+        q, k, v, positions, write_slots, cos, sin, k_cache, v_cache, k_scale, v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-        k_cache.stride(0), k_cache.stride(1), q_heads, kv_heads,
+        k_cache.stride(0), k_cache.stride(1), stride_sn, q_heads, kv_heads, FP8_MAX, MIN_SCALE,
         HALF=dim // 2, QH_PAD=triton.next_power_of_2(q_heads), KVH_PAD=triton.next_power_of_2(kv_heads),
-        **pdl_args(q),
+        KV_FP8=int(unrounded or k_cache.dtype == FP8), **pdl_args(q),
     )

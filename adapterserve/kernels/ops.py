@@ -86,31 +86,36 @@ def ia3_scale(x: torch.Tensor, scales: torch.Tensor, meta: AdapterBatchMeta) -> 
 
 
 def paged_decode_attention(
-    q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size, window, out, order=None
+    q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size, window, out, order=None, k_scale=None,
+    v_scale=None,
 ) -> None:
-    """See attention.paged_decode_attention (order: a launch order, no effect on the result)."""
+    """See attention.paged_decode_attention (order: a launch order, no effect on the result;
+    k_scale, v_scale: an FP8 cache's scales, kernels/kv_fp8.py)."""
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if _on_gpu(q):
         from adapterserve.kernels import attention
 
         attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size,
-                                         window, out, order=order)
+                                         window, out, order=order, **scales)
     else:
         reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size,
-                                         window, out)
+                                         window, out, **scales)
 
 
 def paged_prefill_attention(
-    q, k_cache, v_cache, block_tables, context_lens, kv_start, cu_q, tiles, page_size, window, out
+    q, k_cache, v_cache, block_tables, context_lens, kv_start, cu_q, tiles, page_size, window, out, k_scale=None,
+    v_scale=None,
 ) -> None:
     """See prefill_attention.paged_prefill_attention."""
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if _on_gpu(q):
         from adapterserve.kernels import prefill_attention
 
         prefill_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, cu_q,
-                                                  tiles, page_size, window, out)
+                                                  tiles, page_size, window, out, **scales)
     else:
         reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, cu_q, tiles,
-                                          page_size, window, out)
+                                          page_size, window, out, **scales)
 
 
 def penalise_rows(logits, rows, table_rows, counts, in_prompt, params, use, out) -> None:

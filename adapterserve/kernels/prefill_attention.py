@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from adapterserve.kernels.kv_fp8 import kv_scales
 from adapterserve.kernels.prefill_tiles import PrefillTiles
 
 LOG2E = 1.4426950408889634
@@ -31,13 +32,15 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend(
-    acc, l_i, m_i, q, q_kv, k_ptr, v_ptr, table_ptr, kv_head, dims, dim_ok, start, end, lo, hi,
-    stride_kn, stride_kh, qk_scale, window,
+    acc, l_i, m_i, q, q_kv, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, kv_head, dims, dim_ok, start, end, lo, hi,
+    stride_kn, stride_kh, stride_sn, qk_scale, window,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Online softmax over key tiles [start, end); MASKED applies [lo, hi), causality
-    and the window per (row, key); unmasked tiles are visible to every row."""
+    and the window per (row, key); unmasked tiles are visible to every row. KV_FP8: e4m3
+    entries widened (exactly) to q's dtype, their scales applied to each key's scores and
+    each value's weights."""
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         if MASKED:
@@ -49,7 +52,11 @@ def _attend(
         kv_off = slot[:, None] * stride_kn + kv_head * stride_kh + dims[None, :]
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if KV_FP8:
+            s = s * tl.load(ks_ptr + slot * stride_sn + kv_head, mask=key_ok, other=0.0)[None, :]
         if MASKED:
             visible = key_ok[None, :] & (offs[None, :] <= q_kv[:, None])
             if HAS_WINDOW:
@@ -61,6 +68,9 @@ def _attend(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
+            p = p * tl.load(vs_ptr + slot * stride_sn + kv_head, mask=key_ok, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -68,12 +78,12 @@ def _attend(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, start_ptr, cu_ptr, tiles_ptr, out_ptr,
-    stride_qt, stride_qh, stride_kn, stride_kh, stride_tb, stride_ot, stride_oh,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, start_ptr, cu_ptr, tiles_ptr, out_ptr,
+    stride_qt, stride_qh, stride_kn, stride_kh, stride_sn, stride_tb, stride_ot, stride_oh,
     qk_scale, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_TOKENS: tl.constexpr,
-    SUBS: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    SUBS: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     tile = tl.program_id(0) // SUBS
     sub = tl.program_id(0) % SUBS
@@ -115,15 +125,15 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     table = table_ptr + seq * stride_tb
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_kv, k_ptr, v_ptr, table, kv_head, dims, dim_ok,
-                            start, mid_lo, lo, hi, stride_kn, stride_kh,
-                            qk_scale, window, PAGE, BLOCK_N, True, HAS_WINDOW, PRECISION)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_kv, k_ptr, v_ptr, table, kv_head, dims, dim_ok,
-                            mid_lo, mid_hi, lo, hi, stride_kn, stride_kh,
-                            qk_scale, window, PAGE, BLOCK_N, False, HAS_WINDOW, PRECISION)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_kv, k_ptr, v_ptr, table, kv_head, dims, dim_ok,
-                            mid_hi, hi, lo, hi, stride_kn, stride_kh,
-                            qk_scale, window, PAGE, BLOCK_N, True, HAS_WINDOW, PRECISION)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_kv, k_ptr, v_ptr, ks_ptr, vs_ptr, table, kv_head, dims, dim_ok,
+                            start, mid_lo, lo, hi, stride_kn, stride_kh, stride_sn,
+                            qk_scale, window, PAGE, BLOCK_N, True, HAS_WINDOW, PRECISION, KV_FP8)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_kv, k_ptr, v_ptr, ks_ptr, vs_ptr, table, kv_head, dims, dim_ok,
+                            mid_lo, mid_hi, lo, hi, stride_kn, stride_kh, stride_sn,
+                            qk_scale, window, PAGE, BLOCK_N, False, HAS_WINDOW, PRECISION, KV_FP8)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_kv, k_ptr, v_ptr, ks_ptr, vs_ptr, table, kv_head, dims, dim_ok,
+                            mid_hi, hi, lo, hi, stride_kn, stride_kh, stride_sn,
+                            qk_scale, window, PAGE, BLOCK_N, True, HAS_WINDOW, PRECISION, KV_FP8)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     o_off = (row0 + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -145,6 +155,8 @@ def paged_prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of every new token over its sequence's paged context.
 
@@ -161,6 +173,7 @@ def paged_prefill_attention(
     t = L - n + i; out = softmax(q . K[j] / sqrt(D)) V over j in
     [max(kv_start, t - window + 1), t], K, V of kv head h // (Hq / Hkv).
     block_m: rows (token x group head) per multi-token program; block_n: keys per tile.
+    k_scale, v_scale: [slots, Hkv] float32, an FP8 (e4m3) cache's scales (kernels/kv_fp8.py).
     """
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -168,14 +181,16 @@ def paged_prefill_attention(
     group = q.shape[1] // num_kv
     group_pad = triton.next_power_of_2(group)
     on_gpu = q.is_cuda
-    args = (q, k_cache, v_cache, block_tables, context_lens, kv_start, cu_q)
-    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+    k_scale, v_scale, stride_sn = kv_scales(k_cache, k_scale, v_scale)
+    args = (q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, kv_start, cu_q)
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), stride_sn, block_tables.stride(0),
                out.stride(0), out.stride(1))
     consts = {
         "GROUP": group, "GROUP_PAD": group_pad, "HEAD_DIM": q.shape[2],
         "DIM_PAD": max(16, triton.next_power_of_2(q.shape[2])), "PAGE": page_size,
         "BLOCK_N": block_n or (64 if on_gpu else 16), "HAS_WINDOW": window is not None,
         "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32", "num_stages": num_stages,
+        "KV_FP8": k_cache.dtype == torch.float8_e4m3fn,
     }
     scale = q.shape[2] ** -0.5 * LOG2E
     launches = ((tiles.single, 1, 16), (tiles.multi, tiles.tile_tokens, block_m or (256 if on_gpu else 16)))

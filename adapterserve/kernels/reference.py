@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from adapterserve.kernels.kv_fp8 import dequantize_kv
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
 from adapterserve.kernels.stacked import check_stacked
@@ -145,8 +146,10 @@ def ia3_scale(x: torch.Tensor, scales: torch.Tensor, meta: AdapterBatchMeta) -> 
     x[rows] = (x[rows].float() * scales[slots[rows]].float()).to(x.dtype)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size, window, out) -> None:
-    """Float32 twin of kernels.attention.paged_decode_attention (same semantics)."""
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size, window, out,
+                           k_scale=None, v_scale=None) -> None:
+    """Float32 twin of kernels.attention.paged_decode_attention (same semantics; an FP8
+    cache's entries dequantized with their scales)."""
     batch, num_heads, head_dim = q.shape
     group = num_heads // k_cache.shape[1]
     for b in range(batch):
@@ -157,14 +160,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, kv_s
             continue
         j = torch.arange(lo, length, device=q.device)
         slots = block_tables[b, j // page_size].long() * page_size + j % page_size
-        keys = k_cache[slots].float().repeat_interleave(group, dim=1)  # [n, Hq, D]
-        values = v_cache[slots].float().repeat_interleave(group, dim=1)
+        keys, values = (_cached(c, s, slots, group) for c, s in ((k_cache, k_scale), (v_cache, v_scale)))  # [n, Hq, D]
         scores = torch.einsum("hd,nhd->hn", q[b].float(), keys) * head_dim ** -0.5
         out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values).to(out.dtype)
 
 
 def paged_prefill_attention(
-    q, k_cache, v_cache, block_tables, context_lens, kv_start, cu_q, tiles, page_size, window, out
+    q, k_cache, v_cache, block_tables, context_lens, kv_start, cu_q, tiles, page_size, window, out, k_scale=None,
+    v_scale=None,
 ) -> None:
     """Float32 twin of kernels.prefill_attention.paged_prefill_attention (same
     semantics; the tile list is not needed here)."""
@@ -177,8 +180,7 @@ def paged_prefill_attention(
             continue
         j = torch.arange(starts[b], length, device=q.device)
         slots = block_tables[b, j // page_size].long() * page_size + j % page_size
-        keys = k_cache[slots].float().repeat_interleave(group, dim=1)  # [K, Hq, D]
-        values = v_cache[slots].float().repeat_interleave(group, dim=1)
+        keys, values = (_cached(c, s, slots, group) for c, s in ((k_cache, k_scale), (v_cache, v_scale)))  # [K, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", q[rows].float(), keys) * q.shape[2] ** -0.5
         query_kv = torch.arange(length - n, length, device=q.device)[:, None]
         visible = j[None, :] <= query_kv
@@ -186,6 +188,11 @@ def paged_prefill_attention(
             visible &= j[None, :] > query_kv - window
         scores = scores.masked_fill(~visible, float("-inf"))
         out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(out.dtype)
+
+
+def _cached(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, group: int) -> torch.Tensor:
+    """Float32 cache entries at ``slots``, dequantized if FP8, each KV head repeated for its group."""
+    return dequantize_kv(cache[slots], None if scale is None else scale[slots]).repeat_interleave(group, dim=1)
 
 
 def penalise_rows(logits: torch.Tensor, rows: torch.Tensor, table_rows: torch.Tensor, counts: torch.Tensor,

@@ -86,7 +86,7 @@ class DecoderLayer(torch.nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if q.is_cuda:  # RoPE and the KV-cache write in one launch, on the views of qkv
             write_slots = get_context().attention.write_slots
-            self.rope.rotate_into_cache(positions, q, k, v, self.attn.k_cache, self.attn.v_cache, write_slots)
+            self.rope.rotate_into_cache(positions, q, k, v, self.attn, write_slots)
             return self.attn(q)
         q, k = self.rope(positions, q, k)
         return self.attn(q, k, v)

@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from adapterserve.layers.attention import PagedAttention
+
 
 def _llama3_scale(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     factor = params["factor"]
@@ -51,12 +53,13 @@ class RotaryEmbedding(torch.nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def rotate_into_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          k_cache: torch.Tensor, v_cache: torch.Tensor, write_slots: torch.Tensor) -> None:
-        """CUDA: rotate q in place and write rotated k and v to the KV cache, one launch."""
+                          attn: PagedAttention, write_slots: torch.Tensor) -> None:
+        """CUDA: rotate q in place and write rotated k and v to attn's KV cache, one launch."""
         from adapterserve.kernels.fused import rope_and_cache
 
         half = q.shape[-1] // 2
-        rope_and_cache(q, k, v, positions, self.cos[:, :half], self.sin[:, :half], k_cache, v_cache, write_slots)
+        rope_and_cache(q, k, v, positions, self.cos[:, :half], self.sin[:, :half], attn.k_cache, attn.v_cache,
+                       write_slots, attn.k_scale, attn.v_scale)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

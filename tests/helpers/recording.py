@@ -23,3 +23,16 @@ def record_logits(engine) -> dict[str, list[torch.Tensor]]:
 
     engine.runner.run = recording_run
     return captured
+
+
+def greedy_logits_error(got, want) -> tuple[float, int]:
+    """(largest relative L2 error, steps compared) of two runs' per-prompt (greedy tokens,
+    per-step logits), over the steps whose context (the greedy tokens before them) is the
+    same in both."""
+    errors = []
+    for (got_tokens, got_logits), (want_tokens, want_logits) in zip(got, want):
+        for step in range(min(len(got_logits), len(want_logits))):
+            if got_tokens[:step] != want_tokens[:step]:
+                break
+            errors.append(((got_logits[step] - want_logits[step]).norm() / want_logits[step].norm()).item())
+    return max(errors), len(errors)

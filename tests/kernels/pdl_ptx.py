@@ -35,6 +35,7 @@ KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
     "add_rms_norm": (fused._add_rms_norm_kernel, {"BLOCK": 4096}),
     "silu_mul": (fused._silu_mul_kernel, {"BLOCK": 1024}),
     "rope_and_cache": (fused._rope_cache_kernel, {"HALF": 64, "QH_PAD": 32, "KVH_PAD": 8}),
+    "rope_and_cache_fp8": (fused._rope_cache_kernel, {"HALF": 64, "QH_PAD": 32, "KVH_PAD": 8, "KV_FP8": 1}),
     "seg_down_gemv": (segment_gemv.seg_down_gemv,
                       {**SLICES, "HAS_ROW_START": True, "ACT": 0, "A_ALIGN": 16, "ROWS": 4, "BLOCK_K": 1024}),
     "seg_up_gemv": (segment_gemv.seg_up_gemv,
@@ -62,6 +63,7 @@ POINTER_TYPES = {  # name: the pointers that are not bf16 / int32 / float32 by t
     "quantize_rows": QUANT, "rms_norm_quant": QUANT, "add_rms_norm_quant": QUANT, "silu_mul_quant": QUANT,
     "decode_gemm_fp8_weights": {"w_ptr": E4M3},
     "decode_gemm_w8a8": {"x_ptr": E4M3, "w_ptr": E4M3},
+    "rope_and_cache_fp8": {"kc_ptr": E4M3, "vc_ptr": E4M3, "ks_ptr": "*fp32", "vs_ptr": "*fp32"},
 }
 
 

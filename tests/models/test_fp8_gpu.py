@@ -10,7 +10,7 @@ from adapterserve.kernels.fp8 import quantize_rows_reference
 from adapterserve.layers.base_gemm import ACTIVATION_QUANTIZING, fp8_linear_oracle, resolve_fp8_gemm
 from adapterserve.models.tiny import write_tiny_checkpoint
 from tests.helpers.lora import make_peft_lora
-from tests.helpers.recording import record_logits
+from tests.helpers.recording import greedy_logits_error, record_logits
 from tests.models.fp8_checkpoints import (
     write_dequantized_checkpoint,
     write_fp8_checkpoint,
@@ -64,15 +64,7 @@ def _generate(engine, prompts) -> list[tuple[list[int], torch.Tensor]]:
 
 
 def _rel(got, want) -> float:
-    """Largest relative error over prompts and over the steps whose context (the greedy
-    tokens before them) is the same in both runs."""
-    errors = []
-    for (got_tokens, got_logits), (want_tokens, want_logits) in zip(got, want):
-        for step in range(len(got_logits)):
-            if got_tokens[:step] != want_tokens[:step]:
-                break
-            errors.append(((got_logits[step] - want_logits[step]).norm() / want_logits[step].norm()).item())
-    return max(errors)
+    return greedy_logits_error(got, want)[0]
 
 
 def _record_base_products(engine) -> list[tuple[object, torch.Tensor, torch.Tensor, tuple | None]]:

@@ -38,8 +38,7 @@ class PrefixPool:
         with torch.no_grad():
             for layer, attn in enumerate(self.attention):
                 keys, values = (kv_part(attn, adapter, t[layer]) for t in (prefix.keys, prefix.values))
-                attn.k_cache[index] = keys.to(attn.k_cache.device, attn.k_cache.dtype)
-                attn.v_cache[index] = values.to(attn.v_cache.device, attn.v_cache.dtype)
+                attn.write(index, keys.to(index.device), values.to(index.device))
         self.pages[slot] = table
         return True
 

@@ -100,7 +100,8 @@ class WorkerState:
         self.blocks = GivenBlocks(config.block_size)
         self.pools = build_pools(config, self.model, self.blocks, with_head=False)
         self.device = StepDevice(self.model, config.num_kv_blocks * config.block_size + 1, config.block_size,
-                                 config.max_loras, config.max_lora_rank, config.max_num_batched_tokens, tp)
+                                 config.max_loras, config.max_lora_rank, config.max_num_batched_tokens, tp,
+                                 config.kv_fp8)
         on_gpu = torch.device(config.device).type == "cuda"
         self.copy_stream = torch.cuda.Stream(device=config.device) if on_gpu else None
         self._landing: list[torch.cuda.Event] = []  # placements' copies the next step waits for

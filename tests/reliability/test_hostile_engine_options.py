@@ -1,0 +1,33 @@
+"""Hostile values of the engine options kv_cache_dtype (and `serve --kv-cache-dtype`) and pdl:
+refused before anything starts, naming the option; good values reach the engine's config."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from adapterserve.clients import cli
+from adapterserve.server.app import build_app
+
+MODEL = Path(__file__).parents[1] / "fixtures" / "adapterhub" / "tiny-llama"
+HOSTILE = ["int8", "FP8", "", None, 8, True, [], {"dtype": "fp8"}, math.nan]
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_a_bad_kv_cache_dtype_is_refused_before_anything_starts(value):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        build_app({"model": str(MODEL), "encoder": False, "engine": {"kv_cache_dtype": value}})
+
+
+@pytest.mark.parametrize("value", ["on", "late", *HOSTILE[2:]])
+def test_a_bad_pdl_mode_is_refused_before_anything_starts(value):
+    with pytest.raises(ValueError, match="pdl must be one of"):
+        build_app({"model": str(MODEL), "encoder": False, "engine": {"pdl": value}})
+
+
+def test_the_flag_takes_only_its_choices():
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["serve", "--kv-cache-dtype", "int8"])
+    args = cli._parser().parse_args(["serve", "--model", str(MODEL), "--no-encoder", "--kv-cache-dtype", "fp8"])
+    assert cli.serve_config(args)["engine"]["kv_cache_dtype"] == "fp8"
