@@ -3,6 +3,12 @@
 scales, against their float32 twins on the dequantized cache (Triton under the
 interpreter on CPU). Fresh random inputs each run; outputs and untouched cache entries
 poisoned with NaN."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,6 +23,7 @@ from tests.kernels.cases import NAN, fresh_generator, gpu, rel_err
 from tests.kernels.test_prefill_attention import CASES, WINDOW, Paged
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+REPO = Path(__file__).resolve().parents[2]
 ACT = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the queries' dtype
 # the kernels against their twin on the same e4m3 entries: float32 summation order on CPU;
 # on a GPU bf16 queries and the prefill products' bf16 weights
@@ -177,3 +184,18 @@ def test_prefill_attention_reads_the_fp8_cache(name):
     assert not got.isnan().any(), f"seed {seed}"
     assert rel_err(got, same) < SAME_ENTRIES_TOL, f"seed {seed}"
     assert rel_err(got, unquantized) < QUANTIZATION_TOL, f"seed {seed}"
+
+
+def test_the_fp8_paths_compile_for_sm_89_and_sm_90():
+    """The three attention kernels and the cache write compile with e4m3 entries for both
+    float8 targets and convert e4m3 there (the interpreter compiles nothing); a bf16 cache's
+    kernel has no conversion."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.kernels.kv_fp8_ptx"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, per_target in counts.items():
+        for target, conversions in per_target.items():
+            assert (conversions == 0) == (name == "decode_bf16_cache"), (name, target, conversions)
