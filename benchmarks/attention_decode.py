@@ -6,7 +6,9 @@ Cases: batch x context length (uniform, or "a-b": each sequence's length drawn f
 a..b), 32 query / 8 KV heads, D=128, page 16, bf16, 64 keys per tile. For each, the
 kernel with contexts whole (splits 1) in batch order and longest first (the engine's
 launch order), with the split count `decode_splits` picks (default) and with other
-counts, side by side (--sweep: tile shapes of whole contexts instead). Bytes counted: every context key and
+counts, side by side, and whole contexts longest first (and the default split) with both
+products on bf16 inputs (dots="input": tensor-core MMAs, the softmax weights rounded to bf16)
+against float32 ones (--sweep: tile shapes of whole contexts instead). Bytes counted: every context key and
 value read once, queries read and outputs written once. Prints one table naming the
 GPU; the copy bandwidth is measured in the same run.
 """
@@ -18,6 +20,7 @@ import torch
 import triton.testing
 
 from adapterserve.kernels.attention import decode_splits, paged_decode_attention
+from adapterserve.kernels.kv_fp8 import quantize_kv
 
 CASES = ((64, "640"), (64, "128-1152"), (256, "640"), (16, "2048"), (8, "4096"), (1, "4096"), (1, "16384"))
 PAGE, HEADS, KV_HEADS, DIM = 16, 32, 8, 128
@@ -40,6 +43,16 @@ def _case(batch: int, spec: str):
     moved = 2 * int(lens.sum()) * KV_HEADS * DIM * 2 + 2 * q.numel() * 2
     lens = lens.cuda()
     return (q, k, v, table, lens, torch.zeros_like(lens), PAGE), moved
+
+
+def _fp8_case(args: tuple, moved: int) -> tuple[tuple, dict, int]:
+    """The case's cache in e4m3 with its scales (kernels/kv_fp8.py), and the bytes it moves:
+    each key and value at 1 byte plus its 4-byte scale per head."""
+    q, k, v, table, lens, start, page = args
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    entries = (moved - 2 * q.numel() * 2) // 2  # keys and values read, as bf16 entries
+    fp8_moved = entries + entries // DIM * 4 + 2 * q.numel() * 2
+    return (q, kq, vq, table, lens, start, page), {"k_scale": ks, "v_scale": vs}, fp8_moved
 
 
 SWEEP = [(n, w, st) for n in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3, 4)]
@@ -76,18 +89,30 @@ def main() -> None:
     rows = []
     for batch, spec in CASES:
         args, moved = _case(batch, spec)
+        fp8_args, scales, fp8_moved = _fp8_case(args, moved)
         out = torch.empty_like(args[0])
         default = decode_splits(batch, KV_HEADS, args[3].shape[1] * PAGE)
         order = torch.argsort(args[4], descending=True, stable=True).to(torch.int32)
-        variants = [(1, None, "batch order"), (1, order, "longest first")]
-        variants += [(n, None, "") for n in sorted({default, 2, 4, 16} if batch <= 16 else {default, 2, 4}) if n > 1]
+        variants = [(1, None, "batch order", "float32"), (1, order, "longest first", "float32"),
+                    (1, order, "longest first, bf16 dots", "input")]
+        variants += [(n, None, "", "float32") for n in sorted({default, 2, 4, 16} if batch <= 16 else {default, 2, 4})
+                     if n > 1]
+        if default > 1:
+            variants.append((default, None, "bf16 dots", "input"))
         whole = None
-        for splits, launch_order, label in variants:
-            fn = lambda: paged_decode_attention(*args, None, out, splits=splits, order=launch_order)  # noqa: E731
+        for splits, launch_order, label, dots in variants:
+            fn = lambda: paged_decode_attention(*args, None, out, splits=splits, order=launch_order,  # noqa: E731
+                                                dots=dots)
             ms = triton.testing.do_bench(fn, return_mode="median")
             whole = whole or ms
             tag = ", ".join(t for t in (label, "default" if splits == default else "") if t)
             rows.append((batch, spec, splits, tag, ms, moved / ms / 1e6, whole / ms))
+        for dots in ("float32", "input"):  # the FP8 KV cache (kernels/kv_fp8.py), the default split and order
+            fn = lambda: paged_decode_attention(*fp8_args, None, out, splits=default,  # noqa: E731
+                                                order=order if default == 1 else None, dots=dots, **scales)
+            ms = triton.testing.do_bench(fn, return_mode="median")
+            tag = "fp8 cache" + (", bf16 dots" if dots == "input" else "")
+            rows.append((batch, spec, default, tag, ms, fp8_moved / ms / 1e6, whole / ms))
     print(f"\n{torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.0f} GB/s (read+write); bf16, 32/8 heads, D=128")
     print("| B | context | splits | | ms | GB/s | of copy | speed-up over whole, batch order |")
     print("|---|---|---|---|---|---|---|---|")

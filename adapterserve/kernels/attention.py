@@ -24,16 +24,19 @@ SPLIT_BELOW_PROGRAMS = 512  # split contexts while sequences x kv heads are fewe
 SPLIT_TARGET_PROGRAMS = 1024  # programs the split pass aims for
 MIN_SPLIT_KEYS = 256  # no part shorter than this for the longest context a table can hold
 MAX_SPLITS = 16  # more parts were slower (BENCHMARKS.md, paged decode attention)
+DOTS = ("float32", "input")  # the products' inputs (paged_decode_attention's ``dots``)
+DEFAULT_DOTS = "float32"
 
 
 @triton.jit
 def _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, kv_head, lo, n_start, n_end, scale, stride_kn, stride_kh,
             stride_sn, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
-            BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr):
+            BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, INPUT_DOTS: tl.constexpr):
     """Online softmax of q [GROUP_PAD, DIM_PAD] over keys [max(lo, n_start), n_end), n_start
     a multiple of BLOCK_N: (running max, sum of weights, unnormalised output), float32.
     KV_FP8: e4m3 entries, their scales [slots, Hkv] (slot stride stride_sn) applied to each
-    key's scores and each value's weights."""
+    key's scores and each value's weights. INPUT_DOTS: both products take q's dtype (keys and
+    values as stored or widened to it, the weights rounded to it), else float32; float32 sums."""
     dims = tl.arange(0, DIM_PAD)
     dim_ok = dims < HEAD_DIM
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -46,7 +49,7 @@ def _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, kv_head, lo, n_start, n_
         slot = page.to(tl.int64) * PAGE + offs % PAGE
         kv_off = slot[:, None] * stride_kn + kv_head * stride_kh + dims[None, :]
         kv_mask = valid[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale
         if KV_FP8:
             k_scale = tl.load(ks_ptr + slot * stride_sn + kv_head, mask=valid, other=0.0)
@@ -56,25 +59,27 @@ def _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, kv_head, lo, n_start, n_
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        weights = p
         if KV_FP8:
-            v_scale = tl.load(vs_ptr + slot * stride_sn + kv_head, mask=valid, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p * v_scale[None, :], v)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, v)
+            weights = p * tl.load(vs_ptr + slot * stride_sn + kv_head, mask=valid, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(weights.to(q.dtype), v)
         m_i = m_new
     return m_i, l_i, acc
 
 
 @triton.jit
 def _query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-           HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr):
-    """The query rows of kv head's group [GROUP_PAD, DIM_PAD] (float32), their heads and mask."""
+           HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, INPUT_DOTS: tl.constexpr):
+    """The query rows of kv head's group [GROUP_PAD, DIM_PAD] (float32, or in q's dtype with
+    INPUT_DOTS), their heads and mask."""
     heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, DIM_PAD)
     mask = (tl.arange(0, GROUP_PAD) < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=mask, other=0.0)
-    return q.to(tl.float32), heads, dims, mask
+    if not INPUT_DOTS:
+        q = q.to(tl.float32)
+    return q, heads, dims, mask
 
 
 @triton.jit
@@ -94,7 +99,7 @@ def _decode_kernel(
     scale, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
-    HAS_ORDER: tl.constexpr,
+    INPUT_DOTS: tl.constexpr, HAS_ORDER: tl.constexpr,
 ):
     # programs start in grid order, kv heads fastest: with the sequences longest first, the
     # last wave holds short contexts instead of a few long ones the rest of the GPU waits for
@@ -103,11 +108,12 @@ def _decode_kernel(
         b = tl.load(order_ptr + rank)
     else:
         b = rank
-    q, heads, dims, mask = _query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD)
+    q, heads, dims, mask = _query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD,
+                                  INPUT_DOTS)
     length, lo = _first_key(lens_ptr, start_ptr, b, window, HAS_WINDOW)
     m_i, l_i, acc = _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr + b * stride_tb, kv_head, lo,
                             (lo // BLOCK_N) * BLOCK_N, length, scale, stride_kn, stride_kh, stride_sn, GROUP_PAD,
-                            HEAD_DIM, DIM_PAD, PAGE, BLOCK_N, KV_FP8)
+                            HEAD_DIM, DIM_PAD, PAGE, BLOCK_N, KV_FP8, INPUT_DOTS)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -120,11 +126,12 @@ def _decode_split_kernel(
     scale, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
-    SPLITS: tl.constexpr,
+    INPUT_DOTS: tl.constexpr, SPLITS: tl.constexpr,
 ):
     """Part `split` of each context: whole tiles, the parts of one sequence near equal."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q, heads, dims, mask = _query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD)
+    q, heads, dims, mask = _query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD,
+                                  INPUT_DOTS)
     length, lo = _first_key(lens_ptr, start_ptr, b, window, HAS_WINDOW)
     first = (lo // BLOCK_N) * BLOCK_N
     tiles_per_part = tl.cdiv(tl.cdiv(tl.maximum(length - first, 0), BLOCK_N), SPLITS)
@@ -132,7 +139,7 @@ def _decode_split_kernel(
     n_end = tl.minimum(n_start + tiles_per_part * BLOCK_N, length)
     m_i, l_i, acc = _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr + b * stride_tb, kv_head, lo, n_start,
                             n_end, scale, stride_kn, stride_kh, stride_sn, GROUP_PAD, HEAD_DIM, DIM_PAD, PAGE,
-                            BLOCK_N, KV_FP8)
+                            BLOCK_N, KV_FP8, INPUT_DOTS)
     part = b * stride_pb + heads * stride_ph + split * stride_ps  # an empty part leaves max -inf, sum 0
     head_ok = tl.arange(0, GROUP_PAD) < GROUP
     tl.store(part_m_ptr + part, m_i, mask=head_ok)
@@ -202,6 +209,7 @@ def paged_decode_attention(
     order: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    dots: str = DEFAULT_DOTS,
 ) -> None:
     """Attention of each sequence's newest token over its cached context.
 
@@ -214,6 +222,9 @@ def paged_decode_attention(
     order:        [B] int32, the sequences longest context first (optional; whole contexts
                   only): programs start in this order, which shortens the tail
     k_scale, v_scale: [slots, Hkv] float32, an FP8 (e4m3) cache's scales (kernels/kv_fp8.py)
+    dots:         the products' inputs: "float32" (keys, values and weights widened) or "input"
+                  (q's dtype: bf16 / fp16 tensor-core products, the softmax weights rounded to it);
+                  float32 sums either way
     Semantics: out[b, h] = softmax(q[b, h] . K[j] / sqrt(D)) V over j in
     [max(kv_start, len - window), len), K, V of kv head h // (Hq / Hkv).
     """
@@ -226,15 +237,15 @@ def paged_decode_attention(
     common = dict(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page_size,
-        BLOCK_N=block_n, HAS_WINDOW=window is not None, KV_FP8=k_scale is not None, num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_N=block_n, HAS_WINDOW=window is not None, KV_FP8=k_scale is not None, INPUT_DOTS=_input_dots(dots),
+        num_warps=num_warps, num_stages=num_stages,
     )
     k_scale, v_scale, stride_sn = kv_scales(k_cache, k_scale, v_scale)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), stride_sn, block_tables.stride(0))
     if splits <= 1:
         _decode_kernel[(num_kv, batch)](
-            q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, kv_start, order if order is not None else context_lens,
-            out, *strides, out.stride(0), out.stride(1), head_dim ** -0.5, window or 0, **common,
+            q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, kv_start,
+            order if order is not None else context_lens, out, *strides, out.stride(0), out.stride(1), head_dim ** -0.5, window or 0, **common,
             HAS_ORDER=order is not None,
         )
         return
@@ -251,3 +262,8 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, DIM_PAD=common["DIM_PAD"], SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
     )
 
+
+def _input_dots(dots: str) -> bool:
+    if dots not in DOTS:
+        raise ValueError(f"dots must be one of {DOTS}, got {dots!r}")
+    return dots == "input"

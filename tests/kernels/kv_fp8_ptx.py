@@ -1,6 +1,8 @@
-"""Compiles the attention kernels' FP8 KV cache paths (and the RoPE + cache write's) for
+"""Compiles the attention kernels' FP8 KV cache paths (and the RoPE + cache write's, and decode
+attention's products in the queries' dtype) for
 sm_89 and sm_90 (no GPU needed: Triton's own ptxas) and prints, as JSON, per kernel and
-target, how many e4m3 conversions its PTX holds: what test_kv_fp8 checks.
+target, how many e4m3 conversions and bf16 tensor-core products its PTX holds: what
+test_kv_fp8 checks.
 
 Run in a process of its own without TRITON_INTERPRET (the interpreter compiles nothing):
     python -m tests.kernels.kv_fp8_ptx
@@ -17,12 +19,16 @@ from triton.compiler import ASTSource
 from adapterserve.kernels import attention, fused, prefill_attention
 
 ATTENTION = {"GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": 128, "DIM_PAD": 128, "PAGE": 16, "BLOCK_N": 64,
-             "HAS_WINDOW": False, "KV_FP8": 1}
+             "HAS_WINDOW": False, "KV_FP8": 1, "INPUT_DOTS": 0}
 KERNELS = {  # name: (kernel, its constexprs)
     "decode": (attention._decode_kernel, {**ATTENTION, "HAS_ORDER": True}),
     "decode_bf16_cache": (attention._decode_kernel, {**ATTENTION, "HAS_ORDER": True, "KV_FP8": 0}),
+    "decode_input_dots": (attention._decode_kernel, {**ATTENTION, "HAS_ORDER": True, "INPUT_DOTS": 1}),
+    "decode_bf16_cache_input_dots": (attention._decode_kernel,
+                                     {**ATTENTION, "HAS_ORDER": True, "KV_FP8": 0, "INPUT_DOTS": 1}),
+    "decode_split_input_dots": (attention._decode_split_kernel, {**ATTENTION, "SPLITS": 4, "INPUT_DOTS": 1}),
     "decode_split": (attention._decode_split_kernel, {**ATTENTION, "SPLITS": 4}),
-    "prefill": (prefill_attention._prefill_kernel, {**ATTENTION, "BLOCK_M": 64, "TILE_TOKENS": 16, "SUBS": 1,
+    "prefill": (prefill_attention._prefill_kernel, {**{k: v for k, v in ATTENTION.items() if k != "INPUT_DOTS"}, "BLOCK_M": 64, "TILE_TOKENS": 16, "SUBS": 1,
                                                     "PRECISION": "tf32"}),
     "rope_and_cache": (fused._rope_cache_kernel, {"HALF": 64, "QH_PAD": 32, "KVH_PAD": 8, "KV_FP8": 1,
                                                   "USE_PDL": 0}),
@@ -53,14 +59,15 @@ def signature(kernel, constexprs: dict) -> dict[str, str]:
     return types
 
 
-def conversions(kernel, constexprs: dict, capability: int) -> int:
+def counts(kernel, constexprs: dict, capability: int) -> dict[str, int]:
     source = ASTSource(kernel, signature(kernel, constexprs), constexprs)
     ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32)).asm["ptx"]
-    return len(re.findall(r"cvt\.[a-z.0-9]*e4m3x2", ptx))
+    return {"e4m3": len(re.findall(r"cvt\.[a-z.0-9]*e4m3x2", ptx)),
+            "bf16_mma": len(re.findall(r"(?:mma|wgmma)[a-z.0-9]*\.bf16\.bf16", ptx))}
 
 
 def main() -> None:
-    print(json.dumps({name: {str(cc): conversions(kernel, consts, cc) for cc in (89, 90)}
+    print(json.dumps({name: {str(cc): counts(kernel, consts, cc) for cc in (89, 90)}
                       for name, (kernel, consts) in KERNELS.items()}))
 
 

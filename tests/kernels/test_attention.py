@@ -59,6 +59,28 @@ def test_split_contexts_match_reference(splits, window):
     assert torch.equal(out[0].float(), torch.zeros_like(want[0]))  # padding row writes zeros
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 16), (8, 1, 32)])
+def test_products_in_the_input_dtype_match_reference(splits, heads, kv_heads, dim):
+    """dots="input": both products on 16-bit inputs (the weights rounded to them), float32 sums."""
+    dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16  # the interpreter's bf16 arithmetic is wrong
+    q, k, v, table, lens, start = _case(5, heads, kv_heads, dim, 4, 37, dtype)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k, v, table, lens, start, 4, None, out, block_n=16 if DEVICE == "cpu" else None,
+                           splits=splits, dots="input")
+    want = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
+    reference.paged_decode_attention(q, k, v, table, lens, start, 4, None, want)
+    assert torch.isfinite(out).all()
+    assert (out.float() - want).norm() / want.norm() < 2e-2
+    assert torch.equal(out[0].float(), torch.zeros_like(want[0]))  # padding row writes zeros
+
+
+def test_an_unknown_dots_choice_is_refused():
+    q, k, v, table, lens, start = _case(2, 4, 2, 16, 4, 8, torch.float32)
+    with pytest.raises(ValueError, match="dots must be one of"):
+        paged_decode_attention(q, k, v, table, lens, start, 4, None, torch.empty_like(q), dots="tf32")
+
+
 def test_splits_only_when_sequences_leave_the_gpu_idle():
     from adapterserve.kernels.attention import MAX_SPLITS, decode_splits
 
