@@ -44,19 +44,20 @@ from benchmarks.checkpoints import SHAPES
 from benchmarks.decode_gemm import projection_shapes
 from benchmarks.fused_update import bandwidth, print_table, time_ms
 
-TILES = (  # (block_n, block_k, stages) swept for the FP8 variants
-    (32, 128, 4), (32, 256, 4), (64, 256, 3), (128, 128, 3), (128, 256, 3),
+TILES = (  # (block_n, block_k, stages, waves: split-K aims at this many programs per SM) swept for the FP8 variants
+    (32, 128, 4, 2), (32, 256, 4, 2), (64, 256, 3, 2), (128, 128, 3, 2), (128, 256, 3, 2),
+    (32, 256, 4, 4), (16, 256, 4, 2), (16, 256, 4, 4),  # narrow outputs (o, q|k|v): more, shorter programs
 )
 
 
 def fp8_configs(quick: bool) -> list[DecodeGemmConfig]:
     tiles = TILES[:3] if quick else TILES
-    return [DecodeGemmConfig(block_n=n, block_k=k, num_stages=s, num_warps=8 if n * k >= 128 * 256 else 4)
-            for n, k, s in tiles]
+    return [DecodeGemmConfig(block_n=n, block_k=k, num_stages=s, waves=w, num_warps=8 if n * k >= 128 * 256 else 4)
+            for n, k, s, w in tiles]
 
 
 def label(c: DecodeGemmConfig) -> str:
-    return f"n{c.block_n} k{c.block_k} s{c.num_stages}"
+    return f"n{c.block_n} k{c.block_k} s{c.num_stages}" + (f" w{c.waves}" if c.waves != 2 else "")
 
 
 class Projection:
