@@ -14,6 +14,7 @@ STACKED_DECODES = ("stacked", "fused")  # the lora_decode values that store A ro
 DECODE_GEMMS = ("cublas", "triton", "auto")  # EngineConfig.decode_gemm (layers.base_gemm)
 PDL_MODES = ("auto", "off", "early", "exit")  # EngineConfig.pdl (kernels/pdl.py)
 KV_CACHE_DTYPES = ("auto", "fp8")  # EngineConfig.kv_cache_dtype (kernels/kv_fp8.py)
+ATTENTION_DOTS = ("float32", "input")  # EngineConfig.decode_attention_dots (kernels/attention.py)
 TP_LAUNCHES = ("auto", "ray", "local")  # EngineConfig.tensor_parallel_launch
 TP_ALL_REDUCES = ("auto", "nccl")  # EngineConfig.tensor_parallel_all_reduce
 
@@ -64,6 +65,9 @@ class EngineConfig:
     kv_cache_dtype:   "auto" (the activations' dtype) or "fp8": keys and values in float8 e4m3
                       with one float32 scale per token and KV head (kernels/kv_fp8.py); about
                       half the cache's bytes, so twice the tokens per block budget
+    decode_attention_dots: the decode attention kernel's products (CUDA): "float32" (keys,
+                      values and softmax weights widened) or "input" (bf16/fp16 tensor-core
+                      products, the weights rounded to the queries' dtype); float32 sums
     pdl:              programmatic dependent launch of the decode step's Triton kernels (sm_90+,
                       process-wide: the engine built last sets it; kernels/pdl.py): "off",
                       "early", "exit", or "auto": ADAPTERSERVE_PDL when that is set, else "early"
@@ -110,6 +114,7 @@ class EngineConfig:
     decode_gemm: str = "cublas"
     pdl: str = "auto"
     kv_cache_dtype: str = "auto"
+    decode_attention_dots: str = "float32"
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     tensor_parallel_launch: str = "auto"
@@ -131,6 +136,9 @@ class EngineConfig:
             raise ValueError(f"decode_gemm must be one of {list(DECODE_GEMMS)}, got {self.decode_gemm!r}")
         if self.pdl not in PDL_MODES:
             raise ValueError(f"pdl must be one of {list(PDL_MODES)}, got {self.pdl!r}")
+        if self.decode_attention_dots not in ATTENTION_DOTS:
+            raise ValueError(f"decode_attention_dots must be one of {list(ATTENTION_DOTS)}, "
+                             f"got {self.decode_attention_dots!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         for name in ("max_loras", "max_lora_rank", "block_size", "num_kv_blocks", "max_num_seqs",

@@ -112,9 +112,13 @@ for stage in "$@"; do
       timeout ${BF16_S:-200} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 100 \
         --workloads base --max-tokens ${MAX_TOKENS:-128} --out "$OUT/et8b_bf16_base.md" > "$OUT/bf16base.log" 2>&1
       tail -12 "$OUT/bf16base.log" ;;
-    attn)  # 1 GPU: decode attention, float32 against bf16 products, the bf16 against the FP8 cache (table in $OUT)
-      timeout ${STAGE_S:-240} python3 benchmarks/attention_decode.py > "$OUT/attention_decode.log" 2>&1
-      tail -60 "$OUT/attention_decode.log" ;;
+    attn)  # 1 GPU: decode attention, float32 against bf16 products, the bf16 against the FP8 cache (table in $OUT),
+      # then the 8B engine with both products (ATTN_WORKLOADS)
+      timeout ${BENCH_S:-200} python3 benchmarks/attention_decode.py > "$OUT/attention_decode.log" 2>&1
+      tail -60 "$OUT/attention_decode.log"
+      timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 250 \
+        --workloads ${ATTN_WORKLOADS:-base,base+ad,base+kv8,base+kv8+ad} --max-tokens ${MAX_TOKENS:-64} \
+        --out "$OUT/et8b_attn.md" > "$OUT/attnengine.log" 2>&1; tail -12 "$OUT/attnengine.log" ;;
     kvfp8)  # 1 GPU: the FP8 KV cache's GPU tests (logs in $OUT), then the 8B with and without it
       for f in tests/kernels/test_kv_fp8.py tests/engine/test_kv_fp8_gpu.py; do
         timeout ${FILE_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu "$f" --tb=short -rfE \

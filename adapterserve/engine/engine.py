@@ -44,6 +44,7 @@ from adapterserve.engine.stats import EngineStats
 from adapterserve.engine.step_device import (
     apply_pdl,
     attach_lora_side_stream,
+    use_attention_dots,
     use_decode_gemm,
     use_fp8_gemm,
 )
@@ -100,6 +101,7 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
             attach_lora_side_stream(model, config.device)
         use_decode_gemm(model, config.decode_gemm, config.device)
         use_fp8_gemm(model, config.fp8_gemm)
+        use_attention_dots(model, config.decode_attention_dots)
         apply_pdl(config)
         if config.cuda_graphs and on_gpu:
             self.runner.enable_cuda_graphs(*graph_limits(config, self.max_model_len))

@@ -55,6 +55,12 @@ def use_decode_gemm(model: DecoderModel, kernel: str, device: str) -> None:
         prepare_split_counters(device)
 
 
+def use_attention_dots(model: DecoderModel, dots: str) -> None:
+    """Every attention layer's decode products as EngineConfig.decode_attention_dots says."""
+    for attn in model.attention_layers():
+        attn.decode_dots = dots
+
+
 def use_fp8_gemm(model: DecoderModel, kernel: str) -> None:
     """Every FP8 linear's base product through ``kernel`` (EngineConfig.fp8_gemm), whatever
     the model was loaded with."""

@@ -24,7 +24,7 @@ SPLIT_BELOW_PROGRAMS = 512  # split contexts while sequences x kv heads are fewe
 SPLIT_TARGET_PROGRAMS = 1024  # programs the split pass aims for
 MIN_SPLIT_KEYS = 256  # no part shorter than this for the longest context a table can hold
 MAX_SPLITS = 16  # more parts were slower (BENCHMARKS.md, paged decode attention)
-DOTS = ("float32", "input")  # the products' inputs (paged_decode_attention's ``dots``)
+DOTS = ("float32", "input")  # the products' inputs (paged_decode_attention's ``dots``; config.ATTENTION_DOTS)
 DEFAULT_DOTS = "float32"
 
 

@@ -87,16 +87,17 @@ def ia3_scale(x: torch.Tensor, scales: torch.Tensor, meta: AdapterBatchMeta) -> 
 
 def paged_decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size, window, out, order=None, k_scale=None,
-    v_scale=None,
+    v_scale=None, dots="float32",
 ) -> None:
     """See attention.paged_decode_attention (order: a launch order, no effect on the result;
-    k_scale, v_scale: an FP8 cache's scales, kernels/kv_fp8.py)."""
+    k_scale, v_scale: an FP8 cache's scales, kernels/kv_fp8.py; dots: the GPU kernel's
+    products, the twin's are float32)."""
     scales = dict(k_scale=k_scale, v_scale=v_scale)
     if _on_gpu(q):
         from adapterserve.kernels import attention
 
         attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size,
-                                         window, out, order=order, **scales)
+                                         window, out, order=order, dots=dots, **scales)
     else:
         reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size,
                                          window, out, **scales)

@@ -37,6 +37,7 @@ class PagedAttention(torch.nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+        self.decode_dots = "float32"  # the decode kernel's products (EngineConfig.decode_attention_dots)
 
     def allocate_cache(self, slots: int, dtype: torch.dtype, device: torch.device, fp8: bool = False) -> None:
         """Zeroed caches of ``slots`` entries in ``dtype``, or in e4m3 with their scales."""
@@ -69,7 +70,8 @@ class PagedAttention(torch.nn.Module):
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         if meta.decode:
             paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
-                                   meta.kv_start, meta.page_size, self.window, out, meta.decode_order, **scales)
+                                   meta.kv_start, meta.page_size, self.window, out, meta.decode_order, **scales,
+                                   dots=self.decode_dots)
         else:
             paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens,
                                     meta.kv_start, meta.cu_q, meta.tiles, meta.page_size, self.window, out, **scales)

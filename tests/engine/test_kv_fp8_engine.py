@@ -95,3 +95,4 @@ def test_an_unknown_cache_dtype_is_refused():
     for bad in ("int8", "e4m3", "", None, 8):
         with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
             EngineConfig(kv_cache_dtype=bad)
+

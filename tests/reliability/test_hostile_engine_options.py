@@ -1,4 +1,5 @@
-"""Hostile values of the engine options kv_cache_dtype (and `serve --kv-cache-dtype`) and pdl:
+"""Hostile values of the engine options kv_cache_dtype (and `serve --kv-cache-dtype`), pdl and
+decode_attention_dots:
 refused before anything starts, naming the option; good values reach the engine's config."""
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ def test_a_bad_kv_cache_dtype_is_refused_before_anything_starts(value):
 def test_a_bad_pdl_mode_is_refused_before_anything_starts(value):
     with pytest.raises(ValueError, match="pdl must be one of"):
         build_app({"model": str(MODEL), "encoder": False, "engine": {"pdl": value}})
+
+
+@pytest.mark.parametrize("value", ["tf32", "bf16", *HOSTILE[2:]])
+def test_a_bad_attention_dots_choice_is_refused_before_anything_starts(value):
+    with pytest.raises(ValueError, match="decode_attention_dots must be one of"):
+        build_app({"model": str(MODEL), "encoder": False, "engine": {"decode_attention_dots": value}})
 
 
 def test_the_flag_takes_only_its_choices():

@@ -30,6 +30,7 @@ from adapterserve.engine.step_device import (
     StepInputs,
     apply_pdl,
     attach_lora_side_stream,
+    use_attention_dots,
     use_decode_gemm,
 )
 from adapterserve.engine.tp.adapter_post import send_at_once
@@ -108,6 +109,7 @@ class WorkerState:
         if config.lora_side_stream and on_gpu:
             attach_lora_side_stream(self.model, config.device)
         use_decode_gemm(self.model, config.decode_gemm, config.device)
+        use_attention_dots(self.model, config.decode_attention_dots)
         apply_pdl(config)
         self.pinning_device = torch.device(config.device)
         inbox.max_staged, inbox.max_staged_bytes = config.max_staged_adapters, config.max_staged_bytes

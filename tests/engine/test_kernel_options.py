@@ -1,5 +1,6 @@
-"""EngineConfig.pdl: which PDL mode an engine sets for its process, and that it sets it.
-(Bit-identical outputs with PDL on: tests/engine/test_pdl_engine_gpu.py.)"""
+"""Kernel options an engine applies: EngineConfig.pdl (which PDL mode an engine sets for its
+process, and that it sets it; bit-identical outputs with PDL on: test_pdl_engine_gpu.py) and
+decode_attention_dots (set on every attention layer; its GPU numerics: test_attention_dots_gpu.py)."""
 import pytest
 
 from adapterserve import Engine
@@ -46,3 +47,10 @@ def test_the_engine_sets_its_process_mode(llama_dir):
     assert pdl.pdl_mode() == "exit"
     Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1)  # auto on CPU
     assert pdl.pdl_mode() == "off"
+
+
+def test_the_engine_sets_its_attention_layers_dots(llama_dir):
+    engine = Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1, decode_attention_dots="input")
+    assert {attn.decode_dots for attn in engine.model.attention_layers()} == {"input"}
+    plain = Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1)
+    assert {attn.decode_dots for attn in plain.model.attention_layers()} == {"float32"}
