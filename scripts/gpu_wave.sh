@@ -119,6 +119,13 @@ for stage in "$@"; do
       timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 250 \
         --workloads ${ATTN_WORKLOADS:-base,base+ad,base+kv8,base+kv8+ad} --max-tokens ${MAX_TOKENS:-64} \
         --out "$OUT/et8b_attn.md" > "$OUT/attnengine.log" 2>&1; tail -12 "$OUT/attnengine.log" ;;
+    newtests)  # 1 GPU: the sixteenth session's GPU tests not yet run there (a log per file in $OUT)
+      for f in tests/engine/test_pdl_engine_gpu.py tests/engine/test_attention_dots_gpu.py tests/kernels/test_attention.py \
+               tests/kernels/test_kv_fp8.py tests/engine/test_kv_fp8_gpu.py; do
+        timeout ${FILE_S:-110} python3 -m pytest -q -p no:cacheprovider "$f" --tb=short -rfE \
+          > "$OUT/$(basename "$f" .py).log" 2>&1
+        echo "$f: $(grep -E "passed|failed|error" "$OUT/$(basename "$f" .py).log" | tail -1)"
+      done ;;
     kvfp8)  # 1 GPU: the FP8 KV cache's GPU tests (logs in $OUT), then the 8B with and without it
       for f in tests/kernels/test_kv_fp8.py tests/engine/test_kv_fp8_gpu.py; do
         timeout ${FILE_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu "$f" --tb=short -rfE \
