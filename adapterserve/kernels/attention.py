@@ -245,8 +245,8 @@ def paged_decode_attention(
     if splits <= 1:
         _decode_kernel[(num_kv, batch)](
             q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, kv_start,
-            order if order is not None else context_lens, out, *strides, out.stride(0), out.stride(1), head_dim ** -0.5, window or 0, **common,
-            HAS_ORDER=order is not None,
+            order if order is not None else context_lens, out, *strides, out.stride(0), out.stride(1),
+            head_dim ** -0.5, window or 0, **common, HAS_ORDER=order is not None,
         )
         return
     part_m = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)

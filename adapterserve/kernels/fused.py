@@ -112,8 +112,9 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
-                       stride_cn, stride_ch, stride_sn, q_heads, kv_heads, fp8_max, min_scale, HALF: tl.constexpr, QH_PAD: tl.constexpr,
-                       KVH_PAD: tl.constexpr, KV_FP8: tl.constexpr = 0, USE_PDL: tl.constexpr = 0):
+                       stride_cn, stride_ch, stride_sn, q_heads, kv_heads, fp8_max, min_scale,
+                       HALF: tl.constexpr, QH_PAD: tl.constexpr, KVH_PAD: tl.constexpr, KV_FP8: tl.constexpr = 0,
+                       USE_PDL: tl.constexpr = 0):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)  # positions, cache slots and tables: step metadata, read before the wait
     slot = tl.load(slot_ptr + t).to(tl.int64)

@@ -4,9 +4,9 @@ e4m3, one float32 scale per (token, kv head) beside them.
 Each head's vector of D values is rounded on its own (scale = its absmax / 448, as
 kernels/fp8.quantize_rows does for a row), so no calibration is needed and an outlier
 token or head costs only its own precision. The scales add 4 bytes per D bytes (3% at
-D=128). Readers fold them in: decode attention multiplies a key's scores by its key
-scale and a value's softmax weight by its value scale; prefill attention dequantizes
-each tile to the queries' dtype before its products.
+D=128). Readers widen the entries exactly (to float32, or to the queries' 16-bit dtype)
+and fold the scales in: each key's scores times its key scale, each value's softmax
+weight times its value scale.
 
 Writers: the fused RoPE + cache write (kernels/fused.rope_and_cache) on a GPU, and
 ``write_kv`` (torch) for the CPU path and prefix-tuning pages.

@@ -20,6 +20,7 @@ from adapterserve.kernels import attention, fused, prefill_attention
 
 ATTENTION = {"GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": 128, "DIM_PAD": 128, "PAGE": 16, "BLOCK_N": 64,
              "HAS_WINDOW": False, "KV_FP8": 1, "INPUT_DOTS": 0}
+PREFILL = {k: v for k, v in ATTENTION.items() if k != "INPUT_DOTS"}  # prefill's products take q's dtype
 KERNELS = {  # name: (kernel, its constexprs)
     "decode": (attention._decode_kernel, {**ATTENTION, "HAS_ORDER": True}),
     "decode_bf16_cache": (attention._decode_kernel, {**ATTENTION, "HAS_ORDER": True, "KV_FP8": 0}),
@@ -28,7 +29,7 @@ KERNELS = {  # name: (kernel, its constexprs)
                                      {**ATTENTION, "HAS_ORDER": True, "KV_FP8": 0, "INPUT_DOTS": 1}),
     "decode_split_input_dots": (attention._decode_split_kernel, {**ATTENTION, "SPLITS": 4, "INPUT_DOTS": 1}),
     "decode_split": (attention._decode_split_kernel, {**ATTENTION, "SPLITS": 4}),
-    "prefill": (prefill_attention._prefill_kernel, {**{k: v for k, v in ATTENTION.items() if k != "INPUT_DOTS"}, "BLOCK_M": 64, "TILE_TOKENS": 16, "SUBS": 1,
+    "prefill": (prefill_attention._prefill_kernel, {**PREFILL, "BLOCK_M": 64, "TILE_TOKENS": 16, "SUBS": 1,
                                                     "PRECISION": "tf32"}),
     "rope_and_cache": (fused._rope_cache_kernel, {"HALF": 64, "QH_PAD": 32, "KVH_PAD": 8, "KV_FP8": 1,
                                                   "USE_PDL": 0}),
