@@ -12,7 +12,7 @@ from adapterserve.kernels.fp8 import FP8
 from adapterserve.kernels.kv_fp8 import dequantize_kv, quantize_kv
 from adapterserve.layers.attention import PagedAttention
 from tests.helpers.families import every_family
-from tests.helpers.recording import greedy_logits_error, record_logits
+from tests.helpers.recording import greedy_logits_error, greedy_run, record_logits
 
 MODEL_ADAPTERS = ["lora", "prefix", "prompt", "ia3", "houlsby", None]
 # relative L2 error of each step's logits while the greedy tokens before it agree:
@@ -34,10 +34,7 @@ def _run(llama_dir, adapters, prompts, **config) -> list[tuple[list[int], list[t
     engine = Engine.from_pretrained(llama_dir, block_size=4, num_kv_blocks=128, max_loras=8, **config)
     for name, path in adapters.items():
         engine.load_adapter(name, path)
-    captured = record_logits(engine)
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    outs = engine.generate(prompts, params, adapter_ids=MODEL_ADAPTERS[: len(prompts)])
-    return [(o.token_ids, captured[o.request_id][:5]) for o in outs]
+    return greedy_run(engine, prompts, MODEL_ADAPTERS[: len(prompts)], 5)
 
 
 def _fake_quantized_writes(monkeypatch) -> None:

@@ -5,13 +5,13 @@ quantization), and against the unquantized float32 engine. Fresh random prompts 
 import pytest
 import torch
 
-from adapterserve import Engine, SamplingParams
+from adapterserve import Engine
 from adapterserve.kernels.kv_fp8 import dequantize_kv, quantize_kv
 from adapterserve.layers.attention import PagedAttention
 from adapterserve.models.tiny import write_tiny_checkpoint
 from tests.helpers.families import family_configs, make_peft_adapter
 from tests.helpers.lora import make_peft_lora
-from tests.helpers.recording import greedy_logits_error, record_logits
+from tests.helpers.recording import greedy_logits_error, greedy_run
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
@@ -43,10 +43,7 @@ def _run(setup, **config) -> list[tuple[list[int], torch.Tensor]]:
     engine = Engine.from_pretrained(model, block_size=16, num_kv_blocks=128, max_loras=2, **config)
     for name, path in adapters.items():
         engine.load_adapter(name, path)
-    captured = record_logits(engine)
-    outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
-                           adapter_ids=ADAPTERS)
-    return [(o.token_ids, torch.stack(captured[o.request_id][:6])) for o in outs]
+    return greedy_run(engine, prompts, ADAPTERS, 6)
 
 
 def _rel(got, want) -> float:

@@ -5,11 +5,11 @@ sampled logit must be bit for bit the same. Fresh random prompts each run."""
 import pytest
 import torch
 
-from adapterserve import Engine, SamplingParams
+from adapterserve import Engine
 from adapterserve.kernels.pdl import pdl_mode, set_pdl
 from adapterserve.models.tiny import write_tiny_checkpoint
 from tests.helpers.lora import make_peft_lora
-from tests.helpers.recording import record_logits
+from tests.helpers.recording import greedy_run
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
@@ -37,10 +37,7 @@ def _run(model_dir, lora, prompts, mode: str, **options) -> list[tuple[list[int]
                                         pdl=mode, **options)
         assert pdl_mode() == mode
         engine.load_adapter("lora", lora)
-        captured = record_logits(engine)
-        outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
-                               adapter_ids=ADAPTERS)
-        return [(o.token_ids, torch.stack(captured[o.request_id][:6])) for o in outs]
+        return greedy_run(engine, prompts, ADAPTERS, 6)
     finally:
         set_pdl(None)
 

@@ -25,6 +25,17 @@ def record_logits(engine) -> dict[str, list[torch.Tensor]]:
     return captured
 
 
+def greedy_run(engine, prompts: list, adapter_ids: list, max_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+    """Per prompt, run greedily (ignore_eos) with its adapter: (tokens, [max_tokens, V] float32
+    logits of the steps that sampled them: the prefill, then the decodes)."""
+    from adapterserve import SamplingParams
+
+    captured = record_logits(engine)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = engine.generate(prompts, params, adapter_ids=adapter_ids)
+    return [(o.token_ids, torch.stack(captured[o.request_id][:max_tokens])) for o in outs]
+
+
 def greedy_logits_error(got, want) -> tuple[float, int]:
     """(largest relative L2 error, steps compared) of two runs' per-prompt (greedy tokens,
     per-step logits), over the steps whose context (the greedy tokens before them) is the

@@ -5,12 +5,12 @@ on the unquantized weights. One set of fresh random prompts per run, shared by a
 import pytest
 import torch
 
-from adapterserve import Engine, SamplingParams
+from adapterserve import Engine
 from adapterserve.kernels.fp8 import quantize_rows_reference
 from adapterserve.layers.base_gemm import ACTIVATION_QUANTIZING, fp8_linear_oracle, resolve_fp8_gemm
 from adapterserve.models.tiny import write_tiny_checkpoint
 from tests.helpers.lora import make_peft_lora
-from tests.helpers.recording import greedy_logits_error, record_logits
+from tests.helpers.recording import greedy_logits_error, greedy_run
 from tests.models.fp8_checkpoints import (
     write_dequantized_checkpoint,
     write_fp8_checkpoint,
@@ -57,10 +57,7 @@ def _engine(path, lora, **kwargs) -> Engine:
 
 def _generate(engine, prompts) -> list[tuple[list[int], torch.Tensor]]:
     """Per prompt: (greedy tokens, logits of prefill and 3 graph-replayed decodes)."""
-    captured = record_logits(engine)
-    outs = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                           adapter_ids=ADAPTERS)
-    return [(o.token_ids, torch.stack(captured[o.request_id][:4])) for o in outs]
+    return greedy_run(engine, prompts, ADAPTERS, 4)
 
 
 def _rel(got, want) -> float:
