@@ -41,13 +41,7 @@ from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.engine.scheduler import Scheduler
 from adapterserve.engine.slots import AdapterSlots
 from adapterserve.engine.stats import EngineStats
-from adapterserve.engine.step_device import (
-    apply_pdl,
-    attach_lora_side_stream,
-    use_attention_dots,
-    use_decode_gemm,
-    use_fp8_gemm,
-)
+from adapterserve.engine.step_device import attach_lora_side_stream, use_kernel_options
 from adapterserve.engine.stopping import check_stop_token, stream_delta, update_text
 from adapterserve.engine.sync_front import SyncFront, final_output
 from adapterserve.engine.tp.launch import RayPlacement, start_group
@@ -99,10 +93,7 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
         self.runner.prefix_pages = self.prefix_pool.pages.__getitem__
         if config.lora_side_stream and on_gpu:
             attach_lora_side_stream(model, config.device)
-        use_decode_gemm(model, config.decode_gemm, config.device)
-        use_fp8_gemm(model, config.fp8_gemm)
-        use_attention_dots(model, config.decode_attention_dots)
-        apply_pdl(config)
+        use_kernel_options(model, config)
         if config.cuda_graphs and on_gpu:
             self.runner.enable_cuda_graphs(*graph_limits(config, self.max_model_len))
         # per family (lora, ia3, bottleneck): host state a captured decode graph depends on

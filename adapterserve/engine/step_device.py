@@ -69,6 +69,15 @@ def use_fp8_gemm(model: DecoderModel, kernel: str) -> None:
             linear.fp8_gemm = kernel
 
 
+def use_kernel_options(model: DecoderModel, config: EngineConfig) -> None:
+    """The kernels a rank's decode steps run, as the config says: the base products
+    (decode_gemm, fp8_gemm), decode attention's products and this process's PDL mode."""
+    use_decode_gemm(model, config.decode_gemm, config.device)
+    use_fp8_gemm(model, config.fp8_gemm)
+    use_attention_dots(model, config.decode_attention_dots)
+    apply_pdl(config)
+
+
 def pdl_for(config: EngineConfig) -> str | None:
     """The PDL mode EngineConfig.pdl asks for; None: ADAPTERSERVE_PDL's ("auto" with it set).
     "auto" otherwise launches early where every decode base product is one of our Triton

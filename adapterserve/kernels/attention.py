@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from adapterserve.config import ATTENTION_DOTS
+from adapterserve.kernels.fp8 import FP8
 from adapterserve.kernels.kv_fp8 import kv_scales
 
 # keys per tile on a GPU: whole contexts of up to 1024 programs take 128, more programs and split
@@ -24,8 +26,7 @@ SPLIT_BELOW_PROGRAMS = 512  # split contexts while sequences x kv heads are fewe
 SPLIT_TARGET_PROGRAMS = 1024  # programs the split pass aims for
 MIN_SPLIT_KEYS = 256  # no part shorter than this for the longest context a table can hold
 MAX_SPLITS = 16  # more parts were slower (BENCHMARKS.md, paged decode attention)
-DOTS = ("float32", "input")  # the products' inputs (paged_decode_attention's ``dots``; config.ATTENTION_DOTS)
-DEFAULT_DOTS = "float32"
+DEFAULT_DOTS = "float32"  # the products' inputs (paged_decode_attention's ``dots``: one of ATTENTION_DOTS)
 
 
 @triton.jit
@@ -237,7 +238,7 @@ def paged_decode_attention(
     common = dict(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page_size,
-        BLOCK_N=block_n, HAS_WINDOW=window is not None, KV_FP8=k_scale is not None, INPUT_DOTS=_input_dots(dots),
+        BLOCK_N=block_n, HAS_WINDOW=window is not None, KV_FP8=k_cache.dtype == FP8, INPUT_DOTS=_input_dots(dots),
         num_warps=num_warps, num_stages=num_stages,
     )
     k_scale, v_scale, stride_sn = kv_scales(k_cache, k_scale, v_scale)
@@ -264,6 +265,6 @@ def paged_decode_attention(
 
 
 def _input_dots(dots: str) -> bool:
-    if dots not in DOTS:
-        raise ValueError(f"dots must be one of {DOTS}, got {dots!r}")
+    if dots not in ATTENTION_DOTS:
+        raise ValueError(f"dots must be one of {ATTENTION_DOTS}, got {dots!r}")
     return dots == "input"

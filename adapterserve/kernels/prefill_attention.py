@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from adapterserve.kernels.fp8 import FP8
 from adapterserve.kernels.kv_fp8 import kv_scales
 from adapterserve.kernels.prefill_tiles import PrefillTiles
 
@@ -190,7 +191,7 @@ def paged_prefill_attention(
         "DIM_PAD": max(16, triton.next_power_of_2(q.shape[2])), "PAGE": page_size,
         "BLOCK_N": block_n or (64 if on_gpu else 16), "HAS_WINDOW": window is not None,
         "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32", "num_stages": num_stages,
-        "KV_FP8": k_cache.dtype == torch.float8_e4m3fn,
+        "KV_FP8": k_cache.dtype == FP8,
     }
     scale = q.shape[2] ** -0.5 * LOG2E
     launches = ((tiles.single, 1, 16), (tiles.multi, tiles.tile_tokens, block_m or (256 if on_gpu else 16)))

@@ -25,14 +25,7 @@ from adapterserve.engine.host_copy import on_copy_stream
 from adapterserve.engine.host_threads import apply_host_threads
 from adapterserve.engine.pool_set import build_pools
 from adapterserve.engine.staging import stage
-from adapterserve.engine.step_device import (
-    StepDevice,
-    StepInputs,
-    apply_pdl,
-    attach_lora_side_stream,
-    use_attention_dots,
-    use_decode_gemm,
-)
+from adapterserve.engine.step_device import StepDevice, StepInputs, attach_lora_side_stream, use_kernel_options
 from adapterserve.engine.tp.adapter_post import send_at_once
 from adapterserve.engine.tp.group import join_group, leave_group
 from adapterserve.engine.tp.inbox import AdapterInbox
@@ -108,9 +101,7 @@ class WorkerState:
         self._landing: list[torch.cuda.Event] = []  # placements' copies the next step waits for
         if config.lora_side_stream and on_gpu:
             attach_lora_side_stream(self.model, config.device)
-        use_decode_gemm(self.model, config.decode_gemm, config.device)
-        use_attention_dots(self.model, config.decode_attention_dots)
-        apply_pdl(config)
+        use_kernel_options(self.model, config)
         self.pinning_device = torch.device(config.device)
         inbox.max_staged, inbox.max_staged_bytes = config.max_staged_adapters, config.max_staged_bytes
         inbox.prepare = self._prepare  # parts arriving from now on are staged as they arrive
