@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -21,6 +22,7 @@ from adapterserve.server import launch
 
 STOPPED_AT_ONCE = 1  # exit status after a second signal
 RAY_CHECK_S = 0.2  # how often a drain looks whether Ray's own processes are still there
+RAY_EXIT_WAIT_S = 15.0  # how long a failed drain waits for a GCS that answers while it exits
 
 
 class StopSignals:
@@ -80,8 +82,22 @@ def _drain(config: Mapping[str, Any], grace_s: float) -> int | None:
     if launch.ray_lost():  # its answer, if any, came from a cluster going down
         return None
     if isinstance(outcome[0], BaseException):
+        if ray_going_down(RAY_EXIT_WAIT_S):
+            return None
         raise outcome[0]
     return outcome[0]
+
+
+def ray_going_down(wait_s: float) -> bool:
+    """Whether the Ray this server started loses its GCS or raylet within `wait_s`. A GCS that
+    got the signal cancels its calls (Serve's KV store, say) before its process exits: a drain
+    that fails then failed on a cluster going down, not on a fault of its own."""
+    deadline = time.monotonic() + wait_s
+    while not launch.ray_lost():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(RAY_CHECK_S)
+    return True
 
 
 def _stop_with_ray_gone() -> None:
