@@ -10,7 +10,7 @@ FP8 = "fp8"  # float8_e4m3fn linear weights (Llama-family decoders); see EngineC
 FP8_GEMMS = ("auto", "scaled_mm", "w8a8_triton", "weight_only", "decode_w8a8", "decode_weight_only",
              "reference")  # layers.base_gemm's kernels
 LORA_DECODES = ("kernels", "stacked", "fused")  # EngineConfig.lora_decode
-STACKED_DECODES = ("stacked", "fused")  # the lora_decode values that store A rows under the base weight
+STACKED_DECODES = ("stacked", "fused")  # the lora_decode values that pool A rows per linear (kernels/stacked.py)
 DECODE_GEMMS = ("cublas", "triton", "auto")  # EngineConfig.decode_gemm (layers.base_gemm)
 PDL_MODES = ("auto", "off", "early", "exit")  # EngineConfig.pdl (kernels/pdl.py)
 KV_CACHE_DTYPES = ("auto", "fp8")  # EngineConfig.kv_cache_dtype (kernels/kv_fp8.py)
@@ -56,7 +56,8 @@ class EngineConfig:
                       the base weight: one GEMM yields base output and shrink, one launch the
                       expand; not with fp8 weights) or "fused" (as stacked, but a step of at
                       most 64 tokens over at most 2 adapters runs each linear in one launch:
-                      kernels/stacked_fused.py)
+                      kernels/stacked_fused.py; with fp8 weights the A rows are kept apart in
+                      the adapters' dtype and the other steps run the "kernels" path)
     decode_gemm:      the base product of decode batches (at most 64 tokens, bf16/fp16/fp32
                       weights, CUDA): "cublas" (torch's F.linear), "triton" (our split-K
                       decode GEMM, kernels/decode_gemm.py, which launches with PDL when that
@@ -129,9 +130,10 @@ class EngineConfig:
             raise ValueError(f"fp8_gemm must be one of {list(FP8_GEMMS)}, got {self.fp8_gemm!r}")
         if self.lora_decode not in LORA_DECODES:
             raise ValueError(f"lora_decode must be one of {list(LORA_DECODES)}, got {self.lora_decode!r}")
-        if self.lora_decode in STACKED_DECODES and self.dtype == FP8:
-            raise ValueError(f'lora_decode="{self.lora_decode}" stores LoRA A rows in the base weight, so it needs '
-                             'bf16/fp16/fp32 weights; use lora_decode="kernels" with dtype="fp8"')
+        if self.lora_decode == "stacked" and self.dtype == FP8:
+            raise ValueError('lora_decode="stacked" stores LoRA A rows in the base weight, so it needs '
+                             'bf16/fp16/fp32 weights; with dtype="fp8" use "kernels" or "fused" (A rows kept '
+                             'apart, a decode step with few adapters in one launch per linear)')
         if self.decode_gemm not in DECODE_GEMMS:
             raise ValueError(f"decode_gemm must be one of {list(DECODE_GEMMS)}, got {self.decode_gemm!r}")
         if self.pdl not in PDL_MODES:

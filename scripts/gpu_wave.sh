@@ -135,6 +135,15 @@ for stage in "$@"; do
       timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 280 \
         --workloads ${KV_WORKLOADS:-base,base+kv8,distinct,distinct+kv8} --max-tokens ${MAX_TOKENS:-128} \
         --out "$OUT/et8b_kv8.md" > "$OUT/kvfp8.log" 2>&1; tail -14 "$OUT/kvfp8.log" ;;
+    fp8lora)  # 1 GPU: the fused LoRA linear on FP8 weights: its GPU tests, the stack table, the 8B one adapter
+      timeout ${FILE_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_stacked_fused.py \
+        --tb=short -rfE > "$OUT/test_fp8_stacked_fused.log" 2>&1
+      echo "test_fp8_stacked_fused: $(grep -E "passed|failed|error" "$OUT/test_fp8_stacked_fused.log" | tail -1)"
+      timeout ${BENCH_S:-150} python3 benchmarks/fp8_lora_fused.py > "$OUT/fp8_lora_fused.log" 2>&1
+      tail -8 "$OUT/fp8_lora_fused.log"
+      timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --dtype fp8 --hf-models '' \
+        --budget-s 280 --workloads ${FP8_LORA_WORKLOADS:-base,one,one+fu} --max-tokens ${MAX_TOKENS:-64} \
+        --out "$OUT/et8b_fp8_lora.md" > "$OUT/fp8lora.log" 2>&1; tail -10 "$OUT/fp8lora.log" ;;
     firstreq)  # 1 GPU: the 8B's first request after ready against steady state, and what the first two paid
       timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --first-request \
         --workloads base --budget-s 120 --out "$OUT/firstreq.md" 2>&1 | grep -E "first request|request:|^    |start-up" | head -40 ;;

@@ -61,13 +61,13 @@ from adapterserve.engine.warmup_variants import (
     reachable,
     runs_stacked,
     segment_variants,
-    stacked_class,
 )
 from adapterserve.kernels.stacked import (
     FUSED_MAX_ADAPTERS,
     FUSED_MAX_TOKENS,
     GROUPED_MIN_ADAPTERS,
     STACKED_MAX_TOKENS,
+    choose_expand,
 )
 from adapterserve.layers.bottleneck import BOTTLENECK_ACTIVATIONS
 from adapterserve.layers.context import get_context
@@ -282,11 +282,12 @@ def _prefill_tasks(run: "_Runner", shape: EngineShape, scratch: dict[str, Adapte
 
 
 def class_sizes(shape: EngineShape, minimum: int) -> list[int]:
-    """The smallest step size >= minimum of each combination of segment-kernel classes
-    (a step of one LoRA adapter: the tiled stacked expand)."""
+    """The smallest step size >= minimum of each combination of adapter-kernel classes (a step
+    of one LoRA adapter: the stacked expand it chooses)."""
     sizes: dict[frozenset, int] = {}
     for tokens in range(max(2, minimum), shape.max_tokens + 1):
-        sizes.setdefault(frozenset(segment_variants(shape, tokens, SEGMENT_FAMILIES, ("tiled",))), tokens)
+        one = (choose_expand(1, tokens, shape.lora_fused),)
+        sizes.setdefault(frozenset(segment_variants(shape, tokens, SEGMENT_FAMILIES, one)), tokens)
     return sorted(sizes.values())
 
 
@@ -303,16 +304,17 @@ def _grouped_tasks(run: _Runner, shape: EngineShape, scratch: dict[str, Adapter]
 
 def _tiled_beside_fused_tasks(run: _Runner, shape: EngineShape, scratch: dict[str, Adapter]) -> list:
     """lora_decode="fused": a step of at most FUSED_MAX_TOKENS rows and one adapter runs the
-    fused linear, so the tiled expand's tile heights up to that size need steps of
-    FUSED_MAX_ADAPTERS + 1 distinct adapters: one per height."""
+    fused linear, so the kernels of steps over more adapters at those sizes (the tiled expand's
+    tile heights; with A rows kept apart, the segment kernels' classes) need steps of
+    FUSED_MAX_ADAPTERS + 1 distinct adapters: one per class."""
     count = FUSED_MAX_ADAPTERS + 1
     if not shape.lora_fused or count > shape.max_num_seqs:
         return []
-    sizes = {}  # tiled expand tile height -> the largest step of that height
+    sizes = {}  # the LoRA kernels' classes -> the largest step of them
     for tokens in range(count, min(FUSED_MAX_TOKENS, shape.max_tokens) + 1):
         if runs_stacked(shape, tokens) and "tiled" in shape.expands(tokens):
-            sizes[stacked_class(shape, tokens, "tiled")] = tokens
-    return [(f"prompts of {tokens} tokens over {count} LoRA adapters (the tiled stacked expand)",
+            sizes[frozenset(segment_variants(shape, tokens, ("lora",), ("tiled",)))] = tokens
+    return [(f"prompts of {tokens} tokens over {count} LoRA adapters (their tiled expand or segment kernels)",
              _lora_step(run, scratch, [tokens - count + 1] + [1] * (count - 1))) for tokens in sorted(sizes.values())]
 
 

@@ -6,7 +6,8 @@ variant is named by the same choosers the kernels call at run time, from host in
 only, so warm-up (engine/warmup.py) and the real path cannot disagree:
 
     ("segment", family, "gemv" | "dot16" | "dot32")      LoRA / bottleneck shrink+expand
-    ("stacked", "tiled" | "grouped" | "fused", tiles)    the stacked layout's expands (lora_decode="stacked"/"fused")
+    ("stacked", "tiled" | "grouped" | "fused", tiles)    the stacked layout's expands (lora_decode="stacked"/"fused";
+                                                         FP8 weights: the fused linear only)
     ("ia3",)                                             the (IA)^3 scale
     ("decode_attention", splits, block_n, width)         paged decode (split-KV choice)
     ("prefill_attention", "single" | "multi", width)     paged prefill, its two launches
@@ -60,6 +61,7 @@ class EngineShape:
     stacked_widths: tuple[int, ...] = ()  # stacked LoRA: output widths of the stacked linears
     lora_slots: int = 0  # adapter slots (max_loras): a step's distinct adapters are at most these
     lora_fused: bool = False  # lora_decode="fused": steps with few adapters run the fused linear
+    lora_apart: bool = False  # FP8 weights: A rows kept apart, steps not fused run the segment kernels
 
     @classmethod
     def of(cls, engine) -> "EngineShape":
@@ -67,14 +69,14 @@ class EngineShape:
         page = cfg.block_size
         max_pages = -(-engine.max_model_len // page) + -(-cfg.max_virtual_tokens // page)
         families = tuple(f for f in ("lora", "ia3", "bottleneck") if any(p.family == f for p in engine.slots.pools))
-        widths = sorted({linear.stacked.n_out for _, linear in engine.model.adapter_linears()
-                         if linear.stacked is not None})
+        stacks = [linear.stacked for _, linear in engine.model.adapter_linears() if linear.stacked is not None]
+        widths = sorted({stacked.n_out for stacked in stacks})
         return cls(engine.model_config.num_kv_heads, page, cfg.max_num_seqs, cfg.max_num_batched_tokens, max_pages,
                    cfg.max_lora_rank, cfg.max_bottleneck_rank, families,
                    tuple(graphs.buckets) if graphs is not None else None,
                    graphs.max_pages if graphs is not None else 0,
                    tuple(engine.lora_pool.row_buckets()), tuple(widths), cfg.max_loras,
-                   cfg.lora_decode == "fused")
+                   cfg.lora_decode == "fused", any(not stacked.joint for stacked in stacks))
 
     def rank(self, family: str) -> int:
         return self.lora_rank if family == "lora" else self.bottleneck_rank
@@ -122,11 +124,15 @@ def segment_variants(shape: EngineShape, num_tokens: int, families: Iterable[str
     (None: every one num_tokens rows can choose)."""
     families = tuple(families)
     stacked = "lora" in families and runs_stacked(shape, num_tokens)
+    chosen = (shape.expands(num_tokens) if expands is None else expands) if stacked else ()
+    if shape.lora_apart:  # only the fused linear reads A rows kept apart; other steps take the segment kernels
+        lora_segment = not stacked or any(e != "fused" for e in chosen)
+        chosen = tuple(e for e in chosen if e == "fused")
+    else:
+        lora_segment = not stacked
     out: set[Variant] = {("segment", f, segment_class(num_tokens, shape.rank(f)))
-                         for f in families if f in SEGMENT_FAMILIES and not (f == "lora" and stacked)}
-    if stacked:
-        out |= {stacked_class(shape, num_tokens, e) for e in (shape.expands(num_tokens) if expands is None
-                                                              else expands)}
+                         for f in families if f in SEGMENT_FAMILIES and (f != "lora" or lora_segment)}
+    out |= {stacked_class(shape, num_tokens, e) for e in chosen}
     if "ia3" in families:
         out.add(("ia3",))
     return out

@@ -118,31 +118,45 @@ class RowsInUse:
 
 @dataclass
 class StackedWeight:
-    """One linear's [W; A] buffer.
+    """One linear's [W; A] buffer, or its A rows alone where W is stored apart (an FP8 weight:
+    e4m3 rows cannot share a buffer with the adapters' bf16 rows, kernels/fp8_stacked_fused.py).
 
-    buffer:     [N + pool_rows * n_slices, K]
+    buffer:     [N + pool_rows * n_slices, K], or [pool_rows * n_slices, K] when not ``joint``
     n_out:      N, the base output width
     n_slices:   projections fused in the linear
     rows_in_use: the shared row bucket
+    joint:      whether W's rows head the buffer
     """
 
     buffer: torch.Tensor
     n_out: int
     n_slices: int
     rows_in_use: RowsInUse
+    joint: bool = True
+
+    @property
+    def a_start(self) -> int:
+        """The buffer row where the A rows begin."""
+        return self.n_out if self.joint else 0
 
     @property
     def pool_rows(self) -> int:
-        return (self.buffer.shape[0] - self.n_out) // self.n_slices
+        return (self.buffer.shape[0] - self.a_start) // self.n_slices
 
     def weight(self) -> torch.Tensor:
         """[N, K] the base weight (a view)."""
+        if not self.joint:
+            raise ValueError("this stacked buffer holds A rows only: its linear keeps its weight apart")
         return self.buffer[: self.n_out]
+
+    def a_rows(self) -> torch.Tensor:
+        """[pool_rows * n_slices, K]: pool row r of slice s at row r * n_slices + s."""
+        return self.buffer[self.a_start :]
 
     def lora_a(self) -> torch.Tensor:
         """[n_slices, pool_rows, K] the A pool (a strided view, LoraSlices.a's layout)."""
         k = self.buffer.shape[1]
-        return self.buffer[self.n_out :].view(self.pool_rows, self.n_slices, k).transpose(0, 1)
+        return self.a_rows().view(self.pool_rows, self.n_slices, k).transpose(0, 1)
 
 
 def stack_weight(weight: torch.Tensor, n_slices: int, pool_rows: int, rows_in_use: RowsInUse) -> StackedWeight:
@@ -151,6 +165,14 @@ def stack_weight(weight: torch.Tensor, n_slices: int, pool_rows: int, rows_in_us
     buffer = torch.zeros(n_out + pool_rows * n_slices, k, dtype=weight.dtype, device=weight.device)
     buffer[:n_out].copy_(weight)
     return StackedWeight(buffer, n_out, n_slices, rows_in_use)
+
+
+def stack_apart(weight: torch.Tensor, n_slices: int, pool_rows: int, rows_in_use: RowsInUse, dtype: torch.dtype
+                ) -> StackedWeight:
+    """Zeroed A rows in the adapters' ``dtype`` for a weight [N, K] kept apart (FP8)."""
+    n_out, k = weight.shape
+    buffer = torch.zeros(pool_rows * n_slices, k, dtype=dtype, device=weight.device)
+    return StackedWeight(buffer, n_out, n_slices, rows_in_use, joint=False)
 
 
 def row_bucket(high_water: int, pool_rows: int) -> int:
@@ -171,6 +193,8 @@ def stacked_gemm(x: torch.Tensor, stacked: StackedWeight, rows: int) -> torch.Te
     of pool rows [0, rows) (column N + r * n_slices + s holds x @ A_s[r])."""
     if not 0 <= rows <= stacked.pool_rows:
         raise ValueError(f"rows must be in [0, {stacked.pool_rows}], got {rows}")
+    if not stacked.joint:
+        raise ValueError("stacked_gemm needs W and A in one buffer; this linear keeps its weight apart")
     return F.linear(x, stacked.buffer[: stacked.n_out + rows * stacked.n_slices])
 
 

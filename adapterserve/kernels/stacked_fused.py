@@ -13,14 +13,31 @@ The shrink tiles come first in the grid and a GPU starts a grid's programs in or
 base tile waits only for programs already running (with PDL the next kernel launches only
 once every program of this one has started, so its waiting programs cannot crowd them out).
 The last base tile resets the two step counters for the next call (and graph replay).
+
+An FP8 linear keeps its e4m3 weight apart from its bf16 A rows (StackedWeight not ``joint``,
+``Fp8Base``): its shrink tiles read the activations and the A rows, its base tiles the e4m3
+weight and either the activations' per-token e4m3 rounding (W8A8, as fp8_decode_gemm) or the
+activations themselves (weight-only, the weight widened chunk by chunk); the base sum takes
+its row and column scales before the update is added. Adapters act on the unrounded
+activations, as the separate kernels do.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from adapterserve.kernels.decode_gemm import MAX_ROWS, DecodeGemmConfig, k_loop, row_tile, split_for, split_total
+from adapterserve.kernels.decode_gemm import (
+    FP8,
+    MAX_ROWS,
+    DecodeGemmConfig,
+    k_loop,
+    row_tile,
+    split_for,
+    split_total,
+)
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
 from adapterserve.kernels.pdl import pdl_args, pdl_wait
@@ -38,6 +55,21 @@ from adapterserve.kernels.stacked_tiled import (
 )
 
 STEP_COUNTERS = 2  # shrink tiles done, base tiles done: after the tile counters
+
+
+@dataclass(frozen=True)
+class Fp8Base:
+    """The e4m3 base weight of a linear whose A rows are stored apart, and how its product runs.
+
+    weight:       [N, K] float8_e4m3fn
+    weight_scale: [N] float32, one per output channel
+    quantized:    the activations rounded per token (e4m3 [T, K], float32 scales [T] or [T, 1]):
+                  W8A8; None: weight-only (the activations in their own dtype)
+    """
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @triton.jit
@@ -85,11 +117,13 @@ def _columns(pid, a_tiles, n_out, a_width, c1, c2, c3, c4, NUM_SLICES: tl.conste
 @triton.jit(do_not_specialize=["M", "rows", "a_tiles"])
 def _stacked_fused_kernel(
     x_ptr, w_ptr, y_ptr, s_ptr, part_ptr, part_a_ptr, count_ptr, b_ptr, bias_ptr, rank_ptr, row_start_ptr,
-    slots_ptr, M, K, k_per_split, n_out, rows, max_rank, a_tiles, b_tiles, c1, c2, c3, c4,
-    stride_xm, stride_wn, stride_ym, stride_sm, stride_br, stride_bn, stride_rs, stride_rslot,
+    slots_ptr, xb_ptr, a_ptr, xs_ptr, ws_ptr, M, K, k_per_split, n_out, rows, max_rank, a_tiles, b_tiles,
+    c1, c2, c3, c4, stride_xm, stride_wn, stride_ym, stride_sm, stride_br, stride_bn, stride_rs, stride_rslot,
+    stride_xbm, stride_an,
     NUM_SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    CHUNK_ROWS: tl.constexpr, HAS_LORA: tl.constexpr, ALIGNED: tl.constexpr, USE_PDL: tl.constexpr = 0,
+    CHUNK_ROWS: tl.constexpr, HAS_LORA: tl.constexpr, ALIGNED: tl.constexpr, A_APART: tl.constexpr = 0,
+    BASE_IEEE: tl.constexpr = 0, X_SCALED: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
     a_width = rows * NUM_SLICES
     is_shrink, tile, pid_k, sl, cols, n_mask, w_row = _columns(
@@ -105,8 +139,16 @@ def _stacked_fused_kernel(
         b_first = _b_rows(b_ptr, rr, row_used & (rr < hi), cols, n_mask, stride_br, stride_bn)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, w_ptr + w_row[:, None] * stride_wn, rm, M, n_mask,
-                 k_start, k_end, BLOCK_K, NUM_STAGES, IEEE)
+    if A_APART:  # shrink tiles: activations x A rows; base tiles: (rounded) activations x e4m3 weight
+        if is_shrink:
+            acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, a_ptr + cols[:, None] * stride_an, rm, M, n_mask,
+                         k_start, k_end, BLOCK_K, NUM_STAGES, IEEE)
+        else:
+            acc = k_loop(acc, xb_ptr + rm[:, None] * stride_xbm, w_ptr + cols[:, None] * stride_wn, rm, M,
+                         n_mask, k_start, k_end, BLOCK_K, NUM_STAGES, BASE_IEEE)
+    else:
+        acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, w_ptr + w_row[:, None] * stride_wn, rm, M, n_mask,
+                     k_start, k_end, BLOCK_K, NUM_STAGES, IEEE)
     out_mask = (rm[:, None] < M) & n_mask[None, :]
     step = count_ptr + a_tiles + b_tiles  # shrink tiles done, then base tiles past their wait
     if is_shrink:
@@ -120,6 +162,10 @@ def _stacked_fused_kernel(
         total, last = split_total(acc, part_ptr, count_ptr + a_tiles + tile, pid_k, rm, cols, out_mask, M, n_out,
                                   SPLIT_K)
         if last:
+            if X_SCALED:
+                total *= tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[:, None]
+            if A_APART:  # the weight's channel scales
+                total *= tl.load(ws_ptr + cols, mask=n_mask, other=0.0)[None, :]
             if HAS_LORA:
                 _wait_for(step, a_tiles)
                 total = _expand(total, s_ptr + rm[:, None] * stride_sm, b_ptr, b_first, row0, end, lo, hi, cols,
@@ -137,13 +183,17 @@ def _stacked_fused_kernel(
 
 
 def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, meta: AdapterBatchMeta, rows: int,
-                  bias: torch.Tensor | None = None, config: DecodeGemmConfig | None = None) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, config: DecodeGemmConfig | None = None,
+                  fp8: Fp8Base | None = None) -> torch.Tensor:
     """x: [T, K] (T <= 64) -> the layer output [T, N]: x @ W.T + each token's own LoRA update
     from pool rows [0, rows) (semantics of stacked_gemm then reference.stacked_expand), one
-    launch. B has the LoRA scaling folded in; tokens with slot -1 get the base output."""
+    launch. B has the LoRA scaling folded in; tokens with slot -1 get the base output. With
+    ``fp8`` (a buffer of A rows only), W is its e4m3 weight: the base product is
+    fp8_decode_gemm's (W8A8 on its rounded activations, or weight-only)."""
     m, k = x.shape
     n_slices, offs, n_out = lora.num_slices, lora.out_offsets, stacked.n_out
     _check(x, stacked, lora, rows, bias)
+    base_x, x_scale, weight, weight_scale = _base_operands(x, stacked, fp8)
     config = config or DecodeGemmConfig()
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     a_width = rows * n_slices
@@ -157,17 +207,48 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
     partials = torch.empty(split, m, n_out, dtype=torch.float32, device=x.device) if split > 1 else y
     partials_a = torch.empty(split, m, max(a_width, 1), dtype=torch.float32, device=x.device)
     c = list(offs[1:]) + [0] * (MAX_SLICES - n_slices)
+    a_rows = stacked.buffer if stacked.joint else stacked.a_rows()
     _stacked_fused_kernel[((a_tiles + b_tiles) * split,)](
-        x, stacked.buffer, y, s, partials, partials_a, counters, lora.b, bias if bias is not None else y, lora.rank,
-        lora.row_start, meta.token_slots, m, k, split_span(k, split, config.block_k), n_out, rows, lora.max_rank,
-        a_tiles, b_tiles, *c,
-        x.stride(0), stacked.buffer.stride(0), y.stride(0), s.stride(0), lora.b.stride(0), lora.b.stride(1),
-        lora.rank.stride(0), lora.rank.stride(1),
+        x, weight, y, s, partials, partials_a, counters, lora.b, bias if bias is not None else y, lora.rank,
+        lora.row_start, meta.token_slots, base_x, a_rows, y if x_scale is None else x_scale,
+        y if weight_scale is None else weight_scale, m, k, split_span(k, split, config.block_k), n_out, rows,
+        lora.max_rank, a_tiles, b_tiles, *c,
+        x.stride(0), weight.stride(0), y.stride(0), s.stride(0), lora.b.stride(0), lora.b.stride(1),
+        lora.rank.stride(0), lora.rank.stride(1), base_x.stride(0), a_rows.stride(0),
         NUM_SLICES=n_slices, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
         BLOCK_M=row_tile(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=split, NUM_STAGES=config.num_stages, CHUNK_ROWS=CHUNK, HAS_LORA=rows > 0,
-        ALIGNED=all(o % 16 == 0 for o in offs), num_warps=config.num_warps, **pdl_args(x))
+        ALIGNED=all(o % 16 == 0 for o in offs), A_APART=int(not stacked.joint),
+        BASE_IEEE=base_x.dtype == torch.float32, X_SCALED=int(x_scale is not None), num_warps=config.num_warps,
+        **pdl_args(x))
     return y
+
+
+def _base_operands(x: torch.Tensor, stacked: StackedWeight, fp8: Fp8Base | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """What the base tiles read: (activations, their row scales, weight, its channel scales)."""
+    if stacked.joint:
+        if fp8 is not None:
+            raise ValueError("stacked_fused: a [W; A] buffer holds its weight; fp8 is for A rows kept apart")
+        return x, None, stacked.buffer, None
+    if fp8 is None:
+        raise ValueError("stacked_fused: this buffer holds A rows only; pass the weight kept apart (fp8)")
+    weight, scale = fp8.weight, fp8.weight_scale
+    if weight.dtype != FP8 or weight.shape != (stacked.n_out, x.shape[1]) or weight.stride(1) != 1:
+        raise ValueError(f"stacked_fused: the weight kept apart must be {FP8} [{stacked.n_out}, {x.shape[1]}] "
+                         f"with contiguous rows, got {weight.dtype} {tuple(weight.shape)}")
+    if scale.dtype != torch.float32 or scale.numel() != stacked.n_out:
+        raise ValueError(f"stacked_fused: the weight needs {stacked.n_out} float32 channel scales, got "
+                         f"{scale.numel()} {scale.dtype}")
+    if weight.shape[0] * weight.stride(0) >= INDEX_LIMIT:
+        raise ValueError("stacked_fused: the weight's offsets need 64 bits; this kernel indexes in 32")
+    if fp8.quantized is None:
+        return x, None, weight, scale.contiguous()
+    q, q_scale = fp8.quantized
+    if q.dtype != FP8 or q.shape != x.shape or q.stride(1) != 1 or q_scale.numel() != x.shape[0]:
+        raise ValueError(f"stacked_fused: the rounded activations must be {FP8} {tuple(x.shape)} with one scale "
+                         f"per row, got {q.dtype} {tuple(q.shape)} and {q_scale.numel()} scales")
+    return q, q_scale.reshape(-1).float().contiguous(), weight, scale.contiguous()
 
 
 def _check(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, rows: int, bias: torch.Tensor | None) -> None:
@@ -183,7 +264,8 @@ def _check(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, rows: int,
         raise ValueError("stacked_fused: the pool's slices do not match the stacked weight's")
     if lora.num_slices > MAX_SLICES:
         raise ValueError(f"{lora.num_slices} slices in one launch; at most {MAX_SLICES} are supported")
-    if lora.b.dtype != x.dtype:
-        raise ValueError(f"B ({lora.b.dtype}) and x ({x.dtype}) must share a dtype")
+    if lora.b.dtype != x.dtype or stacked.buffer.dtype != x.dtype:
+        raise ValueError(f"B ({lora.b.dtype}), the A rows ({stacked.buffer.dtype}) and x ({x.dtype}) must share "
+                         "a dtype")
     if bias is not None and bias.shape != (stacked.n_out,):
         raise ValueError(f"bias must be [N={stacked.n_out}], got {tuple(bias.shape)}")

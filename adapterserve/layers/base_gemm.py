@@ -69,7 +69,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if x.shape[0] == 0:
         return x.new_empty(0, weight.shape[0])
     if not x.is_cuda:  # an activation-quantizing kernel asked for on CPU
-        return fp8_a8_emulated(*_quantized(x, quantized), weight, weight_scale, x.dtype)
+        return fp8_a8_emulated(*quantized_rows(x, quantized), weight, weight_scale, x.dtype)
     if kernel == "scaled_mm":
         return fp8_scaled_mm(x, weight, weight_scale, quantized)
     if kernel == "w8a8_triton":
@@ -105,7 +105,7 @@ def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
                   quantized: QuantizedRows | None = None) -> torch.Tensor:
     """Per-token e4m3 activations (one Triton launch unless given) times the e4m3 weight,
     row-wise scales."""
-    q, x_scale = _quantized(x, quantized)
+    q, x_scale = quantized_rows(x, quantized)
     return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
                             out_dtype=x.dtype)
 
@@ -116,7 +116,7 @@ def fp8_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     Triton W8A8 GEMM."""
     from adapterserve.kernels.fp8_w8a8 import fp8_w8a8_linear
 
-    q, x_scale = _quantized(x, quantized)
+    q, x_scale = quantized_rows(x, quantized)
     return fp8_w8a8_linear(q, x_scale, weight, weight_scale, x.dtype)
 
 
@@ -126,11 +126,11 @@ def fp8_decode_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     decode GEMM (a decode batch)."""
     from adapterserve.kernels.decode_gemm import fp8_decode_gemm
 
-    q, x_scale = _quantized(x, quantized)
+    q, x_scale = quantized_rows(x, quantized)
     return fp8_decode_gemm(q, weight, weight_scale, x_scale, x.dtype)
 
 
-def _quantized(x: torch.Tensor, quantized: QuantizedRows | None) -> QuantizedRows:
+def quantized_rows(x: torch.Tensor, quantized: QuantizedRows | None) -> QuantizedRows:
     """x's per-token e4m3 rounding: ``quantized`` when the op before made it, else one launch now."""
     if quantized is not None:
         return quantized

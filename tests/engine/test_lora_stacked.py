@@ -213,8 +213,9 @@ def test_lora_decode_names_the_choices():
 
     with pytest.raises(ValueError, match="lora_decode must be one of"):
         EngineConfig(lora_decode="fuse")
-    with pytest.raises(ValueError, match='lora_decode="fused" stores LoRA A rows'):
-        EngineConfig(lora_decode="fused", dtype="fp8")
+    with pytest.raises(ValueError, match='lora_decode="stacked" stores LoRA A rows'):
+        EngineConfig(lora_decode="stacked", dtype="fp8")
+    assert EngineConfig(lora_decode="fused", dtype="fp8").lora_decode == "fused"  # A rows kept apart
     with pytest.raises(ValueError, match="decode_gemm must be one of"):
         EngineConfig(decode_gemm="cutlass")
 

@@ -193,6 +193,22 @@ def test_fused_lora_warm_up_covers_the_fused_linear(llama_dir, adapters):
     assert ("fused" in {e for _, e in graphs}) and ("tiled" in {e for _, e in graphs})
 
 
+def test_fused_fp8_lora_warm_up_covers_the_fused_linear_and_the_segment_kernels(llama_dir, adapters):
+    """lora_decode="fused" on FP8 weights: steps of few adapters run the fused linear, the
+    others the segment kernels (no stacked expand); warm-up reaches both, a mixed run uses
+    nothing it did not reach."""
+    engine = Engine.from_pretrained(llama_dir, warmup="force", **dict(ENGINE, lora_decode="fused", dtype="fp8"))
+    assert engine.warmup.missing == set(), sorted(map(str, engine.warmup.missing))
+    shape = EngineShape.of(engine)
+    assert shape.lora_apart and shape.lora_fused
+    reached = engine.warmup.reached
+    assert {v[1] for v in reached if v[0] == "stacked"} == {"fused"}
+    assert {v[2] for v in reached if v[0] == "segment" and v[1] == "lora"} >= {"gemv", "dot16"}
+    outputs, seen = _recorded_mixed_run(engine, adapters, seed=9)
+    assert all(o.error is None for o in outputs)
+    assert seen <= reached, sorted(map(str, seen - reached))
+
+
 def test_warm_up_steps_find_their_adapters_resident(llama_dir):
     """A slot's copies land asynchronously on a GPU and the scheduler admits an adapter's
     requests only once they have: the warm-up places (and waits for) a step's adapters

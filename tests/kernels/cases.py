@@ -5,8 +5,12 @@ Every test draws fresh random inputs; the seed is in every failure message
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,3 +166,14 @@ def pdl_replays(chain, modes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     finally:
         pdl.set_pdl(None)
     return outs
+
+
+def compiled_counts(module: str) -> dict:
+    """The JSON a PTX-counting module of tests/kernels prints (``python -m module``), run in a
+    process of its own without TRITON_INTERPRET: the interpreter compiles nothing."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", module], cwd=Path(__file__).resolve().parents[2], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -12,11 +12,8 @@ from __future__ import annotations
 import json
 import re
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 from adapterserve.kernels import attention, fused, prefill_attention
+from tests.kernels.ptx import TARGETS, compile_ptx, mma_count
 
 ATTENTION = {"GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": 128, "DIM_PAD": 128, "PAGE": 16, "BLOCK_N": 64,
              "HAS_WINDOW": False, "KV_FP8": 1, "INPUT_DOTS": 0}
@@ -61,14 +58,12 @@ def signature(kernel, constexprs: dict) -> dict[str, str]:
 
 
 def counts(kernel, constexprs: dict, capability: int) -> dict[str, int]:
-    source = ASTSource(kernel, signature(kernel, constexprs), constexprs)
-    ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32)).asm["ptx"]
-    return {"e4m3": len(re.findall(r"cvt\.[a-z.0-9]*e4m3x2", ptx)),
-            "bf16_mma": len(re.findall(r"(?:mma|wgmma)[a-z.0-9]*\.bf16\.bf16", ptx))}
+    ptx = compile_ptx(kernel, signature(kernel, constexprs), constexprs, capability)
+    return {"e4m3": len(re.findall(r"cvt\.[a-z.0-9]*e4m3x2", ptx)), "bf16_mma": mma_count(ptx, "bf16")}
 
 
 def main() -> None:
-    print(json.dumps({name: {str(cc): counts(kernel, consts, cc) for cc in (89, 90)}
+    print(json.dumps({name: {str(cc): counts(kernel, consts, cc) for cc in TARGETS}
                       for name, (kernel, consts) in KERNELS.items()}))
 
 

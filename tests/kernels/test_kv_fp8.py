@@ -3,11 +3,6 @@
 scales, against their float32 twins on the dequantized cache (Triton under the
 interpreter on CPU). Fresh random inputs each run; outputs and untouched cache entries
 poisoned with NaN."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,11 +14,10 @@ from adapterserve.kernels.fused import rope_and_cache
 from adapterserve.kernels.kv_fp8 import dequantize_kv, kv_scales, quantize_kv, write_kv
 from adapterserve.kernels.prefill_attention import paged_prefill_attention
 from adapterserve.models.rope import RotaryEmbedding
-from tests.kernels.cases import NAN, fresh_generator, gpu, rel_err
+from tests.kernels.cases import NAN, compiled_counts, fresh_generator, gpu, rel_err
 from tests.kernels.test_prefill_attention import CASES, WINDOW, Paged
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-REPO = Path(__file__).resolve().parents[2]
 ACT = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the queries' dtype
 # the kernels against their twin on the same e4m3 entries: float32 summation order on CPU;
 # on a GPU bf16 queries and the prefill products' bf16 weights
@@ -193,12 +187,7 @@ def test_the_fp8_paths_compile_for_sm_89_and_sm_90():
     float8 targets and convert e4m3 there (the interpreter compiles nothing); a bf16 cache's
     kernel has no conversion. Decode attention with dots="input" runs bf16 tensor-core
     products, with "float32" none."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.kernels.kv_fp8_ptx"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    counts = compiled_counts("tests.kernels.kv_fp8_ptx")
     for name, per_target in counts.items():
         for target, found in per_target.items():
             assert (found["e4m3"] == 0) == ("bf16_cache" in name), (name, target, found)

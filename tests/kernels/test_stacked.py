@@ -82,10 +82,15 @@ def _stacked_case(case, dtype, gen):
 
 def _oracle(x, stacked, lora, bias, slots) -> torch.Tensor:
     """float32: base GEMM + bias, plus the reference LoRA shrink and expand."""
+    y = F.linear(x.float(), stacked.weight().float(), None if bias is None else bias.float())
+    return add_update_oracle(x, lora, slots, y)
+
+
+def add_update_oracle(x, lora, slots, y) -> torch.Tensor:
+    """y (float32) plus each token's LoRA update from x, by the reference shrink and expand."""
     lora32 = lora_to(lora, torch.float32)
     lora32 = LoraSlices(lora32.a.contiguous(), lora32.b, lora32.row_start, lora32.rank, lora32.out_offsets,
                         lora32.max_rank)
-    y = F.linear(x.float(), stacked.weight().float(), None if bias is None else bias.float())
     meta = build_adapter_meta(slots, lora.rank.shape[1])
     v = torch.zeros(lora.num_slices, x.shape[0], lora.max_rank)
     reference.lora_shrink(x.float(), lora32, meta, v)

@@ -5,8 +5,9 @@ long as its largest rank for that kind; kinds it does not target take nothing.
 Linears of the same shape in every layer share stacked tensors ([layers, ...]),
 each layer's LoraSlices a view of its row: placing an adapter is then a few large
 copies per projection, not one per layer. In the stacked layout (kernels/stacked.py)
-each linear's A rows live under its own base weight instead, copied layer by layer,
-and the pool keeps the row bucket its stacked GEMMs cover.
+each linear's A rows live under its own base weight instead (beside it, in a buffer of
+their own, for an FP8 weight), copied layer by layer, and the pool keeps the row bucket
+its stacked GEMMs cover.
 
 On tensor-parallel linears each rank keeps its part (A's columns on row-parallel layers,
 B's rows on column-parallel ones) in the host copy it stages: through its layers' spans
@@ -26,7 +27,7 @@ from adapterserve.engine.adapter_shard import linear_part
 from adapterserve.engine.host_copy import pinned_copy
 from adapterserve.engine.row_allocator import RowAllocator
 from adapterserve.kernels import LoraSlices
-from adapterserve.kernels.stacked import RowsInUse, row_bucket, stack_weight
+from adapterserve.kernels.stacked import RowsInUse, row_bucket, stack_apart, stack_weight
 from adapterserve.layers.linear import AdapterLinear
 
 
@@ -125,13 +126,18 @@ class _Stack:
 def _stack_under_weight(linear: AdapterLinear, pool_rows: int, dtype: torch.dtype, rows_in_use: RowsInUse
                         ) -> torch.Tensor:
     """Move the linear's weight into a [W; A] buffer (its weight a view of it; the old tensor
-    is freed, so at most one layer's weight exists twice); returns the A pool view."""
+    is freed, so at most one layer's weight exists twice); returns the A pool view. An FP8
+    weight stays where it is, its A rows in a buffer of their own (stack_apart)."""
+    n_slices = len(linear.slice_kinds)
+    if linear.weight_scale is not None:
+        linear.stacked = stack_apart(linear.weight.data, n_slices, pool_rows, rows_in_use, dtype)
+        return linear.stacked.lora_a()
     if linear.weight.dtype != dtype:
         raise ValueError(
             f"the stacked LoRA layout needs the base weight in the adapters' dtype {dtype}, got "
             f"{linear.weight.dtype}; use lora_decode='kernels'"
         )
-    stacked = stack_weight(linear.weight.data, len(linear.slice_kinds), pool_rows, rows_in_use)
+    stacked = stack_weight(linear.weight.data, n_slices, pool_rows, rows_in_use)
     linear.weight = torch.nn.Parameter(stacked.weight(), requires_grad=False)
     linear.stacked = stacked
     return stacked.lora_a()

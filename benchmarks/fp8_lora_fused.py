@@ -1,0 +1,160 @@
+"""The LoRA update on an FP8 backbone: the separate kernels against the fused linear, per 8B stack.
+
+    PYTHONPATH=. python benchmarks/fp8_lora_fused.py            # H100/H200: about a minute
+    PYTHONPATH=. python benchmarks/fp8_lora_fused.py --smoke    # CPU, interpreter, tiny shapes
+
+`--layers` layers (16) of q|k|v, o, gate|up and down with distinct e4m3 weights (per-channel
+scales) and distinct LoRA pools, B=64 tokens spread round-robin over 0, 1, 2 or 8 rank-16
+adapters; one CUDA graph replay of the whole stack per figure, PDL early (the engine's FP8
+default). Variants:
+  fp8 base          our decode GEMM, W8A8, the activations already rounded per token
+  fp8 kernels       the same, then the segmented shrink and expand (lora_decode="kernels")
+  fp8 kernels+side  the shrink on a side stream beside the GEMM (the engine's default path)
+  fp8 fused         base product, shrink and expand in one launch, A rows kept apart
+                    (kernels/stacked_fused.py with Fp8Base; lora_decode="fused")
+  bf16 base, bf16 fused   the same stack in bf16 on our decode GEMM and the joint [W; A]
+                    fused linear: the bf16 tax the issue compares with
+Tax: over the base of its dtype. Floor: the e4m3 weights and the distinct adapters' A and B
+rows at the copy bandwidth of the same run. Check: max relative difference of the last
+projection's fused output against fp8 kernels' (both on the same rounded activations).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+if "--smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' @triton.jit runs
+
+from adapterserve.kernels import lora_expand, lora_shrink
+from adapterserve.kernels.decode_gemm import decode_config, decode_gemm, fp8_decode_config, fp8_decode_gemm
+from adapterserve.kernels.fp8 import quantize_rows
+from adapterserve.kernels.lora_slices import LoraSlices
+from adapterserve.kernels.pdl import set_pdl
+from adapterserve.kernels.stacked import RowsInUse, row_bucket, stack_apart, stack_weight
+from adapterserve.kernels.stacked_fused import Fp8Base, stacked_fused
+from adapterserve.models.fp8 import quantize_per_channel
+from benchmarks.checkpoints import SHAPES
+from benchmarks.fused_update import bandwidth, print_table, step_meta, time_ms
+
+RANK = 16
+ADAPTERS = (0, 1, 2, 8)  # distinct adapters of a step's tokens (0: none)
+VARIANTS = ("fp8 base", "fp8 kernels", "fp8 kernels+side", "fp8 fused", "bf16 base", "bf16 fused")
+
+
+class Projection:
+    """One layer's fused projection in both storages: bf16 [W; A] (joint), e4m3 W with its A
+    rows apart; one B pool and one pool layout for both."""
+
+    def __init__(self, k: int, widths: tuple[int, ...], slots: int, device: str, dtype: torch.dtype) -> None:
+        n = sum(widths)
+        offsets = tuple(sum(widths[:i]) for i in range(len(widths) + 1))
+        pool_rows = slots * RANK
+        weight = torch.randn(n, k, device=device, dtype=dtype) * 0.02
+        self.joint = stack_weight(weight, len(widths), pool_rows, RowsInUse())
+        self.q, self.scale = quantize_per_channel(weight)
+        del weight
+        self.apart = stack_apart(self.q, len(widths), pool_rows, RowsInUse(), dtype)
+        a = torch.randn(self.apart.lora_a().shape, device=device, dtype=dtype) * 0.02
+        self.apart.lora_a().copy_(a)
+        self.joint.lora_a().copy_(a)
+        b = torch.randn(pool_rows, n, device=device, dtype=dtype) * 0.02
+        row_start = (torch.arange(slots, device=device, dtype=torch.int32) * RANK).repeat(len(widths), 1).contiguous()
+        rank = torch.full((len(widths), slots), RANK, device=device, dtype=torch.int32)
+        self.lora_joint = LoraSlices(self.joint.lora_a(), b, row_start, rank, offsets, RANK)
+        self.lora_apart = LoraSlices(self.apart.lora_a(), b, row_start, rank, offsets, RANK)
+        self.lora_kernels = LoraSlices(a.contiguous(), b, row_start, rank, offsets, RANK)
+        self.fp8_config, self.bf16_config = fp8_decode_config(n, k), decode_config(n, k)
+        self.k, self.n, self.n_slices = k, n, len(widths)
+
+    def floor_bytes(self, adapters: int) -> int:
+        rows = adapters * RANK
+        return self.n * self.k + 2 * rows * (self.n_slices * self.k + self.n)
+
+
+class Stack:
+    def __init__(self, shape, layers: int, tokens: int, slots: int, device: str, dtype: torch.dtype) -> None:
+        lin, h, inter = shape.linear_shapes(), shape.hidden, shape.inter
+        kinds = [(h, (lin["q_proj"][1], lin["k_proj"][1], lin["v_proj"][1])), (lin["o_proj"][0], (h,)),
+                 (h, (inter, inter)), (inter, (h,))]
+        self.projections = [Projection(k, widths, slots, device, dtype) for _ in range(layers) for k, widths in kinds]
+        self.x = {k: torch.randn(tokens, k, device=device, dtype=dtype) for k, _ in kinds}
+        self.rounded = {k: quantize_rows(x) for k, x in self.x.items()}
+        self.workspace = torch.empty(3, tokens, RANK, device=device, dtype=dtype)
+        self.side = torch.cuda.Stream() if device == "cuda" else None
+
+    def run(self, variant: str, meta, rows: int) -> torch.Tensor:
+        y = None
+        for p in self.projections:
+            y = self._projection(p, variant, meta, rows)
+        return y
+
+    def _projection(self, p: Projection, variant: str, meta, rows: int) -> torch.Tensor:
+        x, (xq, xs) = self.x[p.k], self.rounded[p.k]
+        if variant == "bf16 base":
+            return decode_gemm(x, p.joint.weight(), p.bf16_config)
+        if variant == "bf16 fused":
+            return stacked_fused(x, p.joint, p.lora_joint, meta, rows, config=p.bf16_config)
+        if variant == "fp8 fused":
+            return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=p.fp8_config,
+                                 fp8=Fp8Base(p.q, p.scale, (xq, xs)))
+        workspace = self.workspace[: p.n_slices]
+        if variant == "fp8 kernels+side" and self.side is not None and rows:
+            main = torch.cuda.current_stream()
+            self.side.wait_stream(main)
+            with torch.cuda.stream(self.side):
+                lora_shrink(x, p.lora_kernels, meta, workspace)
+            y = fp8_decode_gemm(xq, p.q, p.scale, xs, x.dtype, p.fp8_config)
+            main.wait_stream(self.side)
+        else:
+            y = fp8_decode_gemm(xq, p.q, p.scale, xs, x.dtype, p.fp8_config)
+            if variant == "fp8 base" or not rows:
+                return y
+            lora_shrink(x, p.lora_kernels, meta, workspace)
+        lora_expand(workspace, p.lora_kernels, meta, y)
+        return y
+
+
+def measure(stack: Stack, adapters: int, tokens: int, slots: int, device: str, bw: float) -> list[str]:
+    meta = step_meta(tokens, max(adapters, 1), slots, device)
+    if adapters == 0:
+        meta.token_slots.fill_(-1)
+    rows = row_bucket(adapters * RANK, slots * RANK)
+    ms = {v: time_ms(lambda v=v: stack.run(v, meta, rows), device) for v in VARIANTS}
+    want = stack.run("fp8 kernels", meta, rows).float()
+    check = float((stack.run("fp8 fused", meta, rows).float() - want).norm() / want.norm())
+    floor = sum(p.floor_bytes(adapters) for p in stack.projections) / bw * 1e3
+    cells = []
+    for v in VARIANTS:
+        base = ms["bf16 base" if v.startswith("bf16") else "fp8 base"]
+        cells.append(f"{ms[v]:.3f}" + ("" if v.endswith("base") else f" ({(ms[v] / base - 1) * 100:+.1f}%)"))
+    return [str(adapters), str(rows), *cells, f"{floor:.3f}", f"{ms['fp8 fused'] / floor:.2f}", f"{check:.1e}"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code runs, figures mean nothing")
+    args = p.parse_args()
+    if args.smoke:
+        device, dtype, shape, layers, tokens, slots = "cpu", torch.float32, SHAPES["tiny"], 1, 8, 8
+        name = "CPU (smoke)"  # float32: the interpreter's bf16 arithmetic is wrong
+    else:
+        device, dtype, shape, layers, tokens, slots = "cuda", torch.bfloat16, SHAPES["8b"], args.layers, 64, 8
+        name = torch.cuda.get_device_name()
+        set_pdl("early")
+    torch.manual_seed(0)
+    bw = bandwidth(device)
+    stack = Stack(shape, layers, tokens, slots, device, dtype)
+    rows = [measure(stack, n, tokens, slots, device, bw) for n in ADAPTERS]
+    print(f"\n{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, {dtype}, rank-{RANK} "
+          "adapters; "
+          f"copy bandwidth {bw / 1e9:.0f} GB/s; ms per replay of q|k|v, o, gate|up, down (tax over its base):")
+    print_table(["adapters", "rows", *[f"{v} ms" for v in VARIANTS], "fp8 floor ms", "fused / floor", "check"], rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Compiles the fused stacked LoRA linear (kernels/stacked_fused.py) for sm_89 and sm_90 (no
+GPU needed: Triton's own ptxas), with its A rows kept apart from an e4m3 weight (W8A8 and
+weight-only) and joint with a bf16 weight, and prints, as JSON, per variant and target, how
+many e4m3 and bf16 tensor-core products its PTX holds: what test_fp8_stacked_fused checks.
+The interpreter compiles nothing, so this is where a branch Triton cannot type shows.
+
+Run in a process of its own without TRITON_INTERPRET:
+    python -m tests.kernels.fp8_fused_ptx
+"""
+from __future__ import annotations
+
+import json
+
+from adapterserve.kernels.stacked_fused import CHUNK, _stacked_fused_kernel
+from tests.kernels.ptx import TARGETS, compile_ptx, mma_count
+
+TILES = {"NUM_SLICES": 3, "HAS_BIAS": False, "IEEE": False, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 256,
+         "SPLIT_K": 2, "NUM_STAGES": 4, "CHUNK_ROWS": CHUNK, "HAS_LORA": True, "ALIGNED": True,
+         "BASE_IEEE": False, "USE_PDL": 0}
+VARIANTS = {  # name: (constexprs, pointer types that differ from bf16)
+    "apart_w8a8": ({**TILES, "A_APART": 1, "X_SCALED": 1}, {"w_ptr": "*fp8e4nv", "xb_ptr": "*fp8e4nv"}),
+    "apart_weight_only": ({**TILES, "A_APART": 1, "X_SCALED": 0}, {"w_ptr": "*fp8e4nv"}),
+    "joint": ({**TILES, "A_APART": 0, "X_SCALED": 0}, {}),
+}
+FLOAT32 = {"part_ptr", "part_a_ptr", "xs_ptr", "ws_ptr"}
+INT32 = {"count_ptr", "rank_ptr", "row_start_ptr", "slots_ptr"}
+
+
+def signature(constexprs: dict, pointers: dict[str, str]) -> dict[str, str]:
+    types = {}
+    for name in _stacked_fused_kernel.arg_names:
+        if name in constexprs:
+            types[name] = "constexpr"
+        elif not name.endswith("_ptr"):
+            types[name] = "i32"
+        else:
+            types[name] = pointers.get(name, "*fp32" if name in FLOAT32 else "*i32" if name in INT32 else "*bf16")
+    return types
+
+
+def counts(constexprs: dict, pointers: dict[str, str], capability: int) -> dict[str, int]:
+    ptx = compile_ptx(_stacked_fused_kernel, signature(constexprs, pointers), constexprs, capability)
+    return {"e4m3_mma": mma_count(ptx, "e4m3"), "bf16_mma": mma_count(ptx, "bf16")}
+
+
+def main() -> None:
+    print(json.dumps({name: {str(cc): counts(consts, pointers, cc) for cc in TARGETS}
+                      for name, (consts, pointers) in VARIANTS.items()}))
+
+
+if __name__ == "__main__":
+    main()
