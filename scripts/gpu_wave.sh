@@ -136,9 +136,11 @@ for stage in "$@"; do
         --workloads ${KV_WORKLOADS:-base,base+kv8,distinct,distinct+kv8} --max-tokens ${MAX_TOKENS:-128} \
         --out "$OUT/et8b_kv8.md" > "$OUT/kvfp8.log" 2>&1; tail -14 "$OUT/kvfp8.log" ;;
     fp8lora)  # 1 GPU: the fused LoRA linear on FP8 weights: its GPU tests, the stack table, the 8B one adapter
-      timeout ${FILE_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_stacked_fused.py \
-        --tb=short -rfE > "$OUT/test_fp8_stacked_fused.log" 2>&1
-      echo "test_fp8_stacked_fused: $(grep -E "passed|failed|error" "$OUT/test_fp8_stacked_fused.log" | tail -1)"
+      for f in tests/kernels/test_fp8_stacked_fused.py tests/models/test_fp8_lora_fused_gpu.py; do
+        timeout ${FILE_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu "$f" --tb=short -rfE \
+          > "$OUT/$(basename "$f" .py).log" 2>&1
+        echo "$f: $(grep -E "passed|failed|error" "$OUT/$(basename "$f" .py).log" | tail -1)"
+      done
       timeout ${BENCH_S:-150} python3 benchmarks/fp8_lora_fused.py > "$OUT/fp8_lora_fused.log" 2>&1
       tail -8 "$OUT/fp8_lora_fused.log"
       timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --dtype fp8 --hf-models '' \
