@@ -10,7 +10,7 @@ FP8 = "fp8"  # float8_e4m3fn linear weights (Llama-family decoders); see EngineC
 FP8_GEMMS = ("auto", "scaled_mm", "w8a8_triton", "weight_only", "decode_w8a8", "decode_weight_only",
              "reference")  # layers.base_gemm's kernels
 LORA_DECODES = ("kernels", "stacked", "fused")  # EngineConfig.lora_decode
-STACKED_DECODES = ("stacked", "fused")  # the lora_decode values that pool A rows per linear (kernels/stacked.py)
+STACKED_DECODES = ("stacked", "fused")  # the lora_decode values that keep A rows per linear (kernels/stacked.py)
 DECODE_GEMMS = ("cublas", "triton", "auto")  # EngineConfig.decode_gemm (layers.base_gemm)
 PDL_MODES = ("auto", "off", "early", "exit")  # EngineConfig.pdl (kernels/pdl.py)
 KV_CACHE_DTYPES = ("auto", "fp8")  # EngineConfig.kv_cache_dtype (kernels/kv_fp8.py)
@@ -54,10 +54,10 @@ class EngineConfig:
     lora_decode:      how batches of at most 256 tokens (decode) apply LoRA: "kernels" (base GEMM,
                       then the segmented shrink and expand), "stacked" (A rows stored under
                       the base weight: one GEMM yields base output and shrink, one launch the
-                      expand; not with fp8 weights) or "fused" (as stacked, but a step of at
-                      most 64 tokens over at most 2 adapters runs each linear in one launch:
-                      kernels/stacked_fused.py; with fp8 weights the A rows are kept apart in
-                      the adapters' dtype and the other steps run the "kernels" path)
+                      expand; not with fp8 weights) or "fused" (A rows kept apart from the
+                      weight: a step of at most 64 tokens over at most 2 adapters runs each
+                      linear's base product, shrink and expand in one launch,
+                      kernels/stacked_fused.py; other steps run the "kernels" path)
     decode_gemm:      the base product of decode batches (at most 64 tokens, bf16/fp16/fp32
                       weights, CUDA): "cublas" (torch's F.linear), "triton" (our split-K
                       decode GEMM, kernels/decode_gemm.py, which launches with PDL when that

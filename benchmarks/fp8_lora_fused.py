@@ -12,8 +12,9 @@ default). Variants:
   fp8 kernels+side  the shrink on a side stream beside the GEMM (the engine's default path)
   fp8 fused         base product, shrink and expand in one launch, A rows kept apart
                     (kernels/stacked_fused.py with Fp8Base; lora_decode="fused")
-  bf16 base, bf16 fused   the same stack in bf16 on our decode GEMM and the joint [W; A]
-                    fused linear: the bf16 tax the issue compares with
+  bf16 base, bf16 kernels+side, bf16 fused   the same stack in bf16 on our decode GEMM:
+                    the bf16 taxes the issue compares with (fused: A rows apart, as the engine)
+  bf16 fused joint  the fused linear over one [W; A] buffer (lora_decode="fused" before)
 Tax: over the base of its dtype. Floor: the e4m3 weights and the distinct adapters' A and B
 rows at the copy bandwidth of the same run. Check: max relative difference of the last
 projection's fused output against fp8 kernels' (both on the same rounded activations).
@@ -35,14 +36,15 @@ from adapterserve.kernels.fp8 import quantize_rows
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.pdl import set_pdl
 from adapterserve.kernels.stacked import RowsInUse, row_bucket, stack_apart, stack_weight
-from adapterserve.kernels.stacked_fused import Fp8Base, stacked_fused
+from adapterserve.kernels.stacked_fused import BaseApart, stacked_fused
 from adapterserve.models.fp8 import quantize_per_channel
 from benchmarks.checkpoints import SHAPES
 from benchmarks.fused_update import bandwidth, print_table, step_meta, time_ms
 
 RANK = 16
 ADAPTERS = (0, 1, 2, 8)  # distinct adapters of a step's tokens (0: none)
-VARIANTS = ("fp8 base", "fp8 kernels", "fp8 kernels+side", "fp8 fused", "bf16 base", "bf16 fused")
+VARIANTS = ("fp8 base", "fp8 kernels", "fp8 kernels+side", "fp8 fused", "bf16 base", "bf16 kernels+side", "bf16 fused",
+            "bf16 fused joint")
 
 
 class Projection:
@@ -94,28 +96,37 @@ class Stack:
 
     def _projection(self, p: Projection, variant: str, meta, rows: int) -> torch.Tensor:
         x, (xq, xs) = self.x[p.k], self.rounded[p.k]
-        if variant == "bf16 base":
-            return decode_gemm(x, p.joint.weight(), p.bf16_config)
-        if variant == "bf16 fused":
+        if variant == "bf16 fused joint":
             return stacked_fused(x, p.joint, p.lora_joint, meta, rows, config=p.bf16_config)
+        if variant == "bf16 fused":
+            return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=p.bf16_config,
+                                 apart=BaseApart(p.joint.weight()))
         if variant == "fp8 fused":
             return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=p.fp8_config,
-                                 fp8=Fp8Base(p.q, p.scale, (xq, xs)))
+                                 apart=BaseApart(p.q, p.scale, (xq, xs)))
+        bf16 = variant.startswith("bf16")
+        if variant.endswith("base") or not rows:
+            return self._base(p, bf16)
         workspace = self.workspace[: p.n_slices]
-        if variant == "fp8 kernels+side" and self.side is not None and rows:
+        if variant.endswith("kernels+side") and self.side is not None:
             main = torch.cuda.current_stream()
             self.side.wait_stream(main)
             with torch.cuda.stream(self.side):
                 lora_shrink(x, p.lora_kernels, meta, workspace)
-            y = fp8_decode_gemm(xq, p.q, p.scale, xs, x.dtype, p.fp8_config)
+            y = self._base(p, bf16)
             main.wait_stream(self.side)
         else:
-            y = fp8_decode_gemm(xq, p.q, p.scale, xs, x.dtype, p.fp8_config)
-            if variant == "fp8 base" or not rows:
-                return y
+            y = self._base(p, bf16)
             lora_shrink(x, p.lora_kernels, meta, workspace)
         lora_expand(workspace, p.lora_kernels, meta, y)
         return y
+
+    def _base(self, p: Projection, bf16: bool) -> torch.Tensor:
+        """The base product on our decode GEMM: bf16, or W8A8 on the rounded activations."""
+        if bf16:
+            return decode_gemm(self.x[p.k], p.joint.weight(), p.bf16_config)
+        xq, xs = self.rounded[p.k]
+        return fp8_decode_gemm(xq, p.q, p.scale, xs, self.x[p.k].dtype, p.fp8_config)
 
 
 def measure(stack: Stack, adapters: int, tokens: int, slots: int, device: str, bw: float) -> list[str]:

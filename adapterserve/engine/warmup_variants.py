@@ -6,8 +6,8 @@ variant is named by the same choosers the kernels call at run time, from host in
 only, so warm-up (engine/warmup.py) and the real path cannot disagree:
 
     ("segment", family, "gemv" | "dot16" | "dot32")      LoRA / bottleneck shrink+expand
-    ("stacked", "tiled" | "grouped" | "fused", tiles)    the stacked layout's expands (lora_decode="stacked"/"fused";
-                                                         FP8 weights: the fused linear only)
+    ("stacked", "tiled" | "grouped" | "fused", tiles)    the stacked layout's expands (lora_decode="stacked"),
+                                                         the fused linear (lora_decode="fused")
     ("ia3",)                                             the (IA)^3 scale
     ("decode_attention", splits, block_n, width)         paged decode (split-KV choice)
     ("prefill_attention", "single" | "multi", width)     paged prefill, its two launches
@@ -61,7 +61,7 @@ class EngineShape:
     stacked_widths: tuple[int, ...] = ()  # stacked LoRA: output widths of the stacked linears
     lora_slots: int = 0  # adapter slots (max_loras): a step's distinct adapters are at most these
     lora_fused: bool = False  # lora_decode="fused": steps with few adapters run the fused linear
-    lora_apart: bool = False  # FP8 weights: A rows kept apart, steps not fused run the segment kernels
+    lora_apart: bool = False  # A rows kept apart (lora_decode="fused"): steps not fused run the segment kernels
 
     @classmethod
     def of(cls, engine) -> "EngineShape":
@@ -125,7 +125,7 @@ def segment_variants(shape: EngineShape, num_tokens: int, families: Iterable[str
     families = tuple(families)
     stacked = "lora" in families and runs_stacked(shape, num_tokens)
     chosen = (shape.expands(num_tokens) if expands is None else expands) if stacked else ()
-    if shape.lora_apart:  # only the fused linear reads A rows kept apart; other steps take the segment kernels
+    if shape.lora_apart:  # the fused linear's steps; other steps take the segment kernels
         lora_segment = not stacked or any(e != "fused" for e in chosen)
         chosen = tuple(e for e in chosen if e == "fused")
     else:

@@ -15,6 +15,11 @@ host-only choosers warm-up calls too. With lora_decode="fused", a decode step wi
 most FUSED_MAX_ADAPTERS adapters runs GEMM, shrink and expand in one launch instead
 (kernels/stacked_fused.py, ``ops.stacked_fused_linear``).
 
+With lora_decode="fused" a linear keeps its weight apart from its A rows instead (a buffer of
+A rows only, ``stack_apart``): a step of few adapters runs the fused linear on both, the others
+the separate shrink and expand on the A rows (faster than the stacked GEMM and its expand from
+a few adapters on, BENCHMARKS.md). An FP8 weight is always kept apart.
+
 ``rows`` is a host int from a few sizes (``row_bucket``): a CUDA graph captures one
 GEMM shape per size, and adapters placed in the low rows keep the GEMM short.
 """
@@ -118,8 +123,9 @@ class RowsInUse:
 
 @dataclass
 class StackedWeight:
-    """One linear's [W; A] buffer, or its A rows alone where W is stored apart (an FP8 weight:
-    e4m3 rows cannot share a buffer with the adapters' bf16 rows, kernels/fp8_stacked_fused.py).
+    """One linear's [W; A] buffer, or its A rows alone where W is stored apart (lora_decode="fused":
+    the fused linear reads both, the separate kernels the A rows; always for an FP8 weight, whose
+    e4m3 rows cannot share a buffer with the adapters' bf16 rows).
 
     buffer:     [N + pool_rows * n_slices, K], or [pool_rows * n_slices, K] when not ``joint``
     n_out:      N, the base output width
@@ -169,7 +175,7 @@ def stack_weight(weight: torch.Tensor, n_slices: int, pool_rows: int, rows_in_us
 
 def stack_apart(weight: torch.Tensor, n_slices: int, pool_rows: int, rows_in_use: RowsInUse, dtype: torch.dtype
                 ) -> StackedWeight:
-    """Zeroed A rows in the adapters' ``dtype`` for a weight [N, K] kept apart (FP8)."""
+    """Zeroed A rows in the adapters' ``dtype`` for a weight [N, K] kept apart."""
     n_out, k = weight.shape
     buffer = torch.zeros(pool_rows * n_slices, k, dtype=dtype, device=weight.device)
     return StackedWeight(buffer, n_out, n_slices, rows_in_use, joint=False)

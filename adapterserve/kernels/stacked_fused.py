@@ -14,10 +14,11 @@ base tile waits only for programs already running (with PDL the next kernel laun
 once every program of this one has started, so its waiting programs cannot crowd them out).
 The last base tile resets the two step counters for the next call (and graph replay).
 
-An FP8 linear keeps its e4m3 weight apart from its bf16 A rows (StackedWeight not ``joint``,
-``Fp8Base``): its shrink tiles read the activations and the A rows, its base tiles the e4m3
-weight and either the activations' per-token e4m3 rounding (W8A8, as fp8_decode_gemm) or the
-activations themselves (weight-only, the weight widened chunk by chunk); the base sum takes
+A linear may keep its weight apart from its A rows (StackedWeight not ``joint``, ``BaseApart``:
+always for an e4m3 weight, which cannot share a buffer with bf16 A rows). Its shrink tiles then
+read the activations and the A rows, its base tiles the weight: in the activations' dtype, or
+e4m3 with either the activations' per-token e4m3 rounding (W8A8, as fp8_decode_gemm) or the
+activations themselves (weight-only, the weight widened chunk by chunk); an e4m3 base sum takes
 its row and column scales before the update is added. Adapters act on the unrounded
 activations, as the separate kernels do.
 """
@@ -58,17 +59,17 @@ STEP_COUNTERS = 2  # shrink tiles done, base tiles done: after the tile counters
 
 
 @dataclass(frozen=True)
-class Fp8Base:
-    """The e4m3 base weight of a linear whose A rows are stored apart, and how its product runs.
+class BaseApart:
+    """The base weight of a linear whose A rows are stored apart, and how its product runs.
 
-    weight:       [N, K] float8_e4m3fn
-    weight_scale: [N] float32, one per output channel
-    quantized:    the activations rounded per token (e4m3 [T, K], float32 scales [T] or [T, 1]):
-                  W8A8; None: weight-only (the activations in their own dtype)
+    weight:       [N, K] in the activations' dtype, or float8_e4m3fn
+    weight_scale: [N] float32, one per output channel of an e4m3 weight (else None)
+    quantized:    for an e4m3 weight, the activations rounded per token (e4m3 [T, K], float32
+                  scales [T] or [T, 1]): W8A8; None: weight-only (the activations in their dtype)
     """
 
     weight: torch.Tensor
-    weight_scale: torch.Tensor
+    weight_scale: torch.Tensor | None = None
     quantized: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -123,7 +124,7 @@ def _stacked_fused_kernel(
     NUM_SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, HAS_LORA: tl.constexpr, ALIGNED: tl.constexpr, A_APART: tl.constexpr = 0,
-    BASE_IEEE: tl.constexpr = 0, X_SCALED: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
+    BASE_IEEE: tl.constexpr = 0, X_SCALED: tl.constexpr = 0, W_SCALED: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
     a_width = rows * NUM_SLICES
     is_shrink, tile, pid_k, sl, cols, n_mask, w_row = _columns(
@@ -139,7 +140,7 @@ def _stacked_fused_kernel(
         b_first = _b_rows(b_ptr, rr, row_used & (rr < hi), cols, n_mask, stride_br, stride_bn)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if A_APART:  # shrink tiles: activations x A rows; base tiles: (rounded) activations x e4m3 weight
+    if A_APART:  # shrink tiles: activations x A rows; base tiles: (rounded) activations x the weight
         if is_shrink:
             acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, a_ptr + cols[:, None] * stride_an, rm, M, n_mask,
                          k_start, k_end, BLOCK_K, NUM_STAGES, IEEE)
@@ -164,7 +165,7 @@ def _stacked_fused_kernel(
         if last:
             if X_SCALED:
                 total *= tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[:, None]
-            if A_APART:  # the weight's channel scales
+            if W_SCALED:
                 total *= tl.load(ws_ptr + cols, mask=n_mask, other=0.0)[None, :]
             if HAS_LORA:
                 _wait_for(step, a_tiles)
@@ -184,16 +185,16 @@ def _stacked_fused_kernel(
 
 def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, meta: AdapterBatchMeta, rows: int,
                   bias: torch.Tensor | None = None, config: DecodeGemmConfig | None = None,
-                  fp8: Fp8Base | None = None) -> torch.Tensor:
+                  apart: BaseApart | None = None) -> torch.Tensor:
     """x: [T, K] (T <= 64) -> the layer output [T, N]: x @ W.T + each token's own LoRA update
     from pool rows [0, rows) (semantics of stacked_gemm then reference.stacked_expand), one
     launch. B has the LoRA scaling folded in; tokens with slot -1 get the base output. With
-    ``fp8`` (a buffer of A rows only), W is its e4m3 weight: the base product is
-    fp8_decode_gemm's (W8A8 on its rounded activations, or weight-only)."""
+    ``apart`` (a buffer of A rows only), W is its weight: an e4m3 one's product is
+    fp8_decode_gemm's (W8A8 on the rounded activations, or weight-only)."""
     m, k = x.shape
     n_slices, offs, n_out = lora.num_slices, lora.out_offsets, stacked.n_out
     _check(x, stacked, lora, rows, bias)
-    base_x, x_scale, weight, weight_scale = _base_operands(x, stacked, fp8)
+    base_x, x_scale, weight, weight_scale = _base_operands(x, stacked, apart)
     config = config or DecodeGemmConfig()
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     a_width = rows * n_slices
@@ -219,32 +220,37 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
         BLOCK_M=row_tile(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=split, NUM_STAGES=config.num_stages, CHUNK_ROWS=CHUNK, HAS_LORA=rows > 0,
         ALIGNED=all(o % 16 == 0 for o in offs), A_APART=int(not stacked.joint),
-        BASE_IEEE=base_x.dtype == torch.float32, X_SCALED=int(x_scale is not None), num_warps=config.num_warps,
+        BASE_IEEE=base_x.dtype == torch.float32, X_SCALED=int(x_scale is not None),
+        W_SCALED=int(weight_scale is not None), num_warps=config.num_warps,
         **pdl_args(x))
     return y
 
 
-def _base_operands(x: torch.Tensor, stacked: StackedWeight, fp8: Fp8Base | None
+def _base_operands(x: torch.Tensor, stacked: StackedWeight, apart: BaseApart | None
                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """What the base tiles read: (activations, their row scales, weight, its channel scales)."""
     if stacked.joint:
-        if fp8 is not None:
-            raise ValueError("stacked_fused: a [W; A] buffer holds its weight; fp8 is for A rows kept apart")
+        if apart is not None:
+            raise ValueError("stacked_fused: a [W; A] buffer holds its weight; apart is for A rows kept apart")
         return x, None, stacked.buffer, None
-    if fp8 is None:
-        raise ValueError("stacked_fused: this buffer holds A rows only; pass the weight kept apart (fp8)")
-    weight, scale = fp8.weight, fp8.weight_scale
-    if weight.dtype != FP8 or weight.shape != (stacked.n_out, x.shape[1]) or weight.stride(1) != 1:
-        raise ValueError(f"stacked_fused: the weight kept apart must be {FP8} [{stacked.n_out}, {x.shape[1]}] "
-                         f"with contiguous rows, got {weight.dtype} {tuple(weight.shape)}")
-    if scale.dtype != torch.float32 or scale.numel() != stacked.n_out:
-        raise ValueError(f"stacked_fused: the weight needs {stacked.n_out} float32 channel scales, got "
-                         f"{scale.numel()} {scale.dtype}")
+    if apart is None:
+        raise ValueError("stacked_fused: this buffer holds A rows only; pass the weight kept apart")
+    weight, scale = apart.weight, apart.weight_scale
+    if weight.dtype not in (x.dtype, FP8) or weight.shape != (stacked.n_out, x.shape[1]) or weight.stride(1) != 1:
+        raise ValueError(f"stacked_fused: the weight kept apart must be {x.dtype} or {FP8} [{stacked.n_out}, "
+                         f"{x.shape[1]}] with contiguous rows, got {weight.dtype} {tuple(weight.shape)}")
     if weight.shape[0] * weight.stride(0) >= INDEX_LIMIT:
         raise ValueError("stacked_fused: the weight's offsets need 64 bits; this kernel indexes in 32")
-    if fp8.quantized is None:
+    if weight.dtype != FP8:
+        if scale is not None or apart.quantized is not None:
+            raise ValueError("stacked_fused: scales and rounded activations go with an e4m3 weight only")
+        return x, None, weight, None
+    if scale is None or scale.dtype != torch.float32 or scale.numel() != stacked.n_out:
+        raise ValueError(f"stacked_fused: the e4m3 weight needs {stacked.n_out} float32 channel scales, got "
+                         f"{None if scale is None else (scale.numel(), scale.dtype)}")
+    if apart.quantized is None:
         return x, None, weight, scale.contiguous()
-    q, q_scale = fp8.quantized
+    q, q_scale = apart.quantized
     if q.dtype != FP8 or q.shape != x.shape or q.stride(1) != 1 or q_scale.numel() != x.shape[0]:
         raise ValueError(f"stacked_fused: the rounded activations must be {FP8} {tuple(x.shape)} with one scale "
                          f"per row, got {q.dtype} {tuple(q.shape)} and {q_scale.numel()} scales")

@@ -37,7 +37,7 @@ from adapterserve.layers.base_gemm import (
     resolve_fp8_gemm,
 )
 from adapterserve.layers.context import get_context
-from adapterserve.layers.fp8_lora import fp8_fused_lora_linear
+from adapterserve.layers.fused_lora import fused_lora_linear
 from adapterserve.layers.linear_spans import LinearLayout
 from adapterserve.layers.parallel import SINGLE, TensorParallel
 
@@ -155,10 +155,9 @@ class AdapterLinear(torch.nn.Module):
         if self.stacked is not None and x.shape[0] <= STACKED_MAX_TOKENS:
             if self.stacked.joint:
                 return self._stacked_lora(x, ctx)
-            if ctx.lora.stacked_expand == "fused":  # FP8: A rows kept apart; other steps take the kernels
-                return fp8_fused_lora_linear(x, self.weight, self.weight_scale, self.stacked, self.lora, ctx.lora,
-                                             self.stacked.rows_in_use.rows, self._local_bias(), self.fp8_gemm,
-                                             quantized)
+            if ctx.lora.stacked_expand == "fused":  # A rows kept apart; steps of more adapters take the kernels
+                return fused_lora_linear(x, self.weight, self.weight_scale, self.stacked, self.lora, ctx.lora,
+                                         self.stacked.rows_in_use.rows, self._local_bias(), self.fp8_gemm, quantized)
         workspace = ctx.lora_workspace[: self.lora.num_slices, : x.shape[0]]
         # the side stream only in decode steps (CUDA graphs: free at replay); an eager step with
         # prefills is bound by the host's launches, which the stream switches would add to

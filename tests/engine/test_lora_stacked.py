@@ -1,5 +1,6 @@
 """lora_decode="stacked" (and "fused"): LoRA A rows under the base weight, one GEMM for base
-output and shrink (with "fused", a step with few adapters runs each linear in one launch).
+output and shrink (with "fused", A rows kept apart: a step with few adapters runs each linear
+in one launch, the others the segmented kernels).
 A mixed batch against PEFT + transformers one request at a time (float32, CPU);
 adapters placed and evicted while others decode, and the per-step choice of expand,
 against the segmented kernels' engine; every family in one batch."""
@@ -37,8 +38,9 @@ def _prompts(vocab: int, count: int, gen: torch.Generator) -> list[list[int]]:
 def test_stacked_mixed_batch_matches_peft_alone(setup, mode):
     model_dir, adapter_dirs = setup
     engine = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=8, lora_decode=mode)
-    for _, linear in engine.model.adapter_linears():
-        assert linear.stacked is not None and linear.weight.data_ptr() == linear.stacked.buffer.data_ptr()
+    for _, linear in engine.model.adapter_linears():  # "fused": the A rows in a buffer of their own
+        joint = linear.stacked is not None and linear.weight.data_ptr() == linear.stacked.buffer.data_ptr()
+        assert linear.stacked is not None and linear.stacked.joint == joint == (mode == "stacked")
     for name, path in adapter_dirs.items():
         engine.load_adapter(name, path)
     ids = [None] + list(adapter_dirs) + [None] + list(adapter_dirs)[::-1]

@@ -17,8 +17,8 @@ def engines(adapter_dirs):  # noqa: F811
 
 def test_fused_fp8_lora_greedy_tokens_equal_one_rank(engines, adapter_dirs, monkeypatch):  # noqa: F811
     calls = []
-    real = linear_module.fp8_fused_lora_linear
-    monkeypatch.setattr(linear_module, "fp8_fused_lora_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = linear_module.fused_lora_linear
+    monkeypatch.setattr(linear_module, "fused_lora_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
     for engine in engines:
         stacks = [linear.stacked for _, linear in engine.model.adapter_linears()]
         assert stacks and all(s is not None and not s.joint for s in stacks), "A rows kept apart on every linear"

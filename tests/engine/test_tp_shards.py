@@ -2,7 +2,7 @@
 pools exactly as the whole adapter does: at TP=2 (two spawned processes, gloo over a file
 store, the tiny Llama in bfloat16 so every cast to the pools' dtype is exercised), each rank
 places every family whole in one slot and its AdapterShard in another, and every pool
-tensor of the two slots is bit-identical: LoRA (all projections, mixed ranks; both pool
+tensor of the two slots is bit-identical: LoRA (all projections, mixed ranks; the three pool
 layouts; read in float32 and in bfloat16), (IA)^3 on column- and row-parallel layers,
 prefix, prompt and P-tuning, Houlsby and Pfeiffer; and one KV head replicated on both
 ranks (LoRA on k/v and a prefix). What the workers are sent: test_tp_engine.py."""
@@ -48,6 +48,7 @@ def results(tmp_path_factory) -> Path:
                     "prefix": make_peft_adapter(mqa, root / "mqa-prefix", configs["prefix"], seed=2)}
     scenarios = {"kernels": (MODEL, adapters, "kernels"),
                  "stacked": (MODEL, {n: p for n, p in adapters.items() if n.startswith("lora")}, "stacked"),
+                 "fused": (MODEL, {n: p for n, p in adapters.items() if n.startswith("lora")}, "fused"),
                  "mqa": (mqa, mqa_adapters, "kernels")}
     out = root / "results"
     out.mkdir()
@@ -130,5 +131,5 @@ def _slot_tensors(pools: PoolSet, model, slot: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_a_cut_fills_the_pools_as_the_whole_adapter_does(results, rank):
     found = torch.load(results / f"rank{rank}.pt")
-    assert len(found) == 2 * (9 + 2 + 2), sorted(found)  # every adapter of every scenario, read both ways
+    assert len(found) == 2 * (9 + 2 + 2 + 2), sorted(found)  # every adapter of every scenario, read both ways
     assert {key: diff for key, diff in found.items() if diff} == {}

@@ -1,5 +1,5 @@
 """Compiling a Triton kernel for a CUDA target with no GPU (Triton's own ptxas) and counting
-what its PTX holds: the PTX-checking modules' shared part (kv_fp8_ptx, fp8_fused_ptx)."""
+what its PTX holds: the PTX-checking modules' shared part (kv_fp8_ptx, fused_apart_ptx)."""
 from __future__ import annotations
 
 import re

@@ -1,5 +1,5 @@
 """lora_decode="fused" on an FP8 backbone (A rows kept apart from the e4m3 weights,
-layers/fp8_lora.py), on CPU: decode steps with at most two adapters run the fused linear's
+layers/fused_lora.py), on CPU: decode steps with at most two adapters run the fused linear's
 twin, steps with more the segment kernels; every request gets the tokens and logits of a
 float32 engine on the quantized-then-dequantized checkpoint (the reference path) and of the
 same FP8 engine on the separate kernels (W8A8 emulated). LoRA rows share batches with (IA)^3
@@ -58,14 +58,14 @@ def _prompts(n: int) -> list[list[int]]:
 def fused_calls(monkeypatch):
     """Distinct adapters of each step that ran the fused FP8 linear (per linear call)."""
     calls = []
-    real = linear_module.fp8_fused_lora_linear
+    real = linear_module.fused_lora_linear
 
     def counting(x, weight, weight_scale, stacked, lora, meta, *args, **kwargs):
         slots = meta.token_slots.tolist()
         calls.append(len({s for s in slots if s >= 0}))
         return real(x, weight, weight_scale, stacked, lora, meta, *args, **kwargs)
 
-    monkeypatch.setattr(linear_module, "fp8_fused_lora_linear", counting)
+    monkeypatch.setattr(linear_module, "fused_lora_linear", counting)
     return calls
 
 

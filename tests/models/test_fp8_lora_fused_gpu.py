@@ -71,14 +71,14 @@ def test_each_fused_linear_of_the_fp8_engine_is_its_twin(setup, monkeypatch):
         pytest.skip("e4m3 needs sm_89")
     float_dir, adapters, prompts = setup
     records = []
-    real = linear_module.fp8_fused_lora_linear
+    real = linear_module.fused_lora_linear
 
     def recording(x, weight, weight_scale, stacked, lora, meta, rows, bias, fp8_gemm, quantized=None):
         y = real(x, weight, weight_scale, stacked, lora, meta, rows, bias, fp8_gemm, quantized)
         records.append((x.clone(), weight, weight_scale, stacked, lora, meta, rows, bias, fp8_gemm, y.clone()))
         return y
 
-    monkeypatch.setattr(linear_module, "fp8_fused_lora_linear", recording)
+    monkeypatch.setattr(linear_module, "fused_lora_linear", recording)
     engine = _engine(float_dir, adapters, lora_decode="fused", cuda_graphs=False)  # eager: every call seen
     greedy_run(engine, prompts, ADAPTERS, 4)
     assert len(records) >= 4 * 4 * 3  # four projections of four layers, three decode steps

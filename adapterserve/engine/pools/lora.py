@@ -6,7 +6,7 @@ Linears of the same shape in every layer share stacked tensors ([layers, ...]),
 each layer's LoraSlices a view of its row: placing an adapter is then a few large
 copies per projection, not one per layer. In the stacked layout (kernels/stacked.py)
 each linear's A rows live under its own base weight instead (beside it, in a buffer of
-their own, for an FP8 weight), copied layer by layer, and the pool keeps the row bucket
+their own, with the fused linear), copied layer by layer, and the pool keeps the row bucket
 its stacked GEMMs cover.
 
 On tensor-parallel linears each rank keeps its part (A's columns on row-parallel layers,
@@ -126,10 +126,11 @@ class _Stack:
 def _stack_under_weight(linear: AdapterLinear, pool_rows: int, dtype: torch.dtype, rows_in_use: RowsInUse
                         ) -> torch.Tensor:
     """Move the linear's weight into a [W; A] buffer (its weight a view of it; the old tensor
-    is freed, so at most one layer's weight exists twice); returns the A pool view. An FP8
-    weight stays where it is, its A rows in a buffer of their own (stack_apart)."""
+    is freed, so at most one layer's weight exists twice); returns the A pool view. With the
+    fused linear (rows_in_use.fused) the weight stays where it is, its A rows in a buffer of
+    their own (stack_apart)."""
     n_slices = len(linear.slice_kinds)
-    if linear.weight_scale is not None:
+    if rows_in_use.fused:
         linear.stacked = stack_apart(linear.weight.data, n_slices, pool_rows, rows_in_use, dtype)
         return linear.stacked.lora_a()
     if linear.weight.dtype != dtype:

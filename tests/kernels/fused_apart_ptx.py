@@ -1,11 +1,11 @@
 """Compiles the fused stacked LoRA linear (kernels/stacked_fused.py) for sm_89 and sm_90 (no
 GPU needed: Triton's own ptxas), with its A rows kept apart from an e4m3 weight (W8A8 and
-weight-only) and joint with a bf16 weight, and prints, as JSON, per variant and target, how
-many e4m3 and bf16 tensor-core products its PTX holds: what test_fp8_stacked_fused checks.
+weight-only) or a bf16 one, and joint with a bf16 weight, and prints, as JSON, per variant and target, how
+many e4m3 and bf16 tensor-core products its PTX holds: what test_stacked_fused_apart checks.
 The interpreter compiles nothing, so this is where a branch Triton cannot type shows.
 
 Run in a process of its own without TRITON_INTERPRET:
-    python -m tests.kernels.fp8_fused_ptx
+    python -m tests.kernels.fused_apart_ptx
 """
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ TILES = {"NUM_SLICES": 3, "HAS_BIAS": False, "IEEE": False, "BLOCK_M": 64, "BLOC
          "SPLIT_K": 2, "NUM_STAGES": 4, "CHUNK_ROWS": CHUNK, "HAS_LORA": True, "ALIGNED": True,
          "BASE_IEEE": False, "USE_PDL": 0}
 VARIANTS = {  # name: (constexprs, pointer types that differ from bf16)
-    "apart_w8a8": ({**TILES, "A_APART": 1, "X_SCALED": 1}, {"w_ptr": "*fp8e4nv", "xb_ptr": "*fp8e4nv"}),
-    "apart_weight_only": ({**TILES, "A_APART": 1, "X_SCALED": 0}, {"w_ptr": "*fp8e4nv"}),
-    "joint": ({**TILES, "A_APART": 0, "X_SCALED": 0}, {}),
+    "apart_w8a8": ({**TILES, "A_APART": 1, "X_SCALED": 1, "W_SCALED": 1},
+                   {"w_ptr": "*fp8e4nv", "xb_ptr": "*fp8e4nv"}),
+    "apart_weight_only": ({**TILES, "A_APART": 1, "X_SCALED": 0, "W_SCALED": 1}, {"w_ptr": "*fp8e4nv"}),
+    "apart_plain": ({**TILES, "A_APART": 1, "X_SCALED": 0, "W_SCALED": 0}, {}),
+    "joint": ({**TILES, "A_APART": 0, "X_SCALED": 0, "W_SCALED": 0}, {}),
 }
 FLOAT32 = {"part_ptr", "part_a_ptr", "xs_ptr", "ws_ptr"}
 INT32 = {"count_ptr", "rank_ptr", "row_start_ptr", "slots_ptr"}
