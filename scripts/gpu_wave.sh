@@ -146,6 +146,15 @@ for stage in "$@"; do
       timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --dtype fp8 --hf-models '' \
         --budget-s 280 --workloads ${FP8_LORA_WORKLOADS:-base,one,one+fu} --max-tokens ${MAX_TOKENS:-64} \
         --out "$OUT/et8b_fp8_lora.md" > "$OUT/fp8lora.log" 2>&1; tail -10 "$OUT/fp8lora.log" ;;
+    bf16lora)  # 1 GPU: the fused LoRA linear with A rows apart on bf16: GPU tests, then the 8B one adapter
+      for f in tests/engine/test_lora_stacked.py tests/kernels/test_stacked_fused.py tests/engine/test_warmup_gpu.py; do
+        timeout ${FILE_S:-120} python3 -m pytest -q -p no:cacheprovider -m gpu "$f" --tb=short -rfE \
+          > "$OUT/$(basename "$f" .py).log" 2>&1
+        echo "$f: $(grep -E "passed|failed|error" "$OUT/$(basename "$f" .py).log" | tail -1)"
+      done
+      timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 260 \
+        --workloads ${BF16_LORA_WORKLOADS:-base,one,one+fu} --max-tokens ${MAX_TOKENS:-64} \
+        --out "$OUT/et8b_bf16_lora.md" > "$OUT/bf16lora.log" 2>&1; tail -10 "$OUT/bf16lora.log" ;;
     firstreq)  # 1 GPU: the 8B's first request after ready against steady state, and what the first two paid
       timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --first-request \
         --workloads base --budget-s 120 --out "$OUT/firstreq.md" 2>&1 | grep -E "first request|request:|^    |start-up" | head -40 ;;

@@ -6,8 +6,8 @@ Throwaway requests run through the real step path: adapters of every family with
 zero weights (scratch ids, unloaded afterwards), prompts whose token counts land in
 each kernel class, a decode row beside a prompt, every penalty combination, seeded
 sampling, and with stacked LoRA a step of as many distinct adapters as make it run the
-grouped expand (with the fused linear, also steps of few rows over more adapters than it
-takes: the tiled expand at those sizes). A step's adapters are placed (their copies
+grouped expand (with the fused linear, steps of few rows over more adapters than it takes:
+the separate kernels at those sizes). A step's adapters are placed (their copies
 landed) before its requests are added, so the scheduler admits them together and the step
 has the planned size.
 Decode graphs are captured directly for every key the engine's DecodeGraphs can replay

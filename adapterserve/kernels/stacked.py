@@ -86,11 +86,13 @@ def grouped_tiles(max_rank: int) -> GroupedTiles:
 
 
 def choose_expand(distinct_adapters: int, num_tokens: int = 1, fused: bool = False) -> str:
-    """The expand a step runs ("tiled", "grouped", or with ``fused`` (lora_decode="fused")
-    "fused": the whole linear in one launch, kernels/stacked_fused.py) from its count of
-    distinct adapters and of rows."""
-    if fused and distinct_adapters <= FUSED_MAX_ADAPTERS and num_tokens <= FUSED_MAX_TOKENS:
-        return "fused"
+    """The expand a step runs from its count of distinct adapters and of rows: "tiled" or
+    "grouped" after a stacked GEMM (lora_decode="stacked"); with ``fused`` (lora_decode="fused",
+    A rows kept apart) "fused", the whole linear in one launch (kernels/stacked_fused.py), or
+    for the steps it does not take the separate shrink and expand, named "tiled"."""
+    if fused:
+        few = distinct_adapters <= FUSED_MAX_ADAPTERS and num_tokens <= FUSED_MAX_TOKENS
+        return "fused" if few else "tiled"
     return "grouped" if distinct_adapters >= GROUPED_MIN_ADAPTERS else "tiled"
 
 

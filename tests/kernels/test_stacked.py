@@ -227,7 +227,8 @@ def test_expand_choice_by_distinct_adapters():
 
 def test_fused_choice_by_adapters_and_rows():
     """lora_decode="fused": steps of at most FUSED_MAX_TOKENS rows over at most
-    FUSED_MAX_ADAPTERS distinct adapters run the fused linear; the rest choose as before."""
+    FUSED_MAX_ADAPTERS distinct adapters run the fused linear; the rest the separate kernels,
+    named "tiled" (never "grouped": the A rows are apart, there is no stacked GEMM to expand)."""
     from adapterserve.kernels.stacked import (
         FUSED_MAX_ADAPTERS,
         FUSED_MAX_TOKENS,
@@ -241,12 +242,12 @@ def test_fused_choice_by_adapters_and_rows():
     assert choose_expand(1, rows, fused=True) == "fused" == choose_expand(f, 1, fused=True)
     assert choose_expand(f + 1, rows, fused=True) == "tiled"
     assert choose_expand(1, rows + 1, fused=True) == "tiled"
-    assert choose_expand(GROUPED_MIN_ADAPTERS, rows, fused=True) == "grouped"
+    assert choose_expand(GROUPED_MIN_ADAPTERS, rows, fused=True) == "tiled"
     assert choose_expand(1, rows) == "tiled"  # not asked for: never fused
     assert expand_for_slots([0] * 5 + [-1] * 3, fused=True) == "fused"
     assert expand_for_slots([0] * (rows + 1), fused=True) == "tiled"  # every row counts, adapter or not
-    assert reachable_expands(64, 64, fused=True) == ("tiled", "grouped", "fused")
-    assert reachable_expands(128, 64, fused=True) == ("tiled", "grouped")
+    assert reachable_expands(64, 64, fused=True) == ("tiled", "fused")
+    assert reachable_expands(128, 64, fused=True) == ("tiled",)
     assert reachable_expands(f, 64, fused=True) == ("fused",)
     # a graph's rows are its bucket; its requests (distinct adapters) may be fewer
     assert reachable_expands(128, 64, fused=True, max_requests=f) == ("tiled",)
