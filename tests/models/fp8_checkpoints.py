@@ -15,6 +15,9 @@ from safetensors.torch import load_file, save_file
 
 LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
 E4M3_MAX = 448.0
+# the random Llama the FP8 GPU tests share: widths a GPU kernel tiles as it would a real model's
+GPU_MODEL = dict(num_layers=4, hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
+                 num_key_value_heads=4, vocab_size=2048, seed=3)
 
 QUANT_CONFIGS = {
     "compressed-tensors": {

@@ -12,6 +12,7 @@ from adapterserve.models.tiny import write_tiny_checkpoint
 from tests.helpers.lora import make_peft_lora
 from tests.helpers.recording import greedy_logits_error, greedy_run
 from tests.models.fp8_checkpoints import (
+    GPU_MODEL,
     write_dequantized_checkpoint,
     write_fp8_checkpoint,
 )
@@ -39,9 +40,7 @@ FUSED_REL_TOL = 1e-3  # fused vs unfused activation quantization, same kernel (s
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8gpu")
-    float_dir = write_tiny_checkpoint(root / "float", "llama", num_layers=4, hidden_size=1024,
-                                      intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
-                                      vocab_size=2048, seed=3)
+    float_dir = write_tiny_checkpoint(root / "float", "llama", **GPU_MODEL)
     dequantized = write_dequantized_checkpoint(write_fp8_checkpoint(float_dir, root / "fp8"), root / "dequantized")
     lora = make_peft_lora(float_dir, root / "r16", r=16, lora_alpha=32, target_modules=ALL_LINEAR, seed=4)
     g = torch.Generator().manual_seed(torch.seed() % 2**31)

@@ -13,6 +13,7 @@ from adapterserve.layers.base_gemm import fp8_linear_oracle, resolve_fp8_gemm
 from adapterserve.models.tiny import write_tiny_checkpoint
 from tests.helpers.lora import make_peft_lora
 from tests.helpers.recording import greedy_logits_error, greedy_run
+from tests.models.fp8_checkpoints import GPU_MODEL
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -34,9 +35,7 @@ ENGINE_REL_TOL = 0.1
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8lorafused")
-    float_dir = write_tiny_checkpoint(root / "float", "llama", num_layers=4, hidden_size=1024,
-                                      intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4,
-                                      vocab_size=2048, seed=3)
+    float_dir = write_tiny_checkpoint(root / "float", "llama", **GPU_MODEL)
     adapters = {"lora": make_peft_lora(float_dir, root / "r16", r=16, lora_alpha=32, target_modules=ALL_LINEAR,
                                        seed=4),
                 "other": make_peft_lora(float_dir, root / "r8", r=8, lora_alpha=16,
