@@ -1,10 +1,11 @@
 """The fused LoRA linear with its A rows kept apart from its weight (kernels/stacked_fused.py
 with BaseApart, lora_decode="fused"): a weight in the activations' dtype, or e4m3 (W8A8 or
 weight-only), against float32 torch: the (dequantized) weight times the activations (W8A8:
-their per-token e4m3 rounding) plus the reference shrink and expand of the unrounded activations. The stacked path's cases (every
-popularity pattern, mixed ranks, tokens without adapter, bias, ragged slices); with no
-adapter row in use, the bits of the plain FP8 decode GEMM; on a GPU the 8B's shapes and a
-CUDA graph replay with PDL on against off."""
+their per-token e4m3 rounding) plus the reference shrink and expand of the unrounded
+activations. The stacked path's cases (every popularity pattern, mixed ranks, tokens without
+adapter, bias, ragged slices); with no adapter row in use, the bits of the plain decode GEMM;
+a PTX compile for both float8 targets; on a GPU the 8B's shapes and a CUDA graph replay with
+PDL on against off."""
 from __future__ import annotations
 
 import pytest
