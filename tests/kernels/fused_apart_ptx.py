@@ -6,11 +6,16 @@ The interpreter compiles nothing, so this is where a branch Triton cannot type s
 
 Run in a process of its own without TRITON_INTERPRET:
     python -m tests.kernels.fused_apart_ptx
+    python -m tests.kernels.fused_apart_ptx --engine-8b   # every form the 8B engine launches, sm_90
+                                                          # (before a GPU session: minutes, not in CI)
 """
 from __future__ import annotations
 
 import json
+import sys
+from itertools import product
 
+from adapterserve.kernels.decode_gemm import decode_config, fp8_decode_config
 from adapterserve.kernels.stacked_fused import CHUNK, _stacked_fused_kernel
 from tests.kernels.ptx import TARGETS, compile_ptx, mma_count
 
@@ -45,7 +50,32 @@ def counts(constexprs: dict, pointers: dict[str, str], capability: int) -> dict[
     return {"e4m3_mma": mma_count(ptx, "e4m3"), "bf16_mma": mma_count(ptx, "bf16")}
 
 
+# the 8B's projections: (slices, N, K)
+PROJECTIONS_8B = {"q|k|v": (3, 6144, 4096), "o": (1, 4096, 4096), "gate|up": (2, 28672, 4096), "down": (1, 4096, 14336)}
+
+
+def engine_8b_forms() -> dict[str, tuple[dict, dict[str, str]]]:
+    """Every apart form an 8B engine's decode steps launch: per projection, row tile, with and
+    without rows in use, plain / W8A8 / weight-only, the tiles decode_config and fp8_decode_config pick."""
+    forms = {}
+    for (name, (slices, n, k)), block_m, has_lora, form in product(
+            PROJECTIONS_8B.items(), (16, 32, 64), (True, False), ("plain", "w8a8", "weight_only")):
+        config = decode_config(n, k) if form == "plain" else fp8_decode_config(n, k)
+        consts = {**TILES, "NUM_SLICES": slices, "BLOCK_M": block_m, "BLOCK_N": config.block_n,
+                  "BLOCK_K": config.block_k, "NUM_STAGES": config.num_stages, "SPLIT_K": 4, "HAS_LORA": has_lora,
+                  "A_APART": 1, "X_SCALED": int(form == "w8a8"), "W_SCALED": int(form != "plain")}
+        pointers = {"w_ptr": "*fp8e4nv"} if form != "plain" else {}
+        if form == "w8a8":
+            pointers["xb_ptr"] = "*fp8e4nv"
+        forms[f"{name} m{block_m} {'lora' if has_lora else 'none'} {form}"] = (consts, pointers)
+    return forms
+
+
 def main() -> None:
+    if "--engine-8b" in sys.argv:
+        for name, (consts, pointers) in engine_8b_forms().items():
+            print(name, counts(consts, pointers, 90), flush=True)
+        return
     print(json.dumps({name: {str(cc): counts(consts, pointers, cc) for cc in TARGETS}
                       for name, (consts, pointers) in VARIANTS.items()}))
 
