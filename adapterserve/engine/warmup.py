@@ -304,17 +304,16 @@ def _grouped_tasks(run: _Runner, shape: EngineShape, scratch: dict[str, Adapter]
 
 def _tiled_beside_fused_tasks(run: _Runner, shape: EngineShape, scratch: dict[str, Adapter]) -> list:
     """lora_decode="fused": a step of at most FUSED_MAX_TOKENS rows and one adapter runs the
-    fused linear, so the kernels of steps over more adapters at those sizes (the tiled expand's
-    tile heights; with A rows kept apart, the segment kernels' classes) need steps of
+    fused linear, so the segment kernels' classes at those sizes need steps of
     FUSED_MAX_ADAPTERS + 1 distinct adapters: one per class."""
     count = FUSED_MAX_ADAPTERS + 1
     if not shape.lora_fused or count > shape.max_num_seqs:
         return []
-    sizes = {}  # the LoRA kernels' classes -> the largest step of them
+    sizes = {}  # the segment kernels' classes -> the largest step of them
     for tokens in range(count, min(FUSED_MAX_TOKENS, shape.max_tokens) + 1):
         if runs_stacked(shape, tokens) and "tiled" in shape.expands(tokens):
             sizes[frozenset(segment_variants(shape, tokens, ("lora",), ("tiled",)))] = tokens
-    return [(f"prompts of {tokens} tokens over {count} LoRA adapters (their tiled expand or segment kernels)",
+    return [(f"prompts of {tokens} tokens over {count} LoRA adapters (the segment kernels)",
              _lora_step(run, scratch, [tokens - count + 1] + [1] * (count - 1))) for tokens in sorted(sizes.values())]
 
 

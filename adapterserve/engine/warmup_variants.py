@@ -60,8 +60,8 @@ class EngineShape:
     row_buckets: tuple[int, ...] = ()  # stacked LoRA: the GEMM row buckets adapters can make
     stacked_widths: tuple[int, ...] = ()  # stacked LoRA: output widths of the stacked linears
     lora_slots: int = 0  # adapter slots (max_loras): a step's distinct adapters are at most these
-    lora_fused: bool = False  # lora_decode="fused": steps with few adapters run the fused linear
-    lora_apart: bool = False  # A rows kept apart (lora_decode="fused"): steps not fused run the segment kernels
+    lora_fused: bool = False  # lora_decode="fused": A rows kept apart; steps with few adapters run the
+    # fused linear, the others the segment kernels
 
     @classmethod
     def of(cls, engine) -> "EngineShape":
@@ -69,14 +69,14 @@ class EngineShape:
         page = cfg.block_size
         max_pages = -(-engine.max_model_len // page) + -(-cfg.max_virtual_tokens // page)
         families = tuple(f for f in ("lora", "ia3", "bottleneck") if any(p.family == f for p in engine.slots.pools))
-        stacks = [linear.stacked for _, linear in engine.model.adapter_linears() if linear.stacked is not None]
-        widths = sorted({stacked.n_out for stacked in stacks})
+        widths = sorted({linear.stacked.n_out for _, linear in engine.model.adapter_linears()
+                         if linear.stacked is not None})
         return cls(engine.model_config.num_kv_heads, page, cfg.max_num_seqs, cfg.max_num_batched_tokens, max_pages,
                    cfg.max_lora_rank, cfg.max_bottleneck_rank, families,
                    tuple(graphs.buckets) if graphs is not None else None,
                    graphs.max_pages if graphs is not None else 0,
                    tuple(engine.lora_pool.row_buckets()), tuple(widths), cfg.max_loras,
-                   cfg.lora_decode == "fused", any(not stacked.joint for stacked in stacks))
+                   cfg.lora_decode == "fused")
 
     def rank(self, family: str) -> int:
         return self.lora_rank if family == "lora" else self.bottleneck_rank
@@ -125,11 +125,10 @@ def segment_variants(shape: EngineShape, num_tokens: int, families: Iterable[str
     families = tuple(families)
     stacked = "lora" in families and runs_stacked(shape, num_tokens)
     chosen = (shape.expands(num_tokens) if expands is None else expands) if stacked else ()
-    if shape.lora_apart:  # the fused linear's steps; other steps take the segment kernels
+    lora_segment = not stacked
+    if shape.lora_fused:  # A rows apart: the fused linear's steps; the others take the segment kernels
         lora_segment = not stacked or any(e != "fused" for e in chosen)
         chosen = tuple(e for e in chosen if e == "fused")
-    else:
-        lora_segment = not stacked
     out: set[Variant] = {("segment", f, segment_class(num_tokens, shape.rank(f)))
                          for f in families if f in SEGMENT_FAMILIES and (f != "lora" or lora_segment)}
     out |= {stacked_class(shape, num_tokens, e) for e in chosen}

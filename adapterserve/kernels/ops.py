@@ -6,7 +6,7 @@ import torch
 from adapterserve.kernels import reference
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
-from adapterserve.kernels.stacked import EXPAND_KERNELS, StackedWeight, stacked_gemm
+from adapterserve.kernels.stacked import EXPAND_KERNELS
 
 
 def _on_gpu(t: torch.Tensor) -> bool:
@@ -38,7 +38,7 @@ def stacked_expand(out: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, 
     """See reference.stacked_expand (on a GPU the tiled or the grouped kernel, as ``expand``
     says: stacked.choose_expand's choice for the step)."""
     if expand not in EXPAND_KERNELS:
-        raise ValueError(f"expand must be one of {EXPAND_KERNELS} (fused: stacked_fused_linear), got {expand!r}")
+        raise ValueError(f"expand must be one of {EXPAND_KERNELS} (fused: layers/fused_lora.py), got {expand!r}")
     if not _on_gpu(out):
         reference.stacked_expand(out, lora, meta, y, bias)
     elif expand == "grouped":
@@ -49,20 +49,6 @@ def stacked_expand(out: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, 
         from adapterserve.kernels.stacked_tiled import stacked_expand_tiled
 
         stacked_expand_tiled(out, lora, meta, y, bias)
-
-
-def stacked_fused_linear(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, meta: AdapterBatchMeta,
-                        rows: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The stacked LoRA linear of a decode step: base GEMM, shrink and expand in one launch on
-    a GPU (kernels/stacked_fused.py); elsewhere stacked_gemm then the reference expand."""
-    if _on_gpu(x):
-        from adapterserve.kernels.decode_gemm import decode_config
-        from adapterserve.kernels.stacked_fused import stacked_fused
-
-        return stacked_fused(x, stacked, lora, meta, rows, bias, decode_config(stacked.n_out, x.shape[1]))
-    y = torch.empty(x.shape[0], stacked.n_out, dtype=x.dtype, device=x.device)
-    reference.stacked_expand(stacked_gemm(x, stacked, rows), lora, meta, y, bias)
-    return y
 
 
 def bottleneck_adapter(h, down, down_bias, up, up_bias, rank, activation, meta, workspace, out) -> None:

@@ -11,12 +11,11 @@ step from the step's distinct adapters (``choose_expand``, a host int): the tile
 (kernels/stacked_tiled.py: a token tile walks the rows its tokens use, best with few
 adapters) and the grouped one (kernels/stacked_grouped.py: a program per adapter's
 tokens, best with many). Their tiles come from ``expand_tiles`` / ``grouped_tiles``,
-host-only choosers warm-up calls too. With lora_decode="fused", a decode step with at
-most FUSED_MAX_ADAPTERS adapters runs GEMM, shrink and expand in one launch instead
-(kernels/stacked_fused.py, ``ops.stacked_fused_linear``).
+host-only choosers warm-up calls too.
 
 With lora_decode="fused" a linear keeps its weight apart from its A rows instead (a buffer of
-A rows only, ``stack_apart``): a step of few adapters runs the fused linear on both, the others
+A rows only, ``stack_apart``): a step of at most FUSED_MAX_ADAPTERS adapters runs GEMM, shrink
+and expand in one launch on both (kernels/stacked_fused.py, layers/fused_lora.py), the others
 the separate shrink and expand on the A rows (faster than the stacked GEMM and its expand from
 a few adapters on, BENCHMARKS.md). An FP8 weight is always kept apart.
 

@@ -26,7 +26,6 @@ from adapterserve.kernels import (
     lora_shrink,
     stacked_expand,
 )
-from adapterserve.kernels.ops import stacked_fused_linear
 from adapterserve.kernels.fp8_fused import rms_norm_quant
 from adapterserve.kernels.fused import add_rms_norm, rms_norm
 from adapterserve.kernels.stacked import STACKED_MAX_TOKENS, StackedWeight, stacked_gemm
@@ -176,11 +175,7 @@ class AdapterLinear(torch.nn.Module):
 
     def _stacked_lora(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """One GEMM over [W; A rows in use] gives the base output and every slot's shrink;
-        one launch (the expand the step chose) writes base + bias + each token's own expand.
-        A step that chose "fused" runs all of it in one launch."""
-        if ctx.lora.stacked_expand == "fused":  # choose_expand picks it for at most FUSED_MAX_TOKENS rows
-            return stacked_fused_linear(x, self.stacked, self.lora, ctx.lora, self.stacked.rows_in_use.rows,
-                                        self._local_bias())
+        one launch (the expand the step chose) writes base + bias + each token's own expand."""
         out = stacked_gemm(x, self.stacked, self.stacked.rows_in_use.rows)
         y = torch.empty(x.shape[0], self.stacked.n_out, dtype=x.dtype, device=x.device)
         stacked_expand(out, self.lora, ctx.lora, y, self._local_bias(), ctx.lora.stacked_expand)
