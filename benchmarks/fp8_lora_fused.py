@@ -31,12 +31,13 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' @triton.jit runs
 
 from adapterserve.kernels import lora_expand, lora_shrink
-from adapterserve.kernels.decode_gemm import decode_config, decode_gemm, fp8_decode_config, fp8_decode_gemm
+from adapterserve.kernels.decode_gemm import decode_config, decode_gemm, fp8_decode_config, fp8_decode_gemm, split_for
 from adapterserve.kernels.fp8 import quantize_rows
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.pdl import set_pdl
 from adapterserve.kernels.stacked import RowsInUse, row_bucket, stack_apart, stack_weight
-from adapterserve.kernels.stacked_fused import BaseApart, stacked_fused
+from adapterserve.kernels.split_counters import sms_of
+from adapterserve.kernels.stacked_fused import BaseApart, ShrinkTiles, stacked_fused
 from adapterserve.models.fp8 import quantize_per_channel
 from benchmarks.checkpoints import SHAPES
 from benchmarks.fused_update import bandwidth, print_table, step_meta, time_ms
@@ -87,6 +88,7 @@ class Stack:
         self.rounded = {k: quantize_rows(x) for k, x in self.x.items()}
         self.workspace = torch.empty(3, tokens, RANK, device=device, dtype=dtype)
         self.side = torch.cuda.Stream() if device == "cuda" else None
+        self.shrink: tuple[int, int, int] | None = None  # fp8 fused's shrink loop: (K chunk, stages, split factor)
 
     def run(self, variant: str, meta, rows: int) -> torch.Tensor:
         y = None
@@ -103,7 +105,7 @@ class Stack:
                                  apart=BaseApart(p.joint.weight()))
         if variant == "fp8 fused":
             return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=p.fp8_config,
-                                 apart=BaseApart(p.q, p.scale, (xq, xs)))
+                                 apart=BaseApart(p.q, p.scale, (xq, xs)), shrink=self._shrink(p, x, rows))
         bf16 = variant.startswith("bf16")
         if variant.endswith("base") or not rows:
             return self._base(p, bf16)
@@ -120,6 +122,14 @@ class Stack:
             lora_shrink(x, p.lora_kernels, meta, workspace)
         lora_expand(workspace, p.lora_kernels, meta, y)
         return y
+
+    def _shrink(self, p: Projection, x: torch.Tensor, rows: int) -> ShrinkTiles | None:
+        """The swept shrink loop of this projection (None: the kernel's own choice)."""
+        if self.shrink is None:
+            return None
+        block_k, stages, factor = self.shrink
+        return ShrinkTiles(block_k, stages, factor * split_for(p.n + rows * p.n_slices, p.k, p.fp8_config,
+                                                              sms_of(x.device)))
 
     def _base(self, p: Projection, bf16: bool) -> torch.Tensor:
         """The base product on our decode GEMM: bf16, or W8A8 on the rounded activations."""
@@ -145,10 +155,30 @@ def measure(stack: Stack, adapters: int, tokens: int, slots: int, device: str, b
     return [str(adapters), str(rows), *cells, f"{floor:.3f}", f"{ms['fp8 fused'] / floor:.2f}", f"{check:.1e}"]
 
 
+SWEEP = [(block_k, stages, factor) for block_k in (64, 128) for stages in (1, 2, 3) for factor in (1, 2, 4)]
+
+
+def sweep(stack: Stack, tokens: int, slots: int, device: str) -> list[list[str]]:
+    """fp8 fused with one adapter per shrink loop of SWEEP (the default first), against fp8 base."""
+    meta, rows = step_meta(tokens, 1, slots, device), row_bucket(RANK, slots * RANK)
+    base = time_ms(lambda: stack.run("fp8 base", meta, rows), device)
+    table = []
+    for choice in [None, *SWEEP]:
+        stack.shrink = choice
+        try:
+            ms = time_ms(lambda: stack.run("fp8 fused", meta, rows), device)
+            table.append([str(choice or "default"), f"{ms:.3f}", f"{(ms / base - 1) * 100:+.1f}%"])
+        except Exception as exc:  # a choice past the device's shared memory
+            table.append([str(choice), type(exc).__name__, "-"])
+    stack.shrink = None
+    return table
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code runs, figures mean nothing")
+    p.add_argument("--sweep", action="store_true", help="also: fp8 fused's shrink loops, one adapter")
     args = p.parse_args()
     if args.smoke:
         device, dtype, shape, layers, tokens, slots = "cpu", torch.float32, SHAPES["tiny"], 1, 8, 8
@@ -165,6 +195,9 @@ def main() -> None:
           "adapters; "
           f"copy bandwidth {bw / 1e9:.0f} GB/s; ms per replay of q|k|v, o, gate|up, down (tax over its base):")
     print_table(["adapters", "rows", *[f"{v} ms" for v in VARIANTS], "fp8 floor ms", "fused / floor", "check"], rows)
+    if args.sweep:
+        print("\nfp8 fused, one adapter, per shrink loop (K chunk, stages, split factor); tax over fp8 base:")
+        print_table(["shrink loop", "ms", "tax"], sweep(stack, tokens, slots, device))
 
 
 if __name__ == "__main__":

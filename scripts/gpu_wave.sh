@@ -135,26 +135,26 @@ for stage in "$@"; do
       timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 280 \
         --workloads ${KV_WORKLOADS:-base,base+kv8,distinct,distinct+kv8} --max-tokens ${MAX_TOKENS:-128} \
         --out "$OUT/et8b_kv8.md" > "$OUT/kvfp8.log" 2>&1; tail -14 "$OUT/kvfp8.log" ;;
-    fp8lora)  # 1 GPU: the fused LoRA linear on FP8 weights: its GPU tests, the stack table, the 8B one adapter
-      for f in tests/kernels/test_fp8_stacked_fused.py tests/models/test_fp8_lora_fused_gpu.py; do
+    fp8lora)  # 1 GPU: the fused LoRA linear on FP8 weights: its GPU tests, then the stack table (both dtypes)
+      for f in tests/kernels/test_stacked_fused_apart.py tests/models/test_fp8_lora_fused_gpu.py; do
         timeout ${FILE_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu "$f" --tb=short -rfE \
           > "$OUT/$(basename "$f" .py).log" 2>&1
         echo "$f: $(grep -E "passed|failed|error" "$OUT/$(basename "$f" .py).log" | tail -1)"
       done
       timeout ${BENCH_S:-150} python3 benchmarks/fp8_lora_fused.py > "$OUT/fp8_lora_fused.log" 2>&1
-      tail -8 "$OUT/fp8_lora_fused.log"
-      timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --dtype fp8 --hf-models '' \
-        --budget-s 280 --workloads ${FP8_LORA_WORKLOADS:-base,one,one+fu} --max-tokens ${MAX_TOKENS:-64} \
-        --out "$OUT/et8b_fp8_lora.md" > "$OUT/fp8lora.log" 2>&1; tail -10 "$OUT/fp8lora.log" ;;
-    bf16lora)  # 1 GPU: the fused LoRA linear with A rows apart on bf16: GPU tests, then the 8B one adapter
+      tail -8 "$OUT/fp8_lora_fused.log" ;;
+    bf16lora)  # 1 GPU: the fused LoRA linear with A rows apart on bf16: its GPU tests
       for f in tests/engine/test_lora_stacked.py tests/kernels/test_stacked_fused.py tests/engine/test_warmup_gpu.py; do
         timeout ${FILE_S:-120} python3 -m pytest -q -p no:cacheprovider -m gpu "$f" --tb=short -rfE \
           > "$OUT/$(basename "$f" .py).log" 2>&1
         echo "$f: $(grep -E "passed|failed|error" "$OUT/$(basename "$f" .py).log" | tail -1)"
-      done
-      timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 260 \
-        --workloads ${BF16_LORA_WORKLOADS:-base,one,one+fu} --max-tokens ${MAX_TOKENS:-64} \
-        --out "$OUT/et8b_bf16_lora.md" > "$OUT/bf16lora.log" 2>&1; tail -10 "$OUT/bf16lora.log" ;;
+      done ;;
+    lora8b)  # 1 GPU: the 8B's one-adapter tax, separate kernels against the fused linear, FP8 then bf16
+      for dtype in fp8 bfloat16; do
+        timeout ${STAGE_S:-280} python3 benchmarks/engine_throughput.py --models 8b --dtype $dtype --hf-models '' \
+          --budget-s ${BUDGET_S:-230} --workloads ${LORA_WORKLOADS:-base,one,one+fu} --max-tokens ${MAX_TOKENS:-64} \
+          --out "$OUT/et8b_${dtype}_lora.md" > "$OUT/lora8b_$dtype.log" 2>&1; tail -10 "$OUT/lora8b_$dtype.log"
+      done ;;
     firstreq)  # 1 GPU: the 8B's first request after ready against steady state, and what the first two paid
       timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --first-request \
         --workloads base --budget-s 120 --out "$OUT/firstreq.md" 2>&1 | grep -E "first request|request:|^    |start-up" | head -40 ;;

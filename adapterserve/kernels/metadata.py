@@ -101,7 +101,7 @@ def build_adapter_meta(
     """
     if token_slots.dim() != 1:
         raise ValueError(f"token_slots must be 1-D, got shape {tuple(token_slots.shape)}")
-    slots = token_slots.to(torch.int32)
+    slots = token_slots.to(torch.int32).contiguous()  # the kernels index tokens with stride 1
     num_tokens = int(slots.shape[0])
     block_m = default_block_m(num_tokens) if block_m is None else block_m
     if block_m < 1:

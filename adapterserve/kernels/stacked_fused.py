@@ -24,6 +24,7 @@ activations, as the separate kernels do.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,20 @@ class BaseApart:
     quantized: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class ShrinkTiles:
+    """How the shrink tiles of a launch run their K loop.
+
+    block_k: K chunk of a loop of their own (0: they share the base tiles' loop, one dtype)
+    stages:  its pipeline stages
+    split:   K splits of a shrink tile (its programs: a share of the activations each)
+    """
+
+    block_k: int
+    stages: int
+    split: int
+
+
 @triton.jit
 def _wait_for(flag_ptr, target):
     """Spin until the counter at flag_ptr reaches target (acquire: the writes counted are seen)."""
@@ -100,12 +115,14 @@ def _expand(acc, s_rows, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl, stride
 
 @triton.jit
 def _columns(pid, a_tiles, n_out, a_width, c1, c2, c3, c4, NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr,
-             SPLIT_K: tl.constexpr, ALIGNED: tl.constexpr):
-    """Program pid's tile: whether it is a shrink tile, its index among its kind, its K split,
-    its slice, its columns (of the shrink values or of the output) and their buffer rows."""
-    tile, pid_k = pid // SPLIT_K, pid % SPLIT_K
-    is_shrink = tile < a_tiles
-    tile = tl.where(is_shrink, tile, tile - a_tiles)
+             SPLIT_K: tl.constexpr, SPLIT_A: tl.constexpr, ALIGNED: tl.constexpr):
+    """Program pid's tile: whether it is a shrink tile (the first a_tiles * SPLIT_A programs),
+    its index among its kind, its K split, its slice, its columns (of the shrink values or of
+    the output) and their buffer rows."""
+    is_shrink = pid < a_tiles * SPLIT_A
+    base_pid = pid - a_tiles * SPLIT_A
+    tile = tl.where(is_shrink, pid // SPLIT_A, base_pid // SPLIT_K)
+    pid_k = tl.where(is_shrink, pid % SPLIT_A, base_pid % SPLIT_K)
     sl, n0, n_end = slice_group(tile, c1, c2, c3, c4, NUM_SLICES, BLOCK_N)
     col0 = tl.where(is_shrink, tile * BLOCK_N, n0)
     if ALIGNED:  # every slice starts at a multiple of 16: say so, for vector stores
@@ -118,20 +135,23 @@ def _columns(pid, a_tiles, n_out, a_width, c1, c2, c3, c4, NUM_SLICES: tl.conste
 @triton.jit(do_not_specialize=["M", "rows", "a_tiles"])
 def _stacked_fused_kernel(
     x_ptr, w_ptr, y_ptr, s_ptr, part_ptr, part_a_ptr, count_ptr, b_ptr, bias_ptr, rank_ptr, row_start_ptr,
-    slots_ptr, xb_ptr, a_ptr, xs_ptr, ws_ptr, M, K, k_per_split, n_out, rows, max_rank, a_tiles, b_tiles,
+    slots_ptr, xb_ptr, a_ptr, xs_ptr, ws_ptr, M, K, k_per_split, a_k_per_split, n_out, rows, max_rank, a_tiles,
+    b_tiles,
     c1, c2, c3, c4, stride_xm, stride_wn, stride_ym, stride_sm, stride_br, stride_bn, stride_rs, stride_rslot,
     stride_xbm, stride_an,
     NUM_SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, HAS_LORA: tl.constexpr, ALIGNED: tl.constexpr, A_APART: tl.constexpr = 0,
-    BASE_IEEE: tl.constexpr = 0, X_SCALED: tl.constexpr = 0, W_SCALED: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
+    SPLIT_A: tl.constexpr = 1, A_BLOCK_K: tl.constexpr = 0, A_STAGES: tl.constexpr = 0, BASE_IEEE: tl.constexpr = 0, X_SCALED: tl.constexpr = 0,
+    W_SCALED: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
     a_width = rows * NUM_SLICES
     is_shrink, tile, pid_k, sl, cols, n_mask, w_row = _columns(
-        tl.program_id(0), a_tiles, n_out, a_width, c1, c2, c3, c4, NUM_SLICES, BLOCK_N, SPLIT_K, ALIGNED)
+        tl.program_id(0), a_tiles, n_out, a_width, c1, c2, c3, c4, NUM_SLICES, BLOCK_N, SPLIT_K, SPLIT_A, ALIGNED)
     rm = tl.arange(0, BLOCK_M)
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    span = tl.where(is_shrink, a_k_per_split, k_per_split)
+    k_start = pid_k * span
+    k_end = tl.minimum(k_start + span, K)
     if HAS_LORA:  # the tokens' rows and the first chunk of B: no activation, before the wait
         row0, end, lo, hi = token_rows(rank_ptr, row_start_ptr, slots_ptr, rm, rm < M, sl, rows, max_rank,
                                         stride_rs, stride_rslot)
@@ -140,20 +160,24 @@ def _stacked_fused_kernel(
         b_first = _b_rows(b_ptr, rr, row_used & (rr < hi), cols, n_mask, stride_br, stride_bn)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if A_APART:  # shrink tiles: activations x A rows; base tiles: (rounded) activations x the weight
+    if A_APART and A_STAGES > 0:  # an e4m3 base: a K loop (and shared memory) of its own for the shrink tiles
         if is_shrink:
             acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, a_ptr + cols[:, None] * stride_an, rm, M, n_mask,
-                         k_start, k_end, BLOCK_K, NUM_STAGES, IEEE)
+                         k_start, k_end, A_BLOCK_K, A_STAGES, IEEE)
         else:
             acc = k_loop(acc, xb_ptr + rm[:, None] * stride_xbm, w_ptr + cols[:, None] * stride_wn, rm, M,
                          n_mask, k_start, k_end, BLOCK_K, NUM_STAGES, BASE_IEEE)
+    elif A_APART:  # a weight in the activations' dtype: one K loop over each tile's own rows
+        rows_of_tile = tl.where(is_shrink, a_ptr + cols[:, None] * stride_an, w_ptr + cols[:, None] * stride_wn)
+        acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, rows_of_tile, rm, M, n_mask, k_start, k_end, BLOCK_K,
+                     NUM_STAGES, IEEE)
     else:
         acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, w_ptr + w_row[:, None] * stride_wn, rm, M, n_mask,
                      k_start, k_end, BLOCK_K, NUM_STAGES, IEEE)
     out_mask = (rm[:, None] < M) & n_mask[None, :]
     step = count_ptr + a_tiles + b_tiles  # shrink tiles done, then base tiles past their wait
     if is_shrink:
-        total, last = split_total(acc, part_a_ptr, count_ptr + tile, pid_k, rm, cols, out_mask, M, a_width, SPLIT_K)
+        total, last = split_total(acc, part_a_ptr, count_ptr + tile, pid_k, rm, cols, out_mask, M, a_width, SPLIT_A)
         if last:
             tl.store(s_ptr + rm[:, None] * stride_sm + cols[None, :], total.to(s_ptr.dtype.element_ty),
                      mask=out_mask)
@@ -185,12 +209,13 @@ def _stacked_fused_kernel(
 
 def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, meta: AdapterBatchMeta, rows: int,
                   bias: torch.Tensor | None = None, config: DecodeGemmConfig | None = None,
-                  apart: BaseApart | None = None) -> torch.Tensor:
+                  apart: BaseApart | None = None, shrink: ShrinkTiles | None = None) -> torch.Tensor:
     """x: [T, K] (T <= 64) -> the layer output [T, N]: x @ W.T + each token's own LoRA update
     from pool rows [0, rows) (semantics of stacked_gemm then reference.stacked_expand), one
     launch. B has the LoRA scaling folded in; tokens with slot -1 get the base output. With
     ``apart`` (a buffer of A rows only), W is its weight: an e4m3 one's product is
-    fp8_decode_gemm's (W8A8 on the rounded activations, or weight-only)."""
+    fp8_decode_gemm's (W8A8 on the rounded activations, or weight-only). shrink: the shrink
+    tiles' K loop (default: shrink_tiles')."""
     m, k = x.shape
     n_slices, offs, n_out = lora.num_slices, lora.out_offsets, stacked.n_out
     _check(x, stacked, lora, rows, bias)
@@ -206,24 +231,60 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
         raise ValueError(f"stacked_fused: {a_tiles + b_tiles} tiles exceed the counters; use wider tiles")
     s = torch.empty(m, max(a_width, 1), dtype=x.dtype, device=x.device)
     partials = torch.empty(split, m, n_out, dtype=torch.float32, device=x.device) if split > 1 else y
-    partials_a = torch.empty(split, m, max(a_width, 1), dtype=torch.float32, device=x.device)
     c = list(offs[1:]) + [0] * (MAX_SLICES - n_slices)
     a_rows = stacked.buffer if stacked.joint else stacked.a_rows()
-    _stacked_fused_kernel[((a_tiles + b_tiles) * split,)](
+    block_m = row_tile(m)
+    shrink = shrink or shrink_tiles(config, block_m, split, k, x.element_size(), base_x.element_size(),
+                                    weight.element_size(), shared_memory_of(x.device))
+    partials_a = torch.empty(shrink.split, m, max(a_width, 1), dtype=torch.float32, device=x.device)
+    _stacked_fused_kernel[(a_tiles * shrink.split + b_tiles * split,)](
         x, weight, y, s, partials, partials_a, counters, lora.b, bias if bias is not None else y, lora.rank,
         lora.row_start, meta.token_slots, base_x, a_rows, y if x_scale is None else x_scale,
-        y if weight_scale is None else weight_scale, m, k, split_span(k, split, config.block_k), n_out, rows,
-        lora.max_rank, a_tiles, b_tiles, *c,
+        y if weight_scale is None else weight_scale, m, k, split_span(k, split, config.block_k),
+        split_span(k, shrink.split, shrink.block_k or config.block_k), n_out, rows, lora.max_rank, a_tiles, b_tiles,
+        *c,
         x.stride(0), weight.stride(0), y.stride(0), s.stride(0), lora.b.stride(0), lora.b.stride(1),
         lora.rank.stride(0), lora.rank.stride(1), base_x.stride(0), a_rows.stride(0),
         NUM_SLICES=n_slices, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        BLOCK_M=row_tile(m), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=split, NUM_STAGES=config.num_stages, CHUNK_ROWS=CHUNK, HAS_LORA=rows > 0,
         ALIGNED=all(o % 16 == 0 for o in offs), A_APART=int(not stacked.joint),
+        SPLIT_A=shrink.split, A_BLOCK_K=shrink.block_k, A_STAGES=shrink.stages,
         BASE_IEEE=base_x.dtype == torch.float32, X_SCALED=int(x_scale is not None),
         W_SCALED=int(weight_scale is not None), num_warps=config.num_warps,
         **pdl_args(x))
     return y
+
+
+def shrink_tiles(config: DecodeGemmConfig, block_m: int, split: int, k: int, x_size: int, base_x_size: int,
+                 weight_size: int, shared_memory: int) -> ShrinkTiles:
+    """The shrink tiles' K loop, from the element sizes of the activations, of what the base
+    tiles read and of the weight. One dtype: the base tiles' loop and split. An e4m3 base
+    needs a loop of its own: chunks of the base chunk's bytes; its buffers add to the base
+    loop's in shared memory, so fewer stages where both would pass ``shared_memory`` bytes;
+    and as a shrink tile reads more bytes per K column than a base tile (bf16 activations
+    against e4m3 ones), more K splits, so that it ends no later than the base tiles wait."""
+    if base_x_size == x_size == weight_size:
+        return ShrinkTiles(0, 0, split)
+    block_k = max(16, config.block_k * weight_size // x_size)
+    shrink_bytes = (block_m + config.block_n) * x_size  # per K column
+    base_bytes = block_m * base_x_size + config.block_n * weight_size
+    split_a = split * -(-shrink_bytes // base_bytes)
+    while split_a > split and k < block_k * split_a * 2:  # at least two chunks a split
+        split_a //= 2
+    stages, base_buffers = config.num_stages, config.num_stages * config.block_k * base_bytes
+    while stages > 1 and base_buffers + stages * block_k * shrink_bytes > shared_memory:
+        stages -= 1
+    return ShrinkTiles(block_k, stages, split_a)
+
+
+@functools.cache
+def shared_memory_of(device: torch.device) -> int:
+    """Bytes of shared memory one program may use (what Triton checks at launch); unbounded off CUDA."""
+    if device.type != "cuda":
+        return 1 << 30
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 def _base_operands(x: torch.Tensor, stacked: StackedWeight, apart: BaseApart | None

@@ -15,8 +15,8 @@ import json
 import sys
 from itertools import product
 
-from adapterserve.kernels.decode_gemm import decode_config, fp8_decode_config
-from adapterserve.kernels.stacked_fused import CHUNK, _stacked_fused_kernel
+from adapterserve.kernels.decode_gemm import DecodeGemmConfig, decode_config, fp8_decode_config
+from adapterserve.kernels.stacked_fused import CHUNK, _stacked_fused_kernel, shrink_tiles
 from tests.kernels.ptx import TARGETS, compile_ptx, mma_count
 
 TILES = {"NUM_SLICES": 3, "HAS_BIAS": False, "IEEE": False, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 256,
@@ -45,7 +45,24 @@ def signature(constexprs: dict, pointers: dict[str, str]) -> dict[str, str]:
     return types
 
 
+SHARED_MEMORY = {89: 101376, 90: 232448}  # bytes a program may use: Ada, Hopper
+K_8B = 4096
+
+
+def with_shrink_loop(constexprs: dict, pointers: dict[str, str], capability: int) -> dict:
+    """The constexprs with the shrink tiles' K loop the launch would choose on this target."""
+    if not constexprs["A_APART"]:
+        return constexprs
+    config = DecodeGemmConfig(block_n=constexprs["BLOCK_N"], block_k=constexprs["BLOCK_K"],
+                              num_stages=constexprs["NUM_STAGES"])
+    sizes = [1 if pointers.get(name) == "*fp8e4nv" else 2 for name in ("x_ptr", "xb_ptr", "w_ptr")]
+    shrink = shrink_tiles(config, constexprs["BLOCK_M"], constexprs["SPLIT_K"], K_8B, *sizes,
+                          SHARED_MEMORY[capability])
+    return {**constexprs, "SPLIT_A": shrink.split, "A_BLOCK_K": shrink.block_k, "A_STAGES": shrink.stages}
+
+
 def counts(constexprs: dict, pointers: dict[str, str], capability: int) -> dict[str, int]:
+    constexprs = with_shrink_loop(constexprs, pointers, capability)
     ptx = compile_ptx(_stacked_fused_kernel, signature(constexprs, pointers), constexprs, capability)
     return {"e4m3_mma": mma_count(ptx, "e4m3"), "bf16_mma": mma_count(ptx, "bf16")}
 

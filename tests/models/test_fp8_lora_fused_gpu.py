@@ -69,24 +69,24 @@ def test_each_fused_linear_of_the_fp8_engine_is_its_twin(setup, monkeypatch):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("e4m3 needs sm_89")
     float_dir, adapters, prompts = setup
-    records = []
-    real = linear_module.fused_lora_linear
+    records = []  # (output, base twin, twin) of each call, the twins made at once: a later step may move
+    real = linear_module.fused_lora_linear  # an adapter's pool rows (the layout the call read is gone then)
 
     def recording(x, weight, weight_scale, stacked, lora, meta, rows, bias, fp8_gemm, quantized=None):
         y = real(x, weight, weight_scale, stacked, lora, meta, rows, bias, fp8_gemm, quantized)
-        records.append((x.clone(), weight, weight_scale, stacked, lora, meta, rows, bias, fp8_gemm, y.clone()))
+        records.append((tuple(x.shape), y.clone(), *_twin(x, weight, weight_scale, stacked, lora, meta, rows, bias,
+                                                          fp8_gemm)))
         return y
 
     monkeypatch.setattr(linear_module, "fused_lora_linear", recording)
     engine = _engine(float_dir, adapters, lora_decode="fused", cuda_graphs=False)  # eager: every call seen
     greedy_run(engine, prompts, ADAPTERS, 4)
     assert len(records) >= 4 * 4 * 3  # four projections of four layers, three decode steps
-    for *args, y in records:
-        base, want = _twin(*args)
+    for shape, y, _, want in records:
         assert y.dtype == torch.bfloat16 and not torch.isnan(y).any()
         rel = ((y.float() - want).norm() / want.norm()).item()
-        assert rel < LINEAR_REL_TOL, (tuple(args[0].shape), rel)
-    updates = [((want - base).norm() / want.norm()).item() for *args, _ in records for base, want in [_twin(*args)]]
+        assert rel < LINEAR_REL_TOL, (shape, rel)
+    updates = [((want - base).norm() / want.norm()).item() for _, _, base, want in records]
     assert max(updates) > 10 * LINEAR_REL_TOL, "the adapters' updates are large enough for the check to see them"
 
 
