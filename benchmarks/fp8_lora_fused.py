@@ -11,10 +11,9 @@ default). Variants:
   fp8 kernels       the same, then the segmented shrink and expand (lora_decode="kernels")
   fp8 kernels+side  the shrink on a side stream beside the GEMM (the engine's default path)
   fp8 fused         base product, shrink and expand in one launch, A rows kept apart
-                    (kernels/stacked_fused.py with Fp8Base; lora_decode="fused")
+                    (kernels/stacked_fused.py with BaseApart; lora_decode="fused")
   bf16 base, bf16 kernels+side, bf16 fused   the same stack in bf16 on our decode GEMM:
                     the bf16 taxes the issue compares with (fused: A rows apart, as the engine)
-  bf16 fused joint  the fused linear over one [W; A] buffer (lora_decode="fused" before)
 Tax: over the base of its dtype. Floor: the e4m3 weights and the distinct adapters' A and B
 rows at the copy bandwidth of the same run. Check: max relative difference of the last
 projection's fused output against fp8 kernels' (both on the same rounded activations).
@@ -35,7 +34,7 @@ from adapterserve.kernels.decode_gemm import decode_config, decode_gemm, fp8_dec
 from adapterserve.kernels.fp8 import quantize_rows
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.pdl import set_pdl
-from adapterserve.kernels.stacked import RowsInUse, row_bucket, stack_apart, stack_weight
+from adapterserve.kernels.stacked import RowsInUse, row_bucket, stack_apart
 from adapterserve.kernels.split_counters import sms_of
 from adapterserve.kernels.stacked_fused import BaseApart, ShrinkTiles, stacked_fused
 from adapterserve.models.fp8 import quantize_per_channel
@@ -44,30 +43,25 @@ from benchmarks.fused_update import bandwidth, print_table, step_meta, time_ms
 
 RANK = 16
 ADAPTERS = (0, 1, 2, 8)  # distinct adapters of a step's tokens (0: none)
-VARIANTS = ("fp8 base", "fp8 kernels", "fp8 kernels+side", "fp8 fused", "bf16 base", "bf16 kernels+side", "bf16 fused",
-            "bf16 fused joint")
+VARIANTS = ("fp8 base", "fp8 kernels", "fp8 kernels+side", "fp8 fused", "bf16 base", "bf16 kernels+side", "bf16 fused")
 
 
 class Projection:
-    """One layer's fused projection in both storages: bf16 [W; A] (joint), e4m3 W with its A
-    rows apart; one B pool and one pool layout for both."""
+    """One layer's fused projection with its weight in bf16 and in e4m3, A rows apart (one
+    buffer for both), one B pool and one pool layout."""
 
     def __init__(self, k: int, widths: tuple[int, ...], slots: int, device: str, dtype: torch.dtype) -> None:
         n = sum(widths)
         offsets = tuple(sum(widths[:i]) for i in range(len(widths) + 1))
         pool_rows = slots * RANK
-        weight = torch.randn(n, k, device=device, dtype=dtype) * 0.02
-        self.joint = stack_weight(weight, len(widths), pool_rows, RowsInUse())
-        self.q, self.scale = quantize_per_channel(weight)
-        del weight
+        self.weight = torch.randn(n, k, device=device, dtype=dtype) * 0.02
+        self.q, self.scale = quantize_per_channel(self.weight)
         self.apart = stack_apart(self.q, len(widths), pool_rows, RowsInUse(), dtype)
         a = torch.randn(self.apart.lora_a().shape, device=device, dtype=dtype) * 0.02
         self.apart.lora_a().copy_(a)
-        self.joint.lora_a().copy_(a)
         b = torch.randn(pool_rows, n, device=device, dtype=dtype) * 0.02
         row_start = (torch.arange(slots, device=device, dtype=torch.int32) * RANK).repeat(len(widths), 1).contiguous()
         rank = torch.full((len(widths), slots), RANK, device=device, dtype=torch.int32)
-        self.lora_joint = LoraSlices(self.joint.lora_a(), b, row_start, rank, offsets, RANK)
         self.lora_apart = LoraSlices(self.apart.lora_a(), b, row_start, rank, offsets, RANK)
         self.lora_kernels = LoraSlices(a.contiguous(), b, row_start, rank, offsets, RANK)
         self.fp8_config, self.bf16_config = fp8_decode_config(n, k), decode_config(n, k)
@@ -98,11 +92,9 @@ class Stack:
 
     def _projection(self, p: Projection, variant: str, meta, rows: int) -> torch.Tensor:
         x, (xq, xs) = self.x[p.k], self.rounded[p.k]
-        if variant == "bf16 fused joint":
-            return stacked_fused(x, p.joint, p.lora_joint, meta, rows, config=p.bf16_config)
         if variant == "bf16 fused":
             return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=p.bf16_config,
-                                 apart=BaseApart(p.joint.weight()))
+                                 apart=BaseApart(p.weight))
         if variant == "fp8 fused":
             return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=p.fp8_config,
                                  apart=BaseApart(p.q, p.scale, (xq, xs)), shrink=self._shrink(p, x, rows))
@@ -134,7 +126,7 @@ class Stack:
     def _base(self, p: Projection, bf16: bool) -> torch.Tensor:
         """The base product on our decode GEMM: bf16, or W8A8 on the rounded activations."""
         if bf16:
-            return decode_gemm(self.x[p.k], p.joint.weight(), p.bf16_config)
+            return decode_gemm(self.x[p.k], p.weight, p.bf16_config)
         xq, xs = self.rounded[p.k]
         return fp8_decode_gemm(xq, p.q, p.scale, xs, self.x[p.k].dtype, p.fp8_config)
 

@@ -1,8 +1,8 @@
 """The stacked LoRA linear of a decode step in one launch: base GEMM, shrink and expand.
 
-One Triton grid over the columns of a stacked [W; A] buffer (kernels/stacked.py), split
-over K like the decode GEMM (kernels/decode_gemm.py). Its first tiles are the A rows
-(the shrink of every adapter in use); the rest are W's columns, tiled per slice. A shrink
+One Triton grid over two sets of rows, split over K like the decode GEMM
+(kernels/decode_gemm.py): the A rows of every adapter in use, then the weight's rows, tiled
+per slice (kernels/stacked.py: both in one [W; A] buffer, or the A rows apart). A shrink
 tile stores the tokens' shrink values and counts itself done. A base tile, once its K sum
 is whole, waits until every shrink tile is done, then adds its tokens' updates as the
 tiled expand does (kernels/stacked_tiled.py: a tensor-core dot per 16 pool rows its
@@ -14,13 +14,13 @@ base tile waits only for programs already running (with PDL the next kernel laun
 once every program of this one has started, so its waiting programs cannot crowd them out).
 The last base tile resets the two step counters for the next call (and graph replay).
 
-A linear may keep its weight apart from its A rows (StackedWeight not ``joint``, ``BaseApart``:
-always for an e4m3 weight, which cannot share a buffer with bf16 A rows). Its shrink tiles then
-read the activations and the A rows, its base tiles the weight: in the activations' dtype, or
-e4m3 with either the activations' per-token e4m3 rounding (W8A8, as fp8_decode_gemm) or the
-activations themselves (weight-only, the weight widened chunk by chunk); an e4m3 base sum takes
-its row and column scales before the update is added. Adapters act on the unrounded
-activations, as the separate kernels do.
+A weight in the activations' dtype shares one K loop with the A rows. An e4m3 weight (kept
+apart: it cannot share a buffer with bf16 A rows, ``BaseApart``) is read either against the
+activations' per-token e4m3 rounding (W8A8, as fp8_decode_gemm) or against the activations
+themselves (weight-only, the weight widened chunk by chunk); its base sum takes its row and
+column scales before the update is added. Its shrink tiles then run a K loop of their own on
+the unrounded activations, as the separate kernels do (``ShrinkTiles``: sized to fit shared
+memory beside the base loop, and split finer over K, as they read twice the bytes per column).
 """
 from __future__ import annotations
 
@@ -114,11 +114,11 @@ def _expand(acc, s_rows, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl, stride
 
 
 @triton.jit
-def _columns(pid, a_tiles, n_out, a_width, c1, c2, c3, c4, NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr,
+def _columns(pid, a_tiles, a_width, c1, c2, c3, c4, NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr,
              SPLIT_K: tl.constexpr, SPLIT_A: tl.constexpr, ALIGNED: tl.constexpr):
     """Program pid's tile: whether it is a shrink tile (the first a_tiles * SPLIT_A programs),
-    its index among its kind, its K split, its slice, its columns (of the shrink values or of
-    the output) and their buffer rows."""
+    its index among its kind, its K split, its slice and its columns (of the shrink values, which
+    are its A rows, or of the output, which are its weight rows)."""
     is_shrink = pid < a_tiles * SPLIT_A
     base_pid = pid - a_tiles * SPLIT_A
     tile = tl.where(is_shrink, pid // SPLIT_A, base_pid // SPLIT_K)
@@ -129,7 +129,7 @@ def _columns(pid, a_tiles, n_out, a_width, c1, c2, c3, c4, NUM_SLICES: tl.conste
         col0 = tl.multiple_of(col0, 16)
     cols = col0 + tl.arange(0, BLOCK_N)
     n_mask = cols < tl.where(is_shrink, a_width, n_end)
-    return is_shrink, tile, pid_k, sl, cols, n_mask, tl.where(is_shrink, n_out + cols, cols)
+    return is_shrink, tile, pid_k, sl, cols, n_mask
 
 
 @triton.jit(do_not_specialize=["M", "rows", "a_tiles"])
@@ -141,13 +141,13 @@ def _stacked_fused_kernel(
     stride_xbm, stride_an,
     NUM_SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    CHUNK_ROWS: tl.constexpr, HAS_LORA: tl.constexpr, ALIGNED: tl.constexpr, A_APART: tl.constexpr = 0,
-    SPLIT_A: tl.constexpr = 1, A_BLOCK_K: tl.constexpr = 0, A_STAGES: tl.constexpr = 0, BASE_IEEE: tl.constexpr = 0, X_SCALED: tl.constexpr = 0,
+    CHUNK_ROWS: tl.constexpr, HAS_LORA: tl.constexpr, ALIGNED: tl.constexpr, SPLIT_A: tl.constexpr = 1,
+    A_BLOCK_K: tl.constexpr = 0, A_STAGES: tl.constexpr = 0, BASE_IEEE: tl.constexpr = 0, X_SCALED: tl.constexpr = 0,
     W_SCALED: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
     a_width = rows * NUM_SLICES
-    is_shrink, tile, pid_k, sl, cols, n_mask, w_row = _columns(
-        tl.program_id(0), a_tiles, n_out, a_width, c1, c2, c3, c4, NUM_SLICES, BLOCK_N, SPLIT_K, SPLIT_A, ALIGNED)
+    is_shrink, tile, pid_k, sl, cols, n_mask = _columns(
+        tl.program_id(0), a_tiles, a_width, c1, c2, c3, c4, NUM_SLICES, BLOCK_N, SPLIT_K, SPLIT_A, ALIGNED)
     rm = tl.arange(0, BLOCK_M)
     span = tl.where(is_shrink, a_k_per_split, k_per_split)
     k_start = pid_k * span
@@ -160,20 +160,17 @@ def _stacked_fused_kernel(
         b_first = _b_rows(b_ptr, rr, row_used & (rr < hi), cols, n_mask, stride_br, stride_bn)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if A_APART and A_STAGES > 0:  # an e4m3 base: a K loop (and shared memory) of its own for the shrink tiles
+    if A_STAGES > 0:  # an e4m3 base: a K loop (and shared memory) of its own for the shrink tiles
         if is_shrink:
             acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, a_ptr + cols[:, None] * stride_an, rm, M, n_mask,
                          k_start, k_end, A_BLOCK_K, A_STAGES, IEEE)
         else:
             acc = k_loop(acc, xb_ptr + rm[:, None] * stride_xbm, w_ptr + cols[:, None] * stride_wn, rm, M,
                          n_mask, k_start, k_end, BLOCK_K, NUM_STAGES, BASE_IEEE)
-    elif A_APART:  # a weight in the activations' dtype: one K loop over each tile's own rows
+    else:  # a weight in the activations' dtype: one K loop over each tile's own rows
         rows_of_tile = tl.where(is_shrink, a_ptr + cols[:, None] * stride_an, w_ptr + cols[:, None] * stride_wn)
         acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, rows_of_tile, rm, M, n_mask, k_start, k_end, BLOCK_K,
                      NUM_STAGES, IEEE)
-    else:
-        acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, w_ptr + w_row[:, None] * stride_wn, rm, M, n_mask,
-                     k_start, k_end, BLOCK_K, NUM_STAGES, IEEE)
     out_mask = (rm[:, None] < M) & n_mask[None, :]
     step = count_ptr + a_tiles + b_tiles  # shrink tiles done, then base tiles past their wait
     if is_shrink:
@@ -232,7 +229,7 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
     s = torch.empty(m, max(a_width, 1), dtype=x.dtype, device=x.device)
     partials = torch.empty(split, m, n_out, dtype=torch.float32, device=x.device) if split > 1 else y
     c = list(offs[1:]) + [0] * (MAX_SLICES - n_slices)
-    a_rows = stacked.buffer if stacked.joint else stacked.a_rows()
+    a_rows = stacked.a_rows()
     block_m = row_tile(m)
     shrink = shrink or shrink_tiles(config, block_m, split, k, x.element_size(), base_x.element_size(),
                                     weight.element_size(), shared_memory_of(x.device))
@@ -248,31 +245,35 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
         NUM_SLICES=n_slices, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         SPLIT_K=split, NUM_STAGES=config.num_stages, CHUNK_ROWS=CHUNK, HAS_LORA=rows > 0,
-        ALIGNED=all(o % 16 == 0 for o in offs), A_APART=int(not stacked.joint),
-        SPLIT_A=shrink.split, A_BLOCK_K=shrink.block_k, A_STAGES=shrink.stages,
+        ALIGNED=all(o % 16 == 0 for o in offs), SPLIT_A=shrink.split, A_BLOCK_K=shrink.block_k, A_STAGES=shrink.stages,
         BASE_IEEE=base_x.dtype == torch.float32, X_SCALED=int(x_scale is not None),
         W_SCALED=int(weight_scale is not None), num_warps=config.num_warps,
         **pdl_args(x))
     return y
 
 
+SHRINK_SPLIT_PER_BYTE_RATIO = 2  # K splits of a shrink tile per (its bytes per K column / a base tile's)
+SHRINK_MAX_STAGES = 3
+
+
 def shrink_tiles(config: DecodeGemmConfig, block_m: int, split: int, k: int, x_size: int, base_x_size: int,
                  weight_size: int, shared_memory: int) -> ShrinkTiles:
     """The shrink tiles' K loop, from the element sizes of the activations, of what the base
     tiles read and of the weight. One dtype: the base tiles' loop and split. An e4m3 base
-    needs a loop of its own: chunks of the base chunk's bytes; its buffers add to the base
-    loop's in shared memory, so fewer stages where both would pass ``shared_memory`` bytes;
-    and as a shrink tile reads more bytes per K column than a base tile (bf16 activations
-    against e4m3 ones), more K splits, so that it ends no later than the base tiles wait."""
+    needs a loop of its own: chunks of the base chunk's bytes, at most SHRINK_MAX_STAGES
+    stages, fewer where both loops' buffers would pass ``shared_memory`` bytes. A shrink tile
+    reads more bytes per K column than a base tile (bf16 activations against e4m3 ones) and the
+    base tiles wait for it, so it takes more K splits (benchmarks/fp8_lora_fused.py --sweep:
+    with twice its bytes ratio, the least tax of the loops swept on an H200)."""
     if base_x_size == x_size == weight_size:
         return ShrinkTiles(0, 0, split)
     block_k = max(16, config.block_k * weight_size // x_size)
     shrink_bytes = (block_m + config.block_n) * x_size  # per K column
     base_bytes = block_m * base_x_size + config.block_n * weight_size
-    split_a = split * -(-shrink_bytes // base_bytes)
+    split_a = split * SHRINK_SPLIT_PER_BYTE_RATIO * -(-shrink_bytes // base_bytes)
     while split_a > split and k < block_k * split_a * 2:  # at least two chunks a split
         split_a //= 2
-    stages, base_buffers = config.num_stages, config.num_stages * config.block_k * base_bytes
+    stages, base_buffers = min(config.num_stages, SHRINK_MAX_STAGES), config.num_stages * config.block_k * base_bytes
     while stages > 1 and base_buffers + stages * block_k * shrink_bytes > shared_memory:
         stages -= 1
     return ShrinkTiles(block_k, stages, split_a)
@@ -293,7 +294,7 @@ def _base_operands(x: torch.Tensor, stacked: StackedWeight, apart: BaseApart | N
     if stacked.joint:
         if apart is not None:
             raise ValueError("stacked_fused: a [W; A] buffer holds its weight; apart is for A rows kept apart")
-        return x, None, stacked.buffer, None
+        return x, None, stacked.weight(), None
     if apart is None:
         raise ValueError("stacked_fused: this buffer holds A rows only; pass the weight kept apart")
     weight, scale = apart.weight, apart.weight_scale

@@ -1,7 +1,8 @@
 """Compiles the fused stacked LoRA linear (kernels/stacked_fused.py) for sm_89 and sm_90 (no
 GPU needed: Triton's own ptxas), with its A rows kept apart from an e4m3 weight (W8A8 and
-weight-only) or a bf16 one, and joint with a bf16 weight, and prints, as JSON, per variant and target, how
-many e4m3 and bf16 tensor-core products its PTX holds: what test_stacked_fused_apart checks.
+weight-only: the shrink loop each target's shared memory allows) or beside a bf16 one, and prints,
+as JSON, per variant and target, how many e4m3 and bf16 tensor-core products its PTX holds: what
+test_stacked_fused_apart checks.
 The interpreter compiles nothing, so this is where a branch Triton cannot type shows.
 
 Run in a process of its own without TRITON_INTERPRET:
@@ -23,11 +24,10 @@ TILES = {"NUM_SLICES": 3, "HAS_BIAS": False, "IEEE": False, "BLOCK_M": 64, "BLOC
          "SPLIT_K": 2, "NUM_STAGES": 4, "CHUNK_ROWS": CHUNK, "HAS_LORA": True, "ALIGNED": True,
          "BASE_IEEE": False, "USE_PDL": 0}
 VARIANTS = {  # name: (constexprs, pointer types that differ from bf16)
-    "apart_w8a8": ({**TILES, "A_APART": 1, "X_SCALED": 1, "W_SCALED": 1},
+    "apart_w8a8": ({**TILES, "X_SCALED": 1, "W_SCALED": 1},
                    {"w_ptr": "*fp8e4nv", "xb_ptr": "*fp8e4nv"}),
-    "apart_weight_only": ({**TILES, "A_APART": 1, "X_SCALED": 0, "W_SCALED": 1}, {"w_ptr": "*fp8e4nv"}),
-    "apart_plain": ({**TILES, "A_APART": 1, "X_SCALED": 0, "W_SCALED": 0}, {}),
-    "joint": ({**TILES, "A_APART": 0, "X_SCALED": 0, "W_SCALED": 0}, {}),
+    "apart_weight_only": ({**TILES, "X_SCALED": 0, "W_SCALED": 1}, {"w_ptr": "*fp8e4nv"}),
+    "plain": ({**TILES, "X_SCALED": 0, "W_SCALED": 0}, {}),  # a bf16 weight, apart or joint: one kernel
 }
 FLOAT32 = {"part_ptr", "part_a_ptr", "xs_ptr", "ws_ptr"}
 INT32 = {"count_ptr", "rank_ptr", "row_start_ptr", "slots_ptr"}
@@ -51,8 +51,6 @@ K_8B = 4096
 
 def with_shrink_loop(constexprs: dict, pointers: dict[str, str], capability: int) -> dict:
     """The constexprs with the shrink tiles' K loop the launch would choose on this target."""
-    if not constexprs["A_APART"]:
-        return constexprs
     config = DecodeGemmConfig(block_n=constexprs["BLOCK_N"], block_k=constexprs["BLOCK_K"],
                               num_stages=constexprs["NUM_STAGES"])
     sizes = [1 if pointers.get(name) == "*fp8e4nv" else 2 for name in ("x_ptr", "xb_ptr", "w_ptr")]
@@ -80,7 +78,7 @@ def engine_8b_forms() -> dict[str, tuple[dict, dict[str, str]]]:
         config = decode_config(n, k) if form == "plain" else fp8_decode_config(n, k)
         consts = {**TILES, "NUM_SLICES": slices, "BLOCK_M": block_m, "BLOCK_N": config.block_n,
                   "BLOCK_K": config.block_k, "NUM_STAGES": config.num_stages, "SPLIT_K": 4, "HAS_LORA": has_lora,
-                  "A_APART": 1, "X_SCALED": int(form == "w8a8"), "W_SCALED": int(form != "plain")}
+                  "X_SCALED": int(form == "w8a8"), "W_SCALED": int(form != "plain")}
         pointers = {"w_ptr": "*fp8e4nv"} if form != "plain" else {}
         if form == "w8a8":
             pointers["xb_ptr"] = "*fp8e4nv"

@@ -23,7 +23,7 @@ from adapterserve.kernels.fp8 import quantize_rows_reference
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import build_adapter_meta
 from adapterserve.kernels.stacked import RowsInUse, stack_apart
-from adapterserve.kernels.stacked_fused import BaseApart, stacked_fused
+from adapterserve.kernels.stacked_fused import BaseApart, ShrinkTiles, shrink_tiles, stacked_fused
 from adapterserve.models.fp8 import dequantize, quantize_per_channel
 
 from .cases import (
@@ -120,6 +120,37 @@ def test_no_rows_in_use_gives_the_decode_gemm_bits(mode):
     else:
         plain = decode_gemm(x, weight, config)
     assert torch.equal(y, plain), f"seed {seed}"
+
+
+HOPPER_SHARED = 232448  # bytes a program may use on sm_90 (Triton's launch check)
+PROJECTIONS_8B = {"q|k|v": (6144, 4096), "o": (4096, 4096), "gate|up": (28672, 4096), "down": (4096, 14336)}
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("projection", list(PROJECTIONS_8B))
+def test_the_shrink_loop_fits_beside_the_base_loop(projection, block_m):
+    """On the 8B's projections: both K loops' pipeline buffers within sm_90's shared memory (two
+    loops of the base's tiles asked 294,912 bytes at 64 tokens and could not launch), the
+    shrink split a multiple of the base's; one loop for a bf16 weight."""
+    n, k = PROJECTIONS_8B[projection]
+    for name, (x_size, base_size, w_size) in {"w8a8": (2, 1, 1), "weight_only": (2, 2, 1)}.items():
+        config = fp8_decode_config(n, k)
+        for split in (1, 2, 4):
+            tiles = shrink_tiles(config, block_m, split, k, x_size, base_size, w_size, HOPPER_SHARED)
+            base_bytes = config.num_stages * config.block_k * (block_m * base_size + config.block_n * w_size)
+            shrink_bytes = tiles.stages * tiles.block_k * (block_m + config.block_n) * x_size
+            assert base_bytes + shrink_bytes <= HOPPER_SHARED, (name, split, tiles)
+            assert tiles.stages >= 1 and tiles.block_k * x_size == config.block_k * w_size, (name, tiles)
+            assert tiles.split % split == 0 and k >= tiles.block_k * tiles.split * 2, (name, split, tiles)
+    config = decode_config(n, k)
+    assert shrink_tiles(config, block_m, 2, k, 2, 2, 2, HOPPER_SHARED) == ShrinkTiles(0, 0, 2)
+
+
+def test_w8a8_shrink_tiles_are_the_swept_best():
+    """The loop benchmarks/fp8_lora_fused.py --sweep timed fastest on an H200 (8B, 64 tokens, one
+    adapter): 128-column chunks, three stages, four times the base's K splits."""
+    config = fp8_decode_config(6144, 4096)
+    assert shrink_tiles(config, 64, 2, 4096, 2, 1, 1, HOPPER_SHARED) == ShrinkTiles(128, 3, 8)
 
 
 def test_fused_apart_refuses_what_it_cannot_take():

@@ -27,10 +27,13 @@ ADAPTERS = [None, "lora", "lora", "other"]  # two distinct adapters: the fused l
 LINEAR_REL_TOL = 5e-3
 # engine logits, fused against the separate kernels (test_fp8_gpu's model, which amplifies a
 # small change of a layer's input about tenfold): the same products in another order, but an
-# activation that crosses an e4m3 rounding boundary moves by up to 1/16 (measured on CPU with
-# the tiny model: up to 2.5e-2); a lost or misplaced update gives errors of order 1
-ENGINE_REL_TOL = 0.1
-
+# activation that crosses an e4m3 rounding boundary moves by up to 1/16. The yardstick is the
+# same engine on cuBLAS's W8A8 (scaled_mm: the same arithmetic summed in another order); on an
+# H200 fused against kernels gave 0.22 where scaled_mm against kernels gave 0.20. A lost or
+# misplaced update gives errors of order 1.
+ENGINE_REL_TOL = 0.1  # below the yardstick's noise: always allowed
+NOISE_FACTOR = 2.0  # fused may differ from kernels by this many times the yardstick's difference
+ENGINE_MAX_REL = 0.5  # and never by more
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
@@ -91,11 +94,15 @@ def test_each_fused_linear_of_the_fp8_engine_is_its_twin(setup, monkeypatch):
 
 
 def test_fused_fp8_engine_gives_the_separate_kernels_logits(setup):
-    """CUDA graphs (warm-up captures the fused linear's graphs) against the separate kernels."""
+    """CUDA graphs (warm-up captures the fused linear's graphs) against the separate kernels,
+    within the difference two W8A8 GEMMs make (ours and cuBLAS's, both on the separate kernels)."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("e4m3 needs sm_89")
     float_dir, adapters, prompts = setup
-    fused, kernels = (_engine(float_dir, adapters, lora_decode=mode) for mode in ("fused", "kernels"))
-    got, want = greedy_run(fused, prompts, ADAPTERS, 4), greedy_run(kernels, prompts, ADAPTERS, 4)
-    error, steps = greedy_logits_error(got, want)
-    assert steps >= len(prompts) and error < ENGINE_REL_TOL, (error, steps)
+    runs = {name: greedy_run(_engine(float_dir, adapters, **options), prompts, ADAPTERS, 4)
+            for name, options in {"fused": {"lora_decode": "fused"}, "kernels": {"lora_decode": "kernels"},
+                                  "cublas": {"lora_decode": "kernels", "fp8_gemm": "scaled_mm"}}.items()}
+    error, steps = greedy_logits_error(runs["fused"], runs["kernels"])
+    noise, _ = greedy_logits_error(runs["cublas"], runs["kernels"])
+    assert steps >= len(prompts), steps
+    assert error < min(ENGINE_MAX_REL, max(ENGINE_REL_TOL, NOISE_FACTOR * noise)), (error, noise)
