@@ -35,6 +35,8 @@ from adapterserve.kernels.decode_gemm import (
     FP8,
     MAX_ROWS,
     DecodeGemmConfig,
+    decode_config,
+    decode_gemm,
     k_loop,
     row_tile,
     split_for,
@@ -44,7 +46,7 @@ from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
 from adapterserve.kernels.pdl import pdl_args, pdl_wait
 from adapterserve.kernels.segment_common import MAX_SLICES, slice_group
-from adapterserve.kernels.split_counters import INDEX_LIMIT, sms_of, split_counters, split_span
+from adapterserve.kernels.split_counters import COUNTERS, INDEX_LIMIT, sms_of, split_counters, split_span
 from adapterserve.kernels.stacked import StackedWeight
 from adapterserve.kernels.stacked_tiled import (
     CHUNK,
@@ -57,6 +59,7 @@ from adapterserve.kernels.stacked_tiled import (
 )
 
 STEP_COUNTERS = 2  # shrink tiles done, base tiles done: after the tile counters
+LATE_COUNTERS = COUNTERS // 2  # shrink_first: the base tiles' split-K counters from here on
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,7 @@ def _stacked_fused_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, HAS_LORA: tl.constexpr, ALIGNED: tl.constexpr, SPLIT_A: tl.constexpr = 1,
     A_BLOCK_K: tl.constexpr = 0, A_STAGES: tl.constexpr = 0, BASE_IEEE: tl.constexpr = 0, X_SCALED: tl.constexpr = 0,
-    W_SCALED: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
+    W_SCALED: tl.constexpr = 0, S_GIVEN: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
     a_width = rows * NUM_SLICES
     is_shrink, tile, pid_k, sl, cols, n_mask = _columns(
@@ -158,7 +161,8 @@ def _stacked_fused_kernel(
         hi = tl.where(is_shrink, lo, hi)  # a shrink tile's columns are no B columns: it reads none
         rr, uses, row_used = _chunk_rows(lo, row0, end, CHUNK_ROWS)
         b_first = _b_rows(b_ptr, rr, row_used & (rr < hi), cols, n_mask, stride_br, stride_bn)
-    pdl_wait(USE_PDL)
+    if not S_GIVEN:
+        pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if A_STAGES > 0:  # an e4m3 base: a K loop (and shared memory) of its own for the shrink tiles
         if is_shrink:
@@ -189,14 +193,17 @@ def _stacked_fused_kernel(
             if W_SCALED:
                 total *= tl.load(ws_ptr + cols, mask=n_mask, other=0.0)[None, :]
             if HAS_LORA:
-                _wait_for(step, a_tiles)
+                if S_GIVEN:  # the launch before made the shrink values: wait for it only now
+                    pdl_wait(USE_PDL)
+                else:
+                    _wait_for(step, a_tiles)
                 total = _expand(total, s_ptr + rm[:, None] * stride_sm, b_ptr, b_first, row0, end, lo, hi, cols,
                                 n_mask, sl, stride_br, stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS)
             if HAS_BIAS:
                 total += tl.load(bias_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + rm[:, None] * stride_ym + cols[None, :], total.to(y_ptr.dtype.element_ty),
                      mask=out_mask)
-            if HAS_LORA:
+            if HAS_LORA and not S_GIVEN:
                 # a base tile counts itself past its wait; the last one resets both counters (relaxed:
                 # the count follows the wait it depends on, and the next call starts after this one ends)
                 if tl.atomic_add(step + 1, 1, sem="relaxed") == b_tiles - 1:
@@ -206,13 +213,16 @@ def _stacked_fused_kernel(
 
 def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, meta: AdapterBatchMeta, rows: int,
                   bias: torch.Tensor | None = None, config: DecodeGemmConfig | None = None,
-                  apart: BaseApart | None = None, shrink: ShrinkTiles | None = None) -> torch.Tensor:
+                  apart: BaseApart | None = None, shrink: ShrinkTiles | None = None, shrink_first: bool = False
+                  ) -> torch.Tensor:
     """x: [T, K] (T <= 64) -> the layer output [T, N]: x @ W.T + each token's own LoRA update
     from pool rows [0, rows) (semantics of stacked_gemm then reference.stacked_expand), one
     launch. B has the LoRA scaling folded in; tokens with slot -1 get the base output. With
     ``apart`` (a buffer of A rows only), W is its weight: an e4m3 one's product is
     fp8_decode_gemm's (W8A8 on the rounded activations, or weight-only). shrink: the shrink
-    tiles' K loop (default: shrink_tiles')."""
+    tiles' K loop (default: shrink_tiles'). shrink_first: the shrink in a decode GEMM launched
+    before instead, and no shrink tiles: the base tiles run their K loop at once (with PDL,
+    beside that launch) and wait for it only before their expand."""
     m, k = x.shape
     n_slices, offs, n_out = lora.num_slices, lora.out_offsets, stacked.n_out
     _check(x, stacked, lora, rows, bias)
@@ -224,7 +234,7 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
     b_tiles = sum(triton.cdiv(offs[s + 1] - offs[s], config.block_n) for s in range(n_slices))
     split = split_for(n_out + a_width, k, config, sms_of(x.device))
     counters = split_counters(x.device)
-    if a_tiles + b_tiles + STEP_COUNTERS > counters.numel():
+    if a_tiles + b_tiles + STEP_COUNTERS > LATE_COUNTERS:  # one launch's counters: within either half
         raise ValueError(f"stacked_fused: {a_tiles + b_tiles} tiles exceed the counters; use wider tiles")
     s = torch.empty(m, max(a_width, 1), dtype=x.dtype, device=x.device)
     partials = torch.empty(split, m, n_out, dtype=torch.float32, device=x.device) if split > 1 else y
@@ -234,6 +244,10 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
     shrink = shrink or shrink_tiles(config, block_m, split, k, x.element_size(), base_x.element_size(),
                                     weight.element_size(), shared_memory_of(x.device))
     partials_a = torch.empty(shrink.split, m, max(a_width, 1), dtype=torch.float32, device=x.device)
+    s_given = shrink_first and rows > 0
+    if s_given:  # after this launch's buffers exist: the launch before it may still run beside it
+        decode_gemm(x, a_rows[:a_width], decode_config(a_width, k), out=s)
+        a_tiles, counters = 0, counters[LATE_COUNTERS:]  # split-K counters apart from that launch's
     _stacked_fused_kernel[(a_tiles * shrink.split + b_tiles * split,)](
         x, weight, y, s, partials, partials_a, counters, lora.b, bias if bias is not None else y, lora.rank,
         lora.row_start, meta.token_slots, base_x, a_rows, y if x_scale is None else x_scale,
@@ -247,7 +261,7 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
         SPLIT_K=split, NUM_STAGES=config.num_stages, CHUNK_ROWS=CHUNK, HAS_LORA=rows > 0,
         ALIGNED=all(o % 16 == 0 for o in offs), SPLIT_A=shrink.split, A_BLOCK_K=shrink.block_k, A_STAGES=shrink.stages,
         BASE_IEEE=base_x.dtype == torch.float32, X_SCALED=int(x_scale is not None),
-        W_SCALED=int(weight_scale is not None), num_warps=config.num_warps,
+        W_SCALED=int(weight_scale is not None), S_GIVEN=int(s_given), num_warps=config.num_warps,
         **pdl_args(x))
     return y
 

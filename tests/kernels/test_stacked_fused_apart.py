@@ -80,13 +80,14 @@ def _to(device, x, apart, weight, scale, lora, bias, slots):
             None if bias is None else bias.to(device), meta)
 
 
-def _run(case, dtype, mode, device, config):
+def _run(case, dtype, mode, device, config, shrink_first=False):
     gen, seed = fresh_generator()
     x, apart, weight, scale, lora, bias, slots, rows = _apart_case(case, dtype, gen, mode)
     ref = _oracle(x, weight, scale, lora, bias, slots, mode)
     x_d, apart, w_d, scale_d, lora_d, bias_d, meta = _to(device, x, apart, weight, scale, lora, bias, slots)
-    y = stacked_fused(x_d, apart, lora_d, meta, rows, bias_d, config, _base(x_d, w_d, scale_d, mode)).cpu()
-    check_close(y, ref, dtype, seed, f"fused apart {mode} {case}")
+    y = stacked_fused(x_d, apart, lora_d, meta, rows, bias_d, config, _base(x_d, w_d, scale_d, mode),
+                      shrink_first=shrink_first).cpu()
+    check_close(y, ref, dtype, seed, f"fused apart {mode} {case} shrink_first={shrink_first}")
 
 
 # every mode in float32 over whole K; split K in float16 for the plain form (the forms differ only
@@ -100,6 +101,15 @@ FORMS = [(torch.float32, 1, m) for m in MODES] + [(torch.float16, 2, "plain")]
 @pytest.mark.parametrize("case", CPU_FUSED, ids=str)
 def test_fused_apart_interpreted(case, dtype, split, mode):
     _run(case, dtype, mode, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=split))
+
+
+@interpreted
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CPU_FUSED[:6], ids=str)
+def test_fused_apart_with_the_shrink_launched_first(case, mode):
+    """shrink_first: the shrink values from a decode GEMM launched before, the fused launch's
+    base tiles only (their split-K counters in the other half), split K."""
+    _run(case, torch.float32, mode, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=2), shrink_first=True)
 
 
 @interpreted
@@ -187,18 +197,22 @@ def test_the_fused_linear_compiles_for_sm_89_and_sm_90():
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("shrink_first", [False, True], ids=["shrink_tiles", "shrink_first"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", GPU_FUSED, ids=str)
-def test_fused_apart_gpu(case, mode):
+def test_fused_apart_gpu(case, mode, shrink_first):
     if mode == "w8a8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("e4m3 dots need sm_89")
     n, k = sum(case[4]), case[3]
-    _run(case, torch.bfloat16, mode, "cuda", decode_config(n, k) if mode == "plain" else fp8_decode_config(n, k))
+    _run(case, torch.bfloat16, mode, "cuda", decode_config(n, k) if mode == "plain" else fp8_decode_config(n, k),
+         shrink_first)
 
 
 @gpu_pdl_modes
-def test_fused_apart_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
-    """Two FP8 fused linears back to back, replayed: PDL on gives PDL off's bits, every replay."""
+@pytest.mark.parametrize("shrink_first", [False, True], ids=["shrink_tiles", "shrink_first"])
+def test_fused_apart_chain_in_a_graph_gives_the_bits_of_pdl_off(mode, shrink_first):
+    """Two FP8 fused linears back to back, replayed: PDL on gives PDL off's bits, every replay
+    (shrink_first: the base tiles run beside the shrink launch and wait for it only late)."""
     gen, seed = fresh_generator()
     case = ("uniform", 64, 8, 4096, (4096,), 16, 0.1, False, "bucket")
     x, apart, q, scale, lora, _, slots, rows = _apart_case(case, torch.bfloat16, gen, "weight_only")
@@ -206,7 +220,7 @@ def test_fused_apart_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
     config = fp8_decode_config(4096, 4096)
 
     def linear(h):
-        return stacked_fused(h, apart, lora, meta, rows, None, config, BaseApart(q, scale))
+        return stacked_fused(h, apart, lora, meta, rows, None, config, BaseApart(q, scale), shrink_first=shrink_first)
 
     outs = pdl_replays(lambda: linear(torch.relu(linear(x))), ("off", mode))
     assert torch.equal(outs["off"], outs[mode]), f"seed {seed}"
