@@ -22,12 +22,15 @@ from tests.kernels.ptx import TARGETS, compile_ptx, mma_count
 
 TILES = {"NUM_SLICES": 3, "HAS_BIAS": False, "IEEE": False, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 256,
          "SPLIT_K": 2, "NUM_STAGES": 4, "CHUNK_ROWS": CHUNK, "HAS_LORA": True, "ALIGNED": True,
-         "BASE_IEEE": False, "USE_PDL": 0}
+         "BASE_IEEE": False, "S_GIVEN": 0, "USE_PDL": 0}
 VARIANTS = {  # name: (constexprs, pointer types that differ from bf16)
     "apart_w8a8": ({**TILES, "X_SCALED": 1, "W_SCALED": 1},
                    {"w_ptr": "*fp8e4nv", "xb_ptr": "*fp8e4nv"}),
     "apart_weight_only": ({**TILES, "X_SCALED": 0, "W_SCALED": 1}, {"w_ptr": "*fp8e4nv"}),
     "plain": ({**TILES, "X_SCALED": 0, "W_SCALED": 0}, {}),  # a bf16 weight, apart or joint: one kernel
+    # the shrink launched first, the base tiles' wait for it (PDL) late
+    "apart_w8a8_shrink_first": ({**TILES, "X_SCALED": 1, "W_SCALED": 1, "S_GIVEN": 1, "USE_PDL": 1},
+                                {"w_ptr": "*fp8e4nv", "xb_ptr": "*fp8e4nv"}),
 }
 FLOAT32 = {"part_ptr", "part_a_ptr", "xs_ptr", "ws_ptr"}
 INT32 = {"count_ptr", "rank_ptr", "row_start_ptr", "slots_ptr"}

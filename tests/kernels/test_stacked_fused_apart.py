@@ -191,7 +191,7 @@ def test_the_fused_linear_compiles_for_sm_89_and_sm_90():
     tiles) and bf16 ones (shrink and expand); weight-only and the bf16 forms none in e4m3."""
     for name, per_target in compiled_counts("tests.kernels.fused_apart_ptx").items():
         for target, found in per_target.items():
-            assert (found["e4m3_mma"] > 0) == (name == "apart_w8a8"), (name, target, found)
+            assert (found["e4m3_mma"] > 0) == name.startswith("apart_w8a8"), (name, target, found)
             assert found["bf16_mma"] > 0, (name, target, found)
 
 
