@@ -164,7 +164,10 @@ def _stacked_fused_kernel(
     if not S_GIVEN:
         pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if A_STAGES > 0:  # an e4m3 base: a K loop (and shared memory) of its own for the shrink tiles
+    if S_GIVEN:  # base tiles only: the (rounded) activations against the weight
+        acc = k_loop(acc, xb_ptr + rm[:, None] * stride_xbm, w_ptr + cols[:, None] * stride_wn, rm, M, n_mask,
+                     k_start, k_end, BLOCK_K, NUM_STAGES, BASE_IEEE)
+    elif A_STAGES > 0:  # an e4m3 base: a K loop (and shared memory) of its own for the shrink tiles
         if is_shrink:
             acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, a_ptr + cols[:, None] * stride_an, rm, M, n_mask,
                          k_start, k_end, A_BLOCK_K, A_STAGES, IEEE)
@@ -241,10 +244,13 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
     c = list(offs[1:]) + [0] * (MAX_SLICES - n_slices)
     a_rows = stacked.a_rows()
     block_m = row_tile(m)
-    shrink = shrink or shrink_tiles(config, block_m, split, k, x.element_size(), base_x.element_size(),
-                                    weight.element_size(), shared_memory_of(x.device))
-    partials_a = torch.empty(shrink.split, m, max(a_width, 1), dtype=torch.float32, device=x.device)
     s_given = shrink_first and rows > 0
+    if s_given:  # no shrink tiles
+        shrink = ShrinkTiles(0, 0, 1)
+    else:
+        shrink = shrink or shrink_tiles(config, block_m, split, k, x.element_size(), base_x.element_size(),
+                                        weight.element_size(), shared_memory_of(x.device))
+    partials_a = torch.empty(shrink.split, m, max(a_width, 1), dtype=torch.float32, device=x.device)
     if s_given:  # after this launch's buffers exist: the launch before it may still run beside it
         decode_gemm(x, a_rows[:a_width], decode_config(a_width, k), out=s)
         a_tiles, counters = 0, counters[LATE_COUNTERS:]  # split-K counters apart from that launch's

@@ -18,11 +18,11 @@ from itertools import product
 
 from adapterserve.kernels.decode_gemm import DecodeGemmConfig, decode_config, fp8_decode_config
 from adapterserve.kernels.stacked_fused import CHUNK, _stacked_fused_kernel, shrink_tiles
-from tests.kernels.ptx import TARGETS, compile_ptx, mma_count
+from tests.kernels.ptx import TARGETS, compile_ptx, mma_count, with_defaults
 
 TILES = {"NUM_SLICES": 3, "HAS_BIAS": False, "IEEE": False, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 256,
          "SPLIT_K": 2, "NUM_STAGES": 4, "CHUNK_ROWS": CHUNK, "HAS_LORA": True, "ALIGNED": True,
-         "BASE_IEEE": False, "S_GIVEN": 0, "USE_PDL": 0}
+         "BASE_IEEE": False, "USE_PDL": 0}
 VARIANTS = {  # name: (constexprs, pointer types that differ from bf16)
     "apart_w8a8": ({**TILES, "X_SCALED": 1, "W_SCALED": 1},
                    {"w_ptr": "*fp8e4nv", "xb_ptr": "*fp8e4nv"}),
@@ -63,7 +63,7 @@ def with_shrink_loop(constexprs: dict, pointers: dict[str, str], capability: int
 
 
 def counts(constexprs: dict, pointers: dict[str, str], capability: int) -> dict[str, int]:
-    constexprs = with_shrink_loop(constexprs, pointers, capability)
+    constexprs = with_defaults(_stacked_fused_kernel, with_shrink_loop(constexprs, pointers, capability))
     ptx = compile_ptx(_stacked_fused_kernel, signature(constexprs, pointers), constexprs, capability)
     return {"e4m3_mma": mma_count(ptx, "e4m3"), "bf16_mma": mma_count(ptx, "bf16")}
 

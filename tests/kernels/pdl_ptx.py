@@ -23,6 +23,7 @@ from adapterserve.kernels import (
     stacked_grouped,
     stacked_tiled,
 )
+from tests.kernels.ptx import with_defaults
 
 INT_POINTERS = {"slots_ptr", "rank_ptr", "row_start_ptr", "sorted_ptr", "tile_slots_ptr", "tile_starts_ptr",
                 "tile_ends_ptr", "slot_starts_ptr", "pos_ptr", "slot_ptr", "count_ptr"}
@@ -55,7 +56,14 @@ KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
     "decode_gemm_w8a8": (decode_gemm._decode_gemm_kernel, {**GEMM, "X_SCALED": 1, "W_SCALED": 1}),
     "stacked_fused": (stacked_fused._stacked_fused_kernel,
                       {**SLICES, **GEMM, "CHUNK_ROWS": 16, "HAS_LORA": True, "ALIGNED": True}),
+    "stacked_fused_shrink_first": (stacked_fused._stacked_fused_kernel,
+                                   {**SLICES, **GEMM, "CHUNK_ROWS": 16, "HAS_LORA": True, "ALIGNED": True,
+                                    "S_GIVEN": 1}),
 }
+# kernels whose K loop runs before their wait: it reads only what the launch before last made
+# (that launch, with PDL, waited for it before letting this one start) and writes only this launch's
+# own buffers, allocated before the launch before it
+LATE_WAIT = {"stacked_fused_shrink_first"}
 FLOAT_SCALARS = {"eps", "fp8_max", "min_scale"}
 E4M3 = "*fp8e4nv"
 QUANT = {"q_ptr": E4M3, "s_ptr": "*fp32"}
@@ -86,7 +94,7 @@ def signature(kernel, constexprs: dict, pointers: dict[str, str] | None = None) 
 
 
 def ptx(kernel, constexprs: dict, use_pdl: int, pointers: dict[str, str] | None = None) -> str:
-    constexprs = {**constexprs, "USE_PDL": use_pdl}
+    constexprs = with_defaults(kernel, {**constexprs, "USE_PDL": use_pdl})
     source = ASTSource(kernel, signature(kernel, constexprs, pointers), constexprs)
     options = {"launch_pdl": True} if use_pdl else {}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]

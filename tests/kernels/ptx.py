@@ -11,6 +11,12 @@ from triton.compiler import ASTSource
 TARGETS = (89, 90)  # the float8 capabilities: Ada and Hopper
 
 
+def with_defaults(kernel, constexprs: dict) -> dict:
+    """The constexprs, with the kernel's defaults for those not given (as a launch compiles them:
+    left out of a signature, they would be typed as runtime scalars)."""
+    return {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **constexprs}
+
+
 def compile_ptx(kernel, signature: dict[str, str], constexprs: dict, capability: int) -> str:
     source = ASTSource(kernel, signature, constexprs)
     return triton.compile(source, target=GPUTarget("cuda", capability, 32)).asm["ptx"]
