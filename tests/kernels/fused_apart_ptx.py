@@ -18,7 +18,7 @@ from itertools import product
 
 from adapterserve.kernels.decode_gemm import DecodeGemmConfig, decode_config, fp8_decode_config
 from adapterserve.kernels.stacked_fused import CHUNK, _stacked_fused_kernel, shrink_tiles
-from tests.kernels.ptx import TARGETS, compile_ptx, mma_count, with_defaults
+from tests.kernels.ptx import TARGETS, compile_ptx, mma_count, signature, with_defaults
 
 TILES = {"NUM_SLICES": 3, "HAS_BIAS": False, "IEEE": False, "BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 256,
          "SPLIT_K": 2, "NUM_STAGES": 4, "CHUNK_ROWS": CHUNK, "HAS_LORA": True, "ALIGNED": True,
@@ -32,39 +32,24 @@ VARIANTS = {  # name: (constexprs, pointer types that differ from bf16)
     "apart_w8a8_shrink_first": ({**TILES, "X_SCALED": 1, "W_SCALED": 1, "S_GIVEN": 1, "USE_PDL": 0},
                                 {"w_ptr": "*fp8e4nv", "xb_ptr": "*fp8e4nv"}),
 }
-FLOAT32 = {"part_ptr", "part_a_ptr", "xs_ptr", "ws_ptr"}
-INT32 = {"count_ptr", "rank_ptr", "row_start_ptr", "slots_ptr"}
-
-
-def signature(constexprs: dict, pointers: dict[str, str]) -> dict[str, str]:
-    types = {}
-    for name in _stacked_fused_kernel.arg_names:
-        if name in constexprs:
-            types[name] = "constexpr"
-        elif not name.endswith("_ptr"):
-            types[name] = "i32"
-        else:
-            types[name] = pointers.get(name, "*fp32" if name in FLOAT32 else "*i32" if name in INT32 else "*bf16")
-    return types
-
-
 SHARED_MEMORY = {89: 101376, 90: 232448}  # bytes a program may use: Ada, Hopper
-K_8B = 4096
+K_8B = 4096  # the variants' K (the 8B's hidden size)
 
 
-def with_shrink_loop(constexprs: dict, pointers: dict[str, str], capability: int) -> dict:
+def with_shrink_loop(constexprs: dict, pointers: dict[str, str], capability: int, k: int) -> dict:
     """The constexprs with the shrink tiles' K loop the launch would choose on this target."""
     config = DecodeGemmConfig(block_n=constexprs["BLOCK_N"], block_k=constexprs["BLOCK_K"],
                               num_stages=constexprs["NUM_STAGES"])
     sizes = [1 if pointers.get(name) == "*fp8e4nv" else 2 for name in ("x_ptr", "xb_ptr", "w_ptr")]
-    shrink = shrink_tiles(config, constexprs["BLOCK_M"], constexprs["SPLIT_K"], K_8B, *sizes,
+    shrink = shrink_tiles(config, constexprs["BLOCK_M"], constexprs["SPLIT_K"], k, *sizes,
                           SHARED_MEMORY[capability])
     return {**constexprs, "SPLIT_A": shrink.split, "A_BLOCK_K": shrink.block_k, "A_STAGES": shrink.stages}
 
 
-def counts(constexprs: dict, pointers: dict[str, str], capability: int) -> dict[str, int]:
-    constexprs = with_defaults(_stacked_fused_kernel, with_shrink_loop(constexprs, pointers, capability))
-    ptx = compile_ptx(_stacked_fused_kernel, signature(constexprs, pointers), constexprs, capability)
+def counts(constexprs: dict, pointers: dict[str, str], capability: int, k: int = K_8B) -> dict[str, int]:
+    constexprs = with_defaults(_stacked_fused_kernel, with_shrink_loop(constexprs, pointers, capability, k))
+    ptx = compile_ptx(_stacked_fused_kernel, signature(_stacked_fused_kernel, constexprs, pointers), constexprs,
+                      capability)
     return {"e4m3_mma": mma_count(ptx, "e4m3"), "bf16_mma": mma_count(ptx, "bf16")}
 
 
@@ -72,7 +57,7 @@ def counts(constexprs: dict, pointers: dict[str, str], capability: int) -> dict[
 PROJECTIONS_8B = {"q|k|v": (3, 6144, 4096), "o": (1, 4096, 4096), "gate|up": (2, 28672, 4096), "down": (1, 4096, 14336)}
 
 
-def engine_8b_forms() -> dict[str, tuple[dict, dict[str, str]]]:
+def engine_8b_forms() -> dict[str, tuple[dict, dict[str, str], int]]:
     """Every apart form an 8B engine's decode steps launch: per projection, row tile, with and
     without rows in use, plain / W8A8 / weight-only, the tiles decode_config and fp8_decode_config pick."""
     forms = {}
@@ -85,14 +70,14 @@ def engine_8b_forms() -> dict[str, tuple[dict, dict[str, str]]]:
         pointers = {"w_ptr": "*fp8e4nv"} if form != "plain" else {}
         if form == "w8a8":
             pointers["xb_ptr"] = "*fp8e4nv"
-        forms[f"{name} m{block_m} {'lora' if has_lora else 'none'} {form}"] = (consts, pointers)
+        forms[f"{name} m{block_m} {'lora' if has_lora else 'none'} {form}"] = (consts, pointers, k)
     return forms
 
 
 def main() -> None:
     if "--engine-8b" in sys.argv:
-        for name, (consts, pointers) in engine_8b_forms().items():
-            print(name, counts(consts, pointers, 90), flush=True)
+        for name, (consts, pointers, k) in engine_8b_forms().items():
+            print(name, counts(consts, pointers, 90, k), flush=True)
         return
     print(json.dumps({name: {str(cc): counts(consts, pointers, cc) for cc in TARGETS}
                       for name, (consts, pointers) in VARIANTS.items()}))

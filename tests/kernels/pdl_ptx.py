@@ -9,10 +9,6 @@ from __future__ import annotations
 import json
 import re
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 from adapterserve.kernels import (
     decode_gemm,
     fp8,
@@ -23,11 +19,8 @@ from adapterserve.kernels import (
     stacked_grouped,
     stacked_tiled,
 )
-from tests.kernels.ptx import with_defaults
+from tests.kernels.ptx import compile_ptx, signature, with_defaults
 
-INT_POINTERS = {"slots_ptr", "rank_ptr", "row_start_ptr", "sorted_ptr", "tile_slots_ptr", "tile_starts_ptr",
-                "tile_ends_ptr", "slot_starts_ptr", "pos_ptr", "slot_ptr", "count_ptr"}
-FLOAT_POINTERS = {"cos_ptr", "sin_ptr", "part_ptr", "part_a_ptr", "xs_ptr", "ws_ptr"}
 GEMM = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2, "NUM_STAGES": 4, "IEEE": False}
 SLICES = {"NUM_SLICES": 3, "HAS_BIAS": False}
 TILED = {"IEEE": False, "BLOCK_M": 16, "BLOCK_N": 128, "CHUNK_ROWS": 16}
@@ -64,7 +57,6 @@ KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
 # (that launch, with PDL, waited for it before letting this one start) and writes only this launch's
 # own buffers, allocated before the launch before it
 LATE_WAIT = {"stacked_fused_shrink_first"}
-FLOAT_SCALARS = {"eps", "fp8_max", "min_scale"}
 E4M3 = "*fp8e4nv"
 QUANT = {"q_ptr": E4M3, "s_ptr": "*fp32"}
 POINTER_TYPES = {  # name: the pointers that are not bf16 / int32 / float32 by their names
@@ -75,29 +67,10 @@ POINTER_TYPES = {  # name: the pointers that are not bf16 / int32 / float32 by t
 }
 
 
-def signature(kernel, constexprs: dict, pointers: dict[str, str] | None = None) -> dict[str, str]:
-    """bf16 tensors, int32 metadata, float32 tables, int32 scalars (FLOAT_SCALARS float32); ``pointers``
-    names others."""
-    types = {}
-    for name in kernel.arg_names:
-        if pointers and name in pointers:
-            types[name] = pointers[name]
-        elif name in constexprs:
-            types[name] = "constexpr"
-        elif name in INT_POINTERS:
-            types[name] = "*i32"
-        elif name in FLOAT_POINTERS:
-            types[name] = "*fp32"
-        else:
-            types[name] = "*bf16" if name.endswith("_ptr") else "fp32" if name in FLOAT_SCALARS else "i32"
-    return types
-
-
 def ptx(kernel, constexprs: dict, use_pdl: int, pointers: dict[str, str] | None = None) -> str:
     constexprs = with_defaults(kernel, {**constexprs, "USE_PDL": use_pdl})
-    source = ASTSource(kernel, signature(kernel, constexprs, pointers), constexprs)
     options = {"launch_pdl": True} if use_pdl else {}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return compile_ptx(kernel, signature(kernel, constexprs, pointers), constexprs, 90, options)
 
 
 def summary(text: str) -> dict:

@@ -17,9 +17,34 @@ def with_defaults(kernel, constexprs: dict) -> dict:
     return {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **constexprs}
 
 
-def compile_ptx(kernel, signature: dict[str, str], constexprs: dict, capability: int) -> str:
+INT_POINTERS = {"slots_ptr", "rank_ptr", "row_start_ptr", "sorted_ptr", "tile_slots_ptr", "tile_starts_ptr",
+                "tile_ends_ptr", "slot_starts_ptr", "pos_ptr", "slot_ptr", "count_ptr"}
+FLOAT_POINTERS = {"cos_ptr", "sin_ptr", "part_ptr", "part_a_ptr", "xs_ptr", "ws_ptr"}
+FLOAT_SCALARS = {"eps", "fp8_max", "min_scale"}
+
+
+def signature(kernel, constexprs: dict, pointers: dict[str, str] | None = None) -> dict[str, str]:
+    """bf16 tensors, int32 metadata, float32 tables, int32 scalars (FLOAT_SCALARS float32); ``pointers``
+    names others."""
+    types = {}
+    for name in kernel.arg_names:
+        if pointers and name in pointers:
+            types[name] = pointers[name]
+        elif name in constexprs:
+            types[name] = "constexpr"
+        elif name in INT_POINTERS:
+            types[name] = "*i32"
+        elif name in FLOAT_POINTERS:
+            types[name] = "*fp32"
+        else:
+            types[name] = "*bf16" if name.endswith("_ptr") else "fp32" if name in FLOAT_SCALARS else "i32"
+    return types
+
+
+def compile_ptx(kernel, signature: dict[str, str], constexprs: dict, capability: int,
+                options: dict | None = None) -> str:
     source = ASTSource(kernel, signature, constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", capability, 32)).asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options).asm["ptx"]
 
 
 def mma_count(ptx: str, operand: str) -> int:

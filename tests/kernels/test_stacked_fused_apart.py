@@ -36,6 +36,7 @@ from .cases import (
     needs_cuda,
     pdl_replays,
 )
+from .fused_apart_ptx import PROJECTIONS_8B, SHARED_MEMORY
 from .test_stacked import _stacked_case, add_update_oracle
 from .test_stacked_fused import CPU_FUSED, GPU_FUSED
 
@@ -132,8 +133,7 @@ def test_no_rows_in_use_gives_the_decode_gemm_bits(mode):
     assert torch.equal(y, plain), f"seed {seed}"
 
 
-HOPPER_SHARED = 232448  # bytes a program may use on sm_90 (Triton's launch check)
-PROJECTIONS_8B = {"q|k|v": (6144, 4096), "o": (4096, 4096), "gate|up": (28672, 4096), "down": (4096, 14336)}
+HOPPER_SHARED = SHARED_MEMORY[90]
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64])
@@ -142,7 +142,7 @@ def test_the_shrink_loop_fits_beside_the_base_loop(projection, block_m):
     """On the 8B's projections: both K loops' pipeline buffers within sm_90's shared memory (two
     loops of the base's tiles asked 294,912 bytes at 64 tokens and could not launch), the
     shrink split a multiple of the base's; one loop for a bf16 weight."""
-    n, k = PROJECTIONS_8B[projection]
+    _, n, k = PROJECTIONS_8B[projection]
     for name, (x_size, base_size, w_size) in {"w8a8": (2, 1, 1), "weight_only": (2, 2, 1)}.items():
         config = fp8_decode_config(n, k)
         for split in (1, 2, 4):
