@@ -10,6 +10,9 @@ FP8 = "fp8"  # float8_e4m3fn linear weights (Llama-family decoders); see EngineC
 FP8_GEMMS = ("auto", "scaled_mm", "w8a8_triton", "weight_only", "decode_w8a8", "decode_weight_only",
              "reference")  # layers.base_gemm's kernels
 LORA_DECODES = ("kernels", "stacked", "fused")  # EngineConfig.lora_decode
+# the fused linear's kernel is compiled for pool-row counts divisible by this (Triton specialises
+# an integer argument on it; kernels/stacked_fused.py), so "fused" pools round their rows up to it
+FUSED_ROW_ALIGN = 16
 STACKED_DECODES = ("stacked", "fused")  # the lora_decode values that keep A rows per linear (kernels/stacked.py)
 DECODE_GEMMS = ("cublas", "triton", "auto")  # EngineConfig.decode_gemm (layers.base_gemm)
 PDL_MODES = ("auto", "off", "early", "exit")  # EngineConfig.pdl (kernels/pdl.py)
@@ -25,7 +28,8 @@ class EngineConfig:
 
     max_loras:        adapter slots on the device (adapters resident at once)
     max_lora_rank:    largest LoRA rank accepted
-    lora_pool_rows:   rank rows per projection pool; default max_loras * max_lora_rank.
+    lora_pool_rows:   rank rows per projection pool; default max_loras * max_lora_rank
+                      (with lora_decode="fused", rounded up to a multiple of 16).
                       An adapter of rank r takes r rows, so smaller ranks leave room
                       for more adapters when slots outnumber what rows allow.
     block_size:       tokens per KV-cache block
@@ -190,4 +194,9 @@ class EngineConfig:
 
     @property
     def pool_rows(self) -> int:
-        return self.lora_pool_rows or self.max_loras * self.max_lora_rank
+        """Rank rows per projection pool; with lora_decode="fused" a multiple of FUSED_ROW_ALIGN
+        (rounded up), so every row bucket the fused linear is launched with is one."""
+        rows = self.lora_pool_rows or self.max_loras * self.max_lora_rank
+        if self.lora_decode == "fused":
+            return -(-rows // FUSED_ROW_ALIGN) * FUSED_ROW_ALIGN
+        return rows

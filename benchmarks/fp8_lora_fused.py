@@ -98,7 +98,7 @@ class Stack:
         first = variant.endswith("shrink first")
         if variant in ("fp8 fused", "fp8 shrink first"):
             return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=p.fp8_config,
-                                 apart=BaseApart(p.q, p.scale, (xq, xs)), shrink=self._shrink(p, x, rows),
+                                 apart=BaseApart(p.q, p.scale, (xq, xs)), shrink=None if first else self._shrink(p, x, rows),
                                  shrink_first=first)
         if variant in ("bf16 fused", "bf16 shrink first"):
             return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=p.bf16_config,

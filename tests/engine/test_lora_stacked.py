@@ -223,6 +223,20 @@ def test_lora_decode_names_the_choices():
         EngineConfig(decode_gemm="cutlass")
 
 
+def test_fused_pools_keep_a_multiple_of_16_rows():
+    """The fused linear's kernel is compiled for row buckets divisible by 16: a "fused" pool rounds
+    its rows up (every bucket row_bucket can make is then one); the other layouts keep theirs."""
+    from adapterserve.config import EngineConfig
+    from adapterserve.kernels.stacked import row_bucket
+
+    fused = EngineConfig(lora_decode="fused", max_loras=3, max_lora_rank=8)
+    assert fused.pool_rows == 32
+    assert EngineConfig(lora_decode="fused", max_lora_rank=16, lora_pool_rows=40).pool_rows == 48
+    assert EngineConfig(lora_decode="kernels", max_loras=3, max_lora_rank=8).pool_rows == 24
+    assert EngineConfig(lora_decode="stacked", max_lora_rank=16, lora_pool_rows=40).pool_rows == 40
+    assert all(row_bucket(high, fused.pool_rows) % 16 == 0 for high in range(1, fused.pool_rows + 1))
+
+
 def _assert_same_outputs(got, want, got_logits, want_logits, device: str) -> None:
     """Tokens identical; each request's last logits within the device's tolerance."""
     assert [o.token_ids for o in got] == [o.token_ids for o in want]

@@ -51,7 +51,7 @@ KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
                       {**SLICES, **GEMM, "CHUNK_ROWS": 16, "HAS_LORA": True, "ALIGNED": True}),
     "stacked_fused_shrink_first": (stacked_fused._stacked_fused_kernel,
                                    {**SLICES, **GEMM, "CHUNK_ROWS": 16, "HAS_LORA": True, "ALIGNED": True,
-                                    "S_GIVEN": 1}),
+                                    "BASE_ONLY": 1}),
 }
 # kernels whose K loop runs before their wait: it reads only what the launch before last made
 # (that launch, with PDL, waited for it before letting this one start) and writes only this launch's

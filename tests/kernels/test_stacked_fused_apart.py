@@ -184,6 +184,9 @@ def test_fused_apart_refuses_what_it_cannot_take():
         stacked_fused(x, apart, lora, meta, rows, apart=BaseApart(q, scale, (xq, x_scale[:-1])))
     with pytest.raises(ValueError, match="share"):
         stacked_fused(x.half(), apart, lora, meta, rows, apart=BaseApart(q, scale))
+    with pytest.raises(ValueError, match="no shrink tiles to size"):
+        stacked_fused(x, apart, lora, meta, rows, apart=BaseApart(q, scale), shrink=ShrinkTiles(128, 3, 8),
+                      shrink_first=True)
 
 
 def test_the_fused_linear_compiles_for_sm_89_and_sm_90():
