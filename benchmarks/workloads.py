@@ -155,9 +155,11 @@ def engine_config(p: Plan, prompts: list[list[int]], virtual: list[int], s: Sett
 
 
 def supports_bottleneck(backbone: Backbone, s: Settings) -> bool:
-    """Whether the engine has a bottleneck-adapter pool (asked of a minimal engine)."""
+    """Whether the engine has a bottleneck-adapter pool (asked of a minimal engine, which runs no
+    request: no warm-up)."""
     config = EngineConfig(device=s.device, dtype=s.dtype, max_loras=1, max_lora_rank=16, num_kv_blocks=4,
-                          max_num_seqs=1, max_num_batched_tokens=64, max_model_len=32, cuda_graphs=False)
+                          max_num_seqs=1, max_num_batched_tokens=64, max_model_len=32, cuda_graphs=False,
+                          warmup=False)
     try:
         engine = backbone.engine(config)
         return any(getattr(pool, "family", None) == "bottleneck" for pool in engine.slots.pools)

@@ -149,8 +149,11 @@ for stage in "$@"; do
           > "$OUT/$(basename "$f" .py).log" 2>&1
         echo "$f: $(grep -E "passed|failed|error" "$OUT/$(basename "$f" .py).log" | tail -1)"
       done ;;
+    projections)  # 1 GPU: the fused linear projection by projection, with and without rows specialised
+      timeout ${STAGE_S:-150} python3 benchmarks/fused_linear_projections.py 2>&1 | tail -12 ;;
     lora8b)  # 1 GPU: the 8B's one-adapter tax, separate kernels against the fused linear, FP8 then bf16
-      for dtype in fp8 bfloat16; do
+      # (each dtype's engines take about 90 s a workload with warm-up: STAGE_S/BUDGET_S for three)
+      for dtype in ${DTYPES:-fp8 bfloat16}; do
         timeout ${STAGE_S:-280} python3 benchmarks/engine_throughput.py --models 8b --dtype $dtype --hf-models '' \
           --budget-s ${BUDGET_S:-230} --workloads ${LORA_WORKLOADS:-base,one,one+fu} --max-tokens ${MAX_TOKENS:-64} \
           --out "$OUT/et8b_${dtype}_lora.md" > "$OUT/lora8b_$dtype.log" 2>&1; tail -10 "$OUT/lora8b_$dtype.log"
