@@ -20,7 +20,10 @@ from adapterserve.server import ports, reaper
 from adapterserve.server.serve_env import local_serve_env
 
 
-CORE_PROCESSES = ("gcs_server", "raylet")  # without them the cluster is gone
+# without them the cluster is gone. The dashboard agent (its command name, cut to 15 characters) ends at
+# once on a signal to the whole process group, where the GCS and raylet outlast a drain's wait; its
+# raylet treats the agent's end as fatal
+CORE_PROCESSES = ("gcs_server", "raylet", "ray::DashboardA")
 
 
 @dataclass
@@ -29,7 +32,7 @@ class LocalRay:
     block: ports.PortBlock | None  # Serve's and HAProxy's ports
     watchdog: subprocess.Popen
     env_keys: list[str] = field(default_factory=list)  # set in os.environ for this Ray
-    core: set[reaper.Process] = field(default_factory=set)  # its GCS and raylet
+    core: set[reaper.Process] = field(default_factory=set)  # its GCS, raylet and dashboard agent
 
     @classmethod
     def start(cls, host: str, user_ports: Mapping[str, int]) -> LocalRay:
