@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -32,7 +33,14 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' @triton.jit runs
 
 from adapterserve.kernels import lora_expand, lora_shrink
-from adapterserve.kernels.decode_gemm import decode_config, decode_gemm, fp8_decode_config, fp8_decode_gemm, split_for
+from adapterserve.kernels.decode_gemm import (
+    DecodeGemmConfig,
+    decode_config,
+    decode_gemm,
+    fp8_decode_config,
+    fp8_decode_gemm,
+    split_for,
+)
 from adapterserve.kernels.fp8 import quantize_rows
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.pdl import set_pdl
@@ -85,7 +93,8 @@ class Stack:
         self.rounded = {k: quantize_rows(x) for k, x in self.x.items()}
         self.workspace = torch.empty(3, tokens, RANK, device=device, dtype=dtype)
         self.side = torch.cuda.Stream() if device == "cuda" else None
-        self.shrink: tuple[int, int, int] | None = None  # fp8 fused's shrink loop: (K chunk, stages, split factor)
+        # fp8 fused's swept loops: (shrink K chunk, shrink stages, shrink split factor, base stages)
+        self.shrink: tuple[int, int, int, int] | None = None
 
     def run(self, variant: str, meta, rows: int) -> torch.Tensor:
         y = None
@@ -97,9 +106,9 @@ class Stack:
         x, (xq, xs) = self.x[p.k], self.rounded[p.k]
         first = variant.endswith("shrink first")
         if variant in ("fp8 fused", "fp8 shrink first"):
-            return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=p.fp8_config,
-                                 apart=BaseApart(p.q, p.scale, (xq, xs)), shrink=None if first else self._shrink(p, x, rows),
-                                 shrink_first=first)
+            shrink = None if first else self._shrink(p, x, rows)
+            return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=self._fp8_config(p),
+                                 apart=BaseApart(p.q, p.scale, (xq, xs)), shrink=shrink, shrink_first=first)
         if variant in ("bf16 fused", "bf16 shrink first"):
             return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=p.bf16_config,
                                  apart=BaseApart(p.weight), shrink_first=first)
@@ -124,9 +133,14 @@ class Stack:
         """The swept shrink loop of this projection (None: the kernel's own choice)."""
         if self.shrink is None:
             return None
-        block_k, stages, factor = self.shrink
+        block_k, stages, factor, _ = self.shrink
         return ShrinkTiles(block_k, stages, factor * split_for(p.n + rows * p.n_slices, p.k, p.fp8_config,
                                                               sms_of(x.device)))
+
+    def _fp8_config(self, p: Projection) -> DecodeGemmConfig:
+        """fp8 fused's base tiles: the projection's, with the swept base stages if any (fewer stages:
+        room in shared memory for two programs a multiprocessor beside the shrink loop)."""
+        return p.fp8_config if self.shrink is None else replace(p.fp8_config, num_stages=self.shrink[3])
 
     def _base(self, p: Projection, bf16: bool) -> torch.Tensor:
         """The base product on our decode GEMM: bf16, or W8A8 on the rounded activations."""
@@ -153,11 +167,12 @@ def measure(stack: Stack, adapters: int, tokens: int, slots: int, device: str, b
     return [str(adapters), str(rows), *cells, f"{floor:.3f}", f"{ms['fp8 fused'] / floor:.2f}", f"{check:.1e}"]
 
 
-SWEEP = [(block_k, stages, factor) for block_k in (64, 128) for stages in (1, 2, 3) for factor in (1, 2, 4)]
+SWEEP = [(block_k, stages, factor, base_stages) for block_k in (64, 128) for stages in (1, 2, 3) for factor in (2, 4)
+         for base_stages in (3, 4)]
 
 
 def sweep(stack: Stack, tokens: int, slots: int, device: str) -> list[list[str]]:
-    """fp8 fused with one adapter per shrink loop of SWEEP (the default first), against fp8 base."""
+    """fp8 fused with one adapter per loop choice of SWEEP (the default first), against fp8 base."""
     meta, rows = step_meta(tokens, 1, slots, device), row_bucket(RANK, slots * RANK)
     base = time_ms(lambda: stack.run("fp8 base", meta, rows), device)
     table = []
@@ -194,7 +209,8 @@ def main() -> None:
           f"copy bandwidth {bw / 1e9:.0f} GB/s; ms per replay of q|k|v, o, gate|up, down (tax over its base):")
     print_table(["adapters", "rows", *[f"{v} ms" for v in VARIANTS], "fp8 floor ms", "fused / floor", "check"], rows)
     if args.sweep:
-        print("\nfp8 fused, one adapter, per shrink loop (K chunk, stages, split factor); tax over fp8 base:")
+        print("\nfp8 fused, one adapter, per loop choice (shrink K chunk, shrink stages, shrink split factor, base "
+              "stages); tax over fp8 base:")
         print_table(["shrink loop", "ms", "tax"], sweep(stack, tokens, slots, device))
 
 

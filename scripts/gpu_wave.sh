@@ -149,6 +149,8 @@ for stage in "$@"; do
           > "$OUT/$(basename "$f" .py).log" 2>&1
         echo "$f: $(grep -E "passed|failed|error" "$OUT/$(basename "$f" .py).log" | tail -1)"
       done ;;
+    fp8sweep)  # 1 GPU: fp8 fused's loop choices with one adapter (shrink loop, base stages: 2 programs a multiprocessor?)
+      timeout ${STAGE_S:-200} python3 benchmarks/fp8_lora_fused.py --sweep 2>&1 | tail -30 ;;
     projections)  # 1 GPU: the fused linear projection by projection, with and without rows specialised
       timeout ${STAGE_S:-150} python3 benchmarks/fused_linear_projections.py 2>&1 | tail -12 ;;
     lora8b)  # 1 GPU: the 8B's one-adapter tax, separate kernels against the fused linear, FP8 then bf16
