@@ -116,7 +116,7 @@ def kill() -> None:
     """End the Ray start() started at once, with every process it runs, without asking Ray
     (for a process about to exit: its Ray connection is left dead)."""
     if _local is not None:
-        _local.kill()
+        _local.kill(at_once=True)
 
 
 @contextmanager

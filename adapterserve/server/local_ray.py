@@ -68,9 +68,10 @@ class LocalRay:
         finally:
             self.kill()
 
-    def kill(self) -> None:
-        """End every process of this Ray at once, without asking Ray; give back its ports and files."""
-        reaper.stop_watchdog(self.watchdog)
+    def kill(self, at_once: bool = False) -> None:
+        """End every process of this Ray without asking Ray (SIGTERM, SIGKILL after a grace, or
+        at_once SIGKILL); give back its ports and files."""
+        reaper.stop_watchdog(self.watchdog, at_once=at_once)
         for key in self.env_keys:
             os.environ.pop(key, None)
         if self.block:

@@ -6,11 +6,13 @@ Ray started (`track`); until it does, the watchdog follows every process the ser
 The watchdog follows the named processes and all they start, looking twice a second, and a
 tracked process stays tracked when its parent dies and it is re-parented (Ray's agents and
 HAProxy outlive their parents that way). When the server closes the watchdog's stdin (a
-clean stop), or exits however it exits (kill -9 too: the pipe closes with it), the watchdog
-ends every tracked process still running, removes the server's files and exits.
+clean stop; after a line "now", a stop at once), or exits however it exits (kill -9 too: the
+pipe closes with it), the watchdog ends every tracked process still running (SIGTERM, then
+SIGKILL after a grace; at once: SIGKILL), removes the server's files and exits.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shutil
@@ -23,6 +25,8 @@ from pathlib import Path
 
 POLL_S = 0.5
 KILL_WAIT_S = 10.0
+GRACE_S = 2.0  # from SIGTERM to SIGKILL at a clean stop
+AT_ONCE = b"now"  # a line that makes the stop SIGKILL at once (a server stopping at once)
 _PROC = Path("/proc")
 
 Process = tuple[int, int]  # (pid, start time in clock ticks since boot): one process, even after pid reuse
@@ -41,17 +45,21 @@ def track(watchdog: subprocess.Popen, processes: Iterable[Process]) -> None:
     watchdog.stdin.flush()
 
 
-def stop_watchdog(watchdog: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    """Let the watchdog end what is left of the tracked processes, and wait until it has."""
+def stop_watchdog(watchdog: subprocess.Popen, timeout_s: float = 30.0, at_once: bool = False) -> None:
+    """Let the watchdog end what is left of the tracked processes, and wait until it has
+    (at_once: SIGKILL with no grace; Ray's GCS and raylet can take their SIGTERM for 10 s and more)."""
     if watchdog.stdin:
-        watchdog.stdin.close()
+        with contextlib.suppress(OSError):  # a watchdog already gone has nothing left to end
+            if at_once:
+                watchdog.stdin.write(AT_ONCE + b"\n")
+            watchdog.stdin.close()
     watchdog.wait(timeout_s)
 
 
 def watch(server_pid: int, files_dir: str) -> None:
     """The watchdog's work: track what stdin names (lines 'PID START') until it closes, then end it all."""
     tracked: set[Process] = set()
-    pending, told = b"", False
+    pending, told, grace_s = b"", False, GRACE_S
     born = _start_ticks(os.getpid())
     while True:
         readable, _, _ = select.select([sys.stdin.fileno()], [], [], POLL_S)
@@ -59,23 +67,27 @@ def watch(server_pid: int, files_dir: str) -> None:
         if data == b"":
             break
         *lines, pending = (pending + (data or b"")).split(b"\n")
-        named = {(int(pid), int(start)) for pid, start in (line.split() for line in lines if line.strip())}
+        if AT_ONCE in lines:
+            grace_s = 0.0
+        named = {(int(pid), int(start)) for pid, start in (line.split() for line in lines
+                                                          if line.strip() and line != AT_ONCE)}
         told |= bool(named)
         if not told:  # Ray is starting: whatever the server starts now is Ray's
             named = {p for p in descendants({server_pid}) if p[1] >= born and p[0] != os.getpid()}
         tracked |= running(tracked | named)
-    ended = end(tracked)
+    ended = end(tracked, grace_s)
     if ended:
         print(f"adapterserve watchdog: ended {len(ended)} processes the server left running", file=sys.stderr)
     shutil.rmtree(files_dir, ignore_errors=True)
 
 
-def end(tracked: Iterable[Process], grace_s: float = 2.0) -> set[Process]:
+def end(tracked: Iterable[Process], grace_s: float = GRACE_S) -> set[Process]:
     """SIGTERM the tracked processes still running and their descendants, SIGKILL those left
-    after `grace_s`; returns them once they are gone."""
+    after `grace_s` (0: SIGKILL alone); returns them once they are gone."""
     tracked = set(tracked)
     ended = running(tracked)
-    _signal(ended, signal.SIGTERM)
+    if grace_s > 0:
+        _signal(ended, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while (left := running(tracked)) and time.monotonic() < deadline:
         time.sleep(0.05)

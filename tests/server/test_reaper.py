@@ -70,6 +70,25 @@ def test_a_clean_stop_ends_the_tracked_tree_and_removes_the_files(tmp_path):
     assert not files.exists()
 
 
+def test_a_stop_at_once_sends_no_sigterm_first(tmp_path):
+    """A server stopping at once (a second signal, Ray gone) has the watchdog SIGKILL what is left:
+    no SIGTERM first, whose grace Ray's GCS and raylet would spend. A clean stop sends it first."""
+    for at_once in (True, False):
+        marker, got_term = _seconds(tmp_path / str(at_once)), tmp_path / f"term-{at_once}"
+        files = tmp_path / f"files-{at_once}"  # the watchdog removes them as it ends
+        files.mkdir()
+        watchdog = reaper.start_watchdog(files)
+        before = reaper.descendants({os.getpid()})
+        tree = subprocess.Popen(["bash", "-c", f"trap 'touch {got_term}' TERM; sleep {marker} & wait; sleep {marker}"])
+        assert _wait_until(lambda: len(_pids_of(marker)) == 1)
+        reaper.track(watchdog, reaper.descendants({os.getpid()}) - before)
+        time.sleep(2 * reaper.POLL_S)  # the watchdog has read the names
+        reaper.stop_watchdog(watchdog, at_once=at_once)
+        assert watchdog.returncode == 0 and _pids_of(marker) == set()
+        tree.wait(5)
+        assert got_term.exists() is not at_once
+
+
 @pytest.mark.parametrize("told", [True, False], ids=["tracked", "killed-before-telling"])
 def test_sigkill_of_the_server_ends_what_it_started(tmp_path, told):
     """A stand-in server: starts a watchdog, then a tree, tells the watchdog (or is killed
