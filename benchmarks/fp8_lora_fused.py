@@ -96,9 +96,10 @@ class Stack:
         # fp8 fused's swept loops: (shrink K chunk, shrink stages, shrink split factor, base stages)
         self.shrink: tuple[int, int, int, int] | None = None
 
-    def run(self, variant: str, meta, rows: int) -> torch.Tensor:
+    def run(self, variant: str, meta, rows: int, projections: list[Projection] | None = None) -> torch.Tensor:
+        """The variant over every projection of the stack (or over `projections`); the last output."""
         y = None
-        for p in self.projections:
+        for p in self.projections if projections is None else projections:
             y = self._projection(p, variant, meta, rows)
         return y
 

@@ -27,46 +27,22 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
 import triton
 
 from adapterserve.kernels import stacked_fused as fused_module
-from adapterserve.kernels.decode_gemm import decode_gemm, fp8_decode_gemm
 from adapterserve.kernels.pdl import set_pdl
 from adapterserve.kernels.stacked import row_bucket
-from adapterserve.kernels.stacked_fused import BaseApart, stacked_fused
 from benchmarks.checkpoints import SHAPES
-from benchmarks.fp8_lora_fused import RANK, Projection, Stack
+from benchmarks.fp8_lora_fused import RANK, Stack
 from benchmarks.fused_update import print_table, step_meta, time_ms
 
 KINDS = ("q|k|v", "o", "gate|up", "down")  # Stack's projection order within a layer
 MAIN_KERNEL = fused_module._stacked_fused_kernel
 UNSPECIALISED = triton.jit(MAIN_KERNEL.fn, do_not_specialize=["M", "rows", "a_tiles"])
-VARIANTS = {  # name: (adapters, kernel, shrink_first)
-    "fused 0": (0, MAIN_KERNEL, False),
-    "fused 0, rows unspecialised": (0, UNSPECIALISED, False),
-    "fused 1": (1, MAIN_KERNEL, False),
-    "fused 1, rows unspecialised": (1, UNSPECIALISED, False),
-    "shrink first 1": (1, MAIN_KERNEL, True),
+VARIANTS = {  # name: (adapters, kernel, Stack's variant without its dtype)
+    "fused 0": (0, MAIN_KERNEL, "fused"),
+    "fused 0, rows unspecialised": (0, UNSPECIALISED, "fused"),
+    "fused 1": (1, MAIN_KERNEL, "fused"),
+    "fused 1, rows unspecialised": (1, UNSPECIALISED, "fused"),
+    "shrink first 1": (1, MAIN_KERNEL, "shrink first"),
 }
-
-
-def base_run(projections: list[Projection], stack: Stack, fp8: bool):
-    def run():
-        for p in projections:
-            x = stack.x[p.k]
-            if fp8:
-                xq, xs = stack.rounded[p.k]
-                fp8_decode_gemm(xq, p.q, p.scale, xs, x.dtype, p.fp8_config)
-            else:
-                decode_gemm(x, p.weight, p.bf16_config)
-    return run
-
-
-def fused_run(projections: list[Projection], stack: Stack, fp8: bool, meta, rows: int, shrink_first: bool):
-    def run():
-        for p in projections:
-            x = stack.x[p.k]
-            apart = BaseApart(p.q, p.scale, stack.rounded[p.k]) if fp8 else BaseApart(p.weight)
-            stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=p.fp8_config if fp8 else p.bf16_config,
-                          apart=apart, shrink_first=shrink_first)
-    return run
 
 
 def timed_with(kernel, run, device: str) -> float:
@@ -83,16 +59,16 @@ def table(stack: Stack, tokens: int, slots: int, device: str, layers: int) -> li
     metas[0].token_slots.fill_(-1)
     rows_of = {0: 0, 1: row_bucket(RANK, slots * RANK)}
     out = []
-    for fp8 in (True, False):
+    for dtype in ("fp8", "bf16"):
         for i, kind in enumerate(KINDS):
             projections = stack.projections[i::len(KINDS)]
-            base = time_ms(base_run(projections, stack, fp8), device)
+            base = time_ms(lambda: stack.run(f"{dtype} base", metas[0], 0, projections), device)
             cells = [f"{base * 1e3 / layers:.1f}"]
-            for adapters, kernel, first in VARIANTS.values():
-                run = fused_run(projections, stack, fp8, metas[adapters], rows_of[adapters], first)
-                ms = timed_with(kernel, run, device)
+            for adapters, kernel, form in VARIANTS.values():
+                meta, rows = metas[adapters], rows_of[adapters]
+                ms = timed_with(kernel, lambda: stack.run(f"{dtype} {form}", meta, rows, projections), device)
                 cells.append(f"{ms * 1e3 / layers:.1f} ({(ms / base - 1) * 100:+.0f}%)")
-            out.append(["fp8" if fp8 else "bf16", kind, *cells])
+            out.append([dtype, kind, *cells])
     return out
 
 
@@ -111,8 +87,8 @@ def main() -> None:
     torch.manual_seed(0)
     stack = Stack(shape, layers, tokens, slots, device, dtype)
     rows = table(stack, tokens, slots, device, layers)
-    print(f"\n{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, rank-{RANK} adapters; us per "
-          "projection (one CUDA graph replay of the 16 of a kind; tax over base):")
+    print(f"\n{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, rank-{RANK} adapters; "
+          "us per projection (one CUDA graph replay of the layers' projections of a kind; tax over base):")
     print_table(["dtype", "projection", "base us", *VARIANTS], rows)
 
 
