@@ -9,7 +9,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 FP8 = "fp8"  # float8_e4m3fn linear weights (Llama-family decoders); see EngineConfig.dtype
 FP8_GEMMS = ("auto", "scaled_mm", "w8a8_triton", "weight_only", "decode_w8a8", "decode_weight_only",
              "reference")  # layers.base_gemm's kernels
-LORA_DECODES = ("kernels", "stacked", "fused")  # EngineConfig.lora_decode
+LORA_DECODES = ("auto", "kernels", "stacked", "fused")  # EngineConfig.lora_decode
+FUSED_MIN_CAPABILITY = 9  # lora_decode="auto" takes "fused" on CUDA devices of this major capability on
 # the fused linear's kernel is compiled for pool-row counts divisible by this (Triton specialises
 # an integer argument on it; kernels/stacked_fused.py), so "fused" pools round their rows up to it
 FUSED_ROW_ALIGN = 16
@@ -29,7 +30,7 @@ class EngineConfig:
     max_loras:        adapter slots on the device (adapters resident at once)
     max_lora_rank:    largest LoRA rank accepted
     lora_pool_rows:   rank rows per projection pool; default max_loras * max_lora_rank
-                      (with lora_decode="fused", rounded up to a multiple of 16).
+                      (when decode steps run the fused linear, rounded up to a multiple of 16).
                       An adapter of rank r takes r rows, so smaller ranks leave room
                       for more adapters when slots outnumber what rows allow.
     block_size:       tokens per KV-cache block
@@ -58,10 +59,12 @@ class EngineConfig:
     lora_decode:      how batches of at most 256 tokens (decode) apply LoRA: "kernels" (base GEMM,
                       then the segmented shrink and expand), "stacked" (A rows stored under
                       the base weight: one GEMM yields base output and shrink, one launch the
-                      expand; not with fp8 weights) or "fused" (A rows kept apart from the
+                      expand; not with fp8 weights), "fused" (A rows kept apart from the
                       weight: a step of at most 64 tokens over at most 2 adapters runs each
                       linear's base product, shrink and expand in one launch,
-                      kernels/stacked_fused.py; other steps run the "kernels" path)
+                      kernels/stacked_fused.py; other steps run the "kernels" path) or "auto"
+                      ("fused" on CUDA devices of sm_90 on, where it measured faster in both
+                      dtypes; "kernels" elsewhere: ``lora_decode_used``)
     decode_gemm:      the base product of decode batches (at most 64 tokens, bf16/fp16/fp32
                       weights, CUDA): "cublas" (torch's F.linear), "triton" (our split-K
                       decode GEMM, kernels/decode_gemm.py, which launches with PDL when that
@@ -115,7 +118,7 @@ class EngineConfig:
     max_staged_bytes: int = 4 << 30
     lora_side_stream: bool = True
     warmup: bool | str = True
-    lora_decode: str = "kernels"
+    lora_decode: str = "auto"
     decode_gemm: str = "cublas"
     pdl: str = "auto"
     kv_cache_dtype: str = "auto"
@@ -193,10 +196,21 @@ class EngineConfig:
         return self.kv_cache_dtype == FP8
 
     @property
+    def lora_decode_used(self) -> str:
+        """lora_decode with "auto" resolved for this config's device."""
+        if self.lora_decode != "auto":
+            return self.lora_decode
+        device = torch.device(self.device)
+        if device.type == "cuda" and torch.cuda.is_available() and \
+                torch.cuda.get_device_capability(device)[0] >= FUSED_MIN_CAPABILITY:
+            return "fused"
+        return "kernels"
+
+    @property
     def pool_rows(self) -> int:
-        """Rank rows per projection pool; with lora_decode="fused" a multiple of FUSED_ROW_ALIGN
-        (rounded up), so every row bucket the fused linear is launched with is one."""
+        """Rank rows per projection pool; where decode steps run the fused linear a multiple of
+        FUSED_ROW_ALIGN (rounded up), so every row bucket it is launched with is one."""
         rows = self.lora_pool_rows or self.max_loras * self.max_lora_rank
-        if self.lora_decode == "fused":
+        if self.lora_decode_used == "fused":
             return -(-rows // FUSED_ROW_ALIGN) * FUSED_ROW_ALIGN
         return rows

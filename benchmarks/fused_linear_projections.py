@@ -11,7 +11,6 @@ projection, with its tax over the plain decode GEMM of the same dtype. Variants:
   fused N         the fused linear over N adapters (0: no pool row in use), as on main
   fused N, rows unspecialised    the same kernel compiled with ``rows`` left unspecialised, as
                   before the nineteenth session (``do_not_specialize``: M, rows, a_tiles)
-  shrink first 1  the shrink in a decode GEMM launched before (stacked_fused's shrink_first)
 """
 from __future__ import annotations
 
@@ -41,7 +40,6 @@ VARIANTS = {  # name: (adapters, kernel, Stack's variant without its dtype)
     "fused 0, rows unspecialised": (0, UNSPECIALISED, "fused"),
     "fused 1": (1, MAIN_KERNEL, "fused"),
     "fused 1, rows unspecialised": (1, UNSPECIALISED, "fused"),
-    "shrink first 1": (1, MAIN_KERNEL, "shrink first"),
 }
 
 

@@ -27,12 +27,13 @@ WORKLOADS = ("base", "one", "uniform8", "distinct", "zipf", "ranks", "families")
 # a workload name may end in a variant suffix: the same requests, an engine option changed
 # (+r64: the pool sized for rank 64, the engine's default, whatever the adapters' ranks;
 # +1s: LoRA shrinks on the compute stream, as before lora_side_stream became the default;
-# +st: decode LoRA through the stacked [W; A] GEMM, lora_decode="stacked"; +fu: lora_decode="fused";
+# +st: decode LoRA through the stacked [W; A] GEMM, lora_decode="stacked"; +fu / +ke: lora_decode "fused" /
+# "kernels" (the default, "auto", is "fused" on sm_90 and later);
 # +dg / +dgt: decode_gemm "auto" / "triton"; with --dtype fp8, +d8 / +dw: fp8_gemm "decode_w8a8" /
 # "decode_weight_only"; +pe / +po: pdl "early" / "off" (the engine's default, "auto", is early for an
 # FP8 backbone on our decode GEMM); +kv8: kv_cache_dtype "fp8"; +ad: decode_attention_dots "input")
 VARIANTS = {"+1s": {"lora_side_stream": False}, "+r64": {"max_lora_rank": 64}, "+st": {"lora_decode": "stacked"},
-            "+fu": {"lora_decode": "fused"}, "+dg": {"decode_gemm": "auto"}, "+dgt": {"decode_gemm": "triton"},
+            "+fu": {"lora_decode": "fused"}, "+ke": {"lora_decode": "kernels"}, "+dg": {"decode_gemm": "auto"}, "+dgt": {"decode_gemm": "triton"},
             "+d8": {"fp8_gemm": "decode_w8a8"}, "+dw": {"fp8_gemm": "decode_weight_only"},
             "+pe": {"pdl": "early"}, "+po": {"pdl": "off"}, "+kv8": {"kv_cache_dtype": "fp8"},
             "+ad": {"decode_attention_dots": "input"}}

@@ -160,6 +160,14 @@ for stage in "$@"; do
           --budget-s ${BUDGET_S:-230} --workloads ${LORA_WORKLOADS:-base,one,one+fu} --max-tokens ${MAX_TOKENS:-64} \
           --out "$OUT/et8b_${dtype}_lora.md" > "$OUT/lora8b_$dtype.log" 2>&1; tail -10 "$OUT/lora8b_$dtype.log"
       done ;;
+    autotests)  # 1 GPU: the fused linear's kernel tests and the engine's GPU tests under lora_decode "auto" (fused)
+      for f in ${AUTO_TESTS:-tests/kernels/test_stacked_fused_apart.py tests/kernels/test_stacked_fused.py \
+               tests/kernels/test_pdl.py tests/engine/test_lora_stacked.py tests/models/test_fp8_lora_fused_gpu.py \
+               tests/engine/test_gpu.py tests/engine/test_warmup_gpu.py}; do
+        timeout ${FILE_S:-120} python3 -m pytest -q -p no:cacheprovider -m gpu "$f" --tb=short -rfE \
+          > "$OUT/$(basename "$f" .py).log" 2>&1
+        echo "$f: $(grep -E "passed|failed|error" "$OUT/$(basename "$f" .py).log" | tail -1)"
+      done ;;
     firstreq)  # 1 GPU: the 8B's first request after ready against steady state, and what the first two paid
       timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --first-request \
         --workloads base --budget-s 120 --out "$OUT/firstreq.md" 2>&1 | grep -E "first request|request:|^    |start-up" | head -40 ;;

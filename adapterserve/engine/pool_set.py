@@ -42,7 +42,7 @@ def build_pools(config: EngineConfig, model: DecoderModel, blocks: BlockManager,
         if with_head else None
     return PoolSet(
         lora=LoraPool(linears, cfg.max_loras, cfg.pool_rows, cfg.max_lora_rank, dtype, device,
-                      stacked=cfg.lora_decode in STACKED_DECODES, fused=cfg.lora_decode == "fused"),
+                      stacked=cfg.lora_decode_used in STACKED_DECODES, fused=cfg.lora_decode_used == "fused"),
         bottleneck=BottleneckPools(list(model.layers), hidden, cfg.max_loras, cfg.max_bottleneck_rank,
                                    cfg.max_num_batched_tokens, dtype, device),
         head=head,

@@ -76,7 +76,7 @@ class EngineShape:
                    tuple(graphs.buckets) if graphs is not None else None,
                    graphs.max_pages if graphs is not None else 0,
                    tuple(engine.lora_pool.row_buckets()), tuple(widths), cfg.max_loras,
-                   cfg.lora_decode == "fused")
+                   cfg.lora_decode_used == "fused")
 
     def rank(self, family: str) -> int:
         return self.lora_rank if family == "lora" else self.bottleneck_rank

@@ -16,9 +16,7 @@ Every kernel with a USE_PDL path keeps three rules:
   the kernel just before writes), and no store;
 - every program reaches ``pdl_wait`` before it exits, early exits included, so a kernel
   completes only after the kernel before it (the later kernels' pre-wait loads rely on it);
-- the next kernel is let launch only after the wait (``pdl_wait`` does both), but in a
-  kernel that waits late by design (``pdl_launch_next`` first, ``pdl_wait_only`` late: the
-  next kernel waits for this one's completion, which comes after this one's own wait).
+- the next kernel is let launch only after the wait (``pdl_wait`` does both).
 """
 from __future__ import annotations
 
@@ -80,19 +78,7 @@ def pdl_args(t: torch.Tensor) -> dict:
 def pdl_wait(USE_PDL: tl.constexpr):
     """Wait for the kernel before to complete (its writes visible), then, in mode 1, let
     the next kernel launch. Nothing when USE_PDL is 0."""
-    pdl_wait_only(USE_PDL)
-    pdl_launch_next(USE_PDL)
-
-
-@triton.jit
-def pdl_wait_only(USE_PDL: tl.constexpr):
-    """Wait for the kernel before to complete, and let no kernel launch (a late wait)."""
     if USE_PDL != 0:
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def pdl_launch_next(USE_PDL: tl.constexpr):
-    """In mode 1, let the next kernel launch now (once every program of this one has)."""
     if USE_PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()

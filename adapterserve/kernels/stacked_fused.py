@@ -35,8 +35,6 @@ from adapterserve.kernels.decode_gemm import (
     FP8,
     MAX_ROWS,
     DecodeGemmConfig,
-    decode_config,
-    decode_gemm,
     k_loop,
     row_tile,
     split_for,
@@ -44,7 +42,7 @@ from adapterserve.kernels.decode_gemm import (
 )
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
-from adapterserve.kernels.pdl import pdl_args, pdl_launch_next, pdl_wait, pdl_wait_only
+from adapterserve.kernels.pdl import pdl_args, pdl_wait
 from adapterserve.kernels.segment_common import MAX_SLICES, slice_group
 from adapterserve.kernels.split_counters import COUNTERS, INDEX_LIMIT, sms_of, split_counters, split_span
 from adapterserve.kernels.stacked import StackedWeight
@@ -59,7 +57,6 @@ from adapterserve.kernels.stacked_tiled import (
 )
 
 STEP_COUNTERS = 2  # shrink tiles done, base tiles done: after the tile counters
-LATE_COUNTERS = COUNTERS // 2  # shrink_first: the base tiles' split-K counters from here on
 
 
 @dataclass(frozen=True)
@@ -148,7 +145,7 @@ def _stacked_fused_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, HAS_LORA: tl.constexpr, ALIGNED: tl.constexpr, SPLIT_A: tl.constexpr = 1,
     A_BLOCK_K: tl.constexpr = 0, A_STAGES: tl.constexpr = 0, BASE_IEEE: tl.constexpr = 0, X_SCALED: tl.constexpr = 0,
-    W_SCALED: tl.constexpr = 0, BASE_ONLY: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
+    W_SCALED: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
     a_width = rows * NUM_SLICES
     is_shrink, tile, pid_k, sl, cols, n_mask = _columns(
@@ -163,12 +160,9 @@ def _stacked_fused_kernel(
         hi = tl.where(is_shrink, lo, hi)  # a shrink tile's columns are no B columns: it reads none
         rr, uses, row_used = _chunk_rows(lo, row0, end, CHUNK_ROWS)
         b_first = _b_rows(b_ptr, rr, row_used & (rr < hi), cols, n_mask, stride_br, stride_bn)
-    if BASE_ONLY and HAS_LORA:  # the launch before makes the shrink values: wait for it only before the expand
-        pdl_launch_next(USE_PDL)
-    else:
-        pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if BASE_ONLY:  # no shrink tiles: the (rounded) activations against the weight
+    if not HAS_LORA:  # no shrink tiles: the (rounded) activations against the weight
         acc = k_loop(acc, xb_ptr + rm[:, None] * stride_xbm, w_ptr + cols[:, None] * stride_wn, rm, M, n_mask,
                      k_start, k_end, BLOCK_K, NUM_STAGES, BASE_IEEE)
     elif A_STAGES > 0:  # an e4m3 base: a K loop (and shared memory) of its own for the shrink tiles
@@ -200,17 +194,14 @@ def _stacked_fused_kernel(
             if W_SCALED:
                 total *= tl.load(ws_ptr + cols, mask=n_mask, other=0.0)[None, :]
             if HAS_LORA:
-                if BASE_ONLY:  # the launch before made the shrink values: wait for it only now
-                    pdl_wait_only(USE_PDL)
-                else:
-                    _wait_for(step, a_tiles)
+                _wait_for(step, a_tiles)
                 total = _expand(total, s_ptr + rm[:, None] * stride_sm, b_ptr, b_first, row0, end, lo, hi, cols,
                                 n_mask, sl, stride_br, stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS)
             if HAS_BIAS:
                 total += tl.load(bias_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + rm[:, None] * stride_ym + cols[None, :], total.to(y_ptr.dtype.element_ty),
                      mask=out_mask)
-            if HAS_LORA and not BASE_ONLY:
+            if HAS_LORA:
                 # a base tile counts itself past its wait; the last one resets both counters (relaxed:
                 # the count follows the wait it depends on, and the next call starts after this one ends)
                 if tl.atomic_add(step + 1, 1, sem="relaxed") == b_tiles - 1:
@@ -220,50 +211,39 @@ def _stacked_fused_kernel(
 
 def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, meta: AdapterBatchMeta, rows: int,
                   bias: torch.Tensor | None = None, config: DecodeGemmConfig | None = None,
-                  apart: BaseApart | None = None, shrink: ShrinkTiles | None = None, shrink_first: bool = False
-                  ) -> torch.Tensor:
+                  apart: BaseApart | None = None, shrink: ShrinkTiles | None = None) -> torch.Tensor:
     """x: [T, K] (T <= 64) -> the layer output [T, N]: x @ W.T + each token's own LoRA update
     from pool rows [0, rows) (semantics of stacked_gemm then reference.stacked_expand), one
     launch. B has the LoRA scaling folded in; tokens with slot -1 get the base output. With
     ``apart`` (a buffer of A rows only), W is its weight: an e4m3 one's product is
     fp8_decode_gemm's (W8A8 on the rounded activations, or weight-only). shrink: the shrink
-    tiles' K loop (default: shrink_tiles'). shrink_first: the shrink in a decode GEMM launched
-    before instead, and no shrink tiles: the base tiles run their K loop at once (with PDL,
-    beside that launch, and let the next kernel launch) and wait for it only before their
-    expand. With rows 0 the launch has base tiles only."""
+    tiles' K loop (default: shrink_tiles'). With rows 0 the launch has base tiles only."""
     m, k = x.shape
     n_slices, offs, n_out = lora.num_slices, lora.out_offsets, stacked.n_out
     _check(x, stacked, lora, rows, bias)
-    if shrink_first and shrink is not None:
-        raise ValueError("stacked_fused: with shrink_first there are no shrink tiles to size; pass one or the other")
     base_x, x_scale, weight, weight_scale = _base_operands(x, stacked, apart)
     config = config or DecodeGemmConfig()
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     a_width = rows * n_slices
-    base_only = shrink_first or rows == 0  # no shrink tiles in this launch
-    a_tiles = 0 if base_only else triton.cdiv(a_width, config.block_n)
+    a_tiles = triton.cdiv(a_width, config.block_n)
     b_tiles = sum(triton.cdiv(offs[s + 1] - offs[s], config.block_n) for s in range(n_slices))
-    split = split_for(n_out + (0 if base_only else a_width), k, config, sms_of(x.device))
-    counters = split_counters(x.device)
-    if a_tiles + b_tiles + STEP_COUNTERS > LATE_COUNTERS:  # one launch's counters: within either half
+    split = split_for(n_out + a_width, k, config, sms_of(x.device))
+    if a_tiles + b_tiles + STEP_COUNTERS > COUNTERS:
         raise ValueError(f"stacked_fused: {a_tiles + b_tiles} tiles exceed the counters; use wider tiles")
     s = torch.empty(m, max(a_width, 1), dtype=x.dtype, device=x.device)
     partials = torch.empty(split, m, n_out, dtype=torch.float32, device=x.device) if split > 1 else y
     c = list(offs[1:]) + [0] * (MAX_SLICES - n_slices)
     a_rows = stacked.a_rows()
     block_m = row_tile(m)
-    if base_only:
+    if rows == 0:  # base tiles only
         shrink, partials_a = ShrinkTiles(0, 0, 1), s  # no program reads partials_a
     else:
         shrink = shrink or shrink_tiles(config, block_m, split, k, x.element_size(), base_x.element_size(),
                                         weight.element_size(), shared_memory_of(x.device))
         partials_a = torch.empty(shrink.split, m, a_width, dtype=torch.float32, device=x.device)
-    if shrink_first and rows > 0:  # after this launch's buffers exist: the launch before it may still run beside it
-        decode_gemm(x, a_rows[:a_width], decode_config(a_width, k), out=s)
-        counters = counters[LATE_COUNTERS:]  # split-K counters apart from that launch's
     _stacked_fused_kernel[(a_tiles * shrink.split + b_tiles * split,)](
-        x, weight, y, s, partials, partials_a, counters, lora.b, bias if bias is not None else y, lora.rank,
-        lora.row_start, meta.token_slots, base_x, a_rows, y if x_scale is None else x_scale,
+        x, weight, y, s, partials, partials_a, split_counters(x.device), lora.b, bias if bias is not None else y,
+        lora.rank, lora.row_start, meta.token_slots, base_x, a_rows, y if x_scale is None else x_scale,
         y if weight_scale is None else weight_scale, m, k, split_span(k, split, config.block_k),
         split_span(k, shrink.split, shrink.block_k or config.block_k), n_out, rows, lora.max_rank, a_tiles, b_tiles,
         *c,
@@ -274,7 +254,7 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
         SPLIT_K=split, NUM_STAGES=config.num_stages, CHUNK_ROWS=CHUNK, HAS_LORA=rows > 0,
         ALIGNED=all(o % 16 == 0 for o in offs), SPLIT_A=shrink.split, A_BLOCK_K=shrink.block_k, A_STAGES=shrink.stages,
         BASE_IEEE=base_x.dtype == torch.float32, X_SCALED=int(x_scale is not None),
-        W_SCALED=int(weight_scale is not None), BASE_ONLY=int(base_only), num_warps=config.num_warps,
+        W_SCALED=int(weight_scale is not None), num_warps=config.num_warps,
         **pdl_args(x))
     return y
 

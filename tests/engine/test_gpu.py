@@ -94,11 +94,11 @@ def test_chunked_prefill_agrees_with_whole_prompts(setup):
     assert same >= 0.9 * len(ids)
 
 
-def _two_engines(setup, option: str, values=(True, False)):
-    """Two bf16 GPU engines differing in one EngineConfig option, every adapter loaded;
-    with mixed-adapter request ids and random prompts."""
+def _two_engines(setup, option: str, values=(True, False), **fixed):
+    """Two bf16 GPU engines differing in one EngineConfig option (``fixed``: others both set),
+    every adapter loaded; with mixed-adapter request ids and random prompts."""
     model_dir, adapters = setup
-    engines = [Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", max_loras=8, **{option: v})
+    engines = [Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", max_loras=8, **fixed, **{option: v})
                for v in values]
     for engine in engines:
         for name, path in adapters.items():
@@ -122,7 +122,7 @@ def test_cuda_graph_decode_matches_eager(setup):
 
 
 def test_lora_side_stream_gives_the_same_tokens_and_logits(setup):
-    engines, ids, prompts = _two_engines(setup, "lora_side_stream")
+    engines, ids, prompts = _two_engines(setup, "lora_side_stream", lora_decode="kernels")  # every step's shrink
     (side_logits, side), (plain_logits, plain) = (_first_step_logits(e, prompts, ids) for e in engines)
     assert engines[0].runner.graphs._graphs, "no decode step ran as a graph"
     assert [o.token_ids for o in side] == [o.token_ids for o in plain]

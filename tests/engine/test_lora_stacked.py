@@ -223,6 +223,23 @@ def test_lora_decode_names_the_choices():
         EngineConfig(decode_gemm="cutlass")
 
 
+def test_auto_lora_decode_fuses_on_hopper_only(monkeypatch):
+    """The default, "auto": the fused linear on CUDA devices of sm_90 on (where it measured faster),
+    the separate kernels elsewhere; a named choice stays what it says."""
+    from adapterserve.config import EngineConfig
+
+    assert EngineConfig().lora_decode == "auto"
+    assert EngineConfig().lora_decode_used == "kernels"  # the CPU
+    assert EngineConfig(max_loras=3, max_lora_rank=8).pool_rows == 24
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, used in {(8, 0): "kernels", (8, 9): "kernels", (9, 0): "fused", (10, 0): "fused"}.items():
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        config = EngineConfig(device="cuda", max_loras=3, max_lora_rank=8)
+        assert (config.lora_decode_used, config.pool_rows) == (used, 32 if used == "fused" else 24), capability
+        assert EngineConfig(device="cuda", lora_decode="kernels").lora_decode_used == "kernels"
+    assert EngineConfig(device="cpu", lora_decode="fused").lora_decode_used == "fused"
+
+
 def test_fused_pools_keep_a_multiple_of_16_rows():
     """The fused linear's kernel is compiled for row buckets divisible by 16: a "fused" pool rounds
     its rows up (every bucket row_bucket can make is then one); the other layouts keep theirs."""

@@ -42,10 +42,10 @@ def setup(tmp_path_factory):
     return model_dir, adapters
 
 
-# the default path; the stacked LoRA layout (graphs per row bucket); the fused linear with our
-# decode GEMM for every base product; a step budget below
+# the separate LoRA kernels; the stacked LoRA layout (graphs per row bucket); the fused linear with our
+# decode GEMM for every base product; the default path (lora_decode "auto") with a step budget below
 # max_num_seqs (decode graphs bounded by the budget, chunked prompts beside decodes)
-CONFIGS = {"kernels": dict(max_num_seqs=16, max_num_batched_tokens=2048),
+CONFIGS = {"kernels": dict(max_num_seqs=16, max_num_batched_tokens=2048, lora_decode="kernels"),
            "stacked": dict(max_num_seqs=16, max_num_batched_tokens=2048, lora_decode="stacked"),
            "fused": dict(max_num_seqs=16, max_num_batched_tokens=2048, lora_decode="fused", decode_gemm="triton"),
            "small-budget": dict(max_num_seqs=64, max_num_batched_tokens=48)}

@@ -28,9 +28,6 @@ VARIANTS = {  # name: (constexprs, pointer types that differ from bf16)
                    {"w_ptr": "*fp8e4nv", "xb_ptr": "*fp8e4nv"}),
     "apart_weight_only": ({**TILES, "X_SCALED": 0, "W_SCALED": 1}, {"w_ptr": "*fp8e4nv"}),
     "plain": ({**TILES, "X_SCALED": 0, "W_SCALED": 0}, {}),  # a bf16 weight, apart or joint: one kernel
-    # the shrink launched first, the base tiles waiting for it only before the expand (no PDL: sm_89 has none)
-    "apart_w8a8_shrink_first": ({**TILES, "X_SCALED": 1, "W_SCALED": 1, "BASE_ONLY": 1, "USE_PDL": 0},
-                                {"w_ptr": "*fp8e4nv", "xb_ptr": "*fp8e4nv"}),
 }
 SHARED_MEMORY = {89: 101376, 90: 232448}  # bytes a program may use: Ada, Hopper
 K_8B = 4096  # the variants' K (the 8B's hidden size)

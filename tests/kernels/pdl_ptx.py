@@ -49,14 +49,7 @@ KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
     "decode_gemm_w8a8": (decode_gemm._decode_gemm_kernel, {**GEMM, "X_SCALED": 1, "W_SCALED": 1}),
     "stacked_fused": (stacked_fused._stacked_fused_kernel,
                       {**SLICES, **GEMM, "CHUNK_ROWS": 16, "HAS_LORA": True, "ALIGNED": True}),
-    "stacked_fused_shrink_first": (stacked_fused._stacked_fused_kernel,
-                                   {**SLICES, **GEMM, "CHUNK_ROWS": 16, "HAS_LORA": True, "ALIGNED": True,
-                                    "BASE_ONLY": 1}),
 }
-# kernels whose K loop runs before their wait: it reads only what the launch before last made
-# (that launch, with PDL, waited for it before letting this one start) and writes only this launch's
-# own buffers, allocated before the launch before it
-LATE_WAIT = {"stacked_fused_shrink_first"}
 E4M3 = "*fp8e4nv"
 QUANT = {"q_ptr": E4M3, "s_ptr": "*fp32"}
 POINTER_TYPES = {  # name: the pointers that are not bf16 / int32 / float32 by their names

@@ -116,17 +116,13 @@ def _ptx_summary() -> dict:
 
 def test_ptx_waits_before_any_store_and_only_with_pdl():
     """USE_PDL 0: no grid dependency op (today's kernel); 1: a wait, then the next kernel
-    let launch; 2: a wait alone. With PDL, no global store before the first wait, but in the
-    kernels that wait late by design (pdl_ptx.LATE_WAIT: their split-K partials and counters)."""
-    from tests.kernels.pdl_ptx import LATE_WAIT
-
+    let launch; 2: a wait alone. With PDL, no global store before the first wait."""
     for name, modes in _ptx_summary().items():
         off, early, at_exit = modes["0"], modes["1"], modes["2"]
         assert off["waits"] == off["launches"] == 0, name
         assert early["waits"] >= 1 and early["launches"] == early["waits"], name
         assert at_exit["waits"] >= 1 and at_exit["launches"] == 0, name
-        late = name in LATE_WAIT
-        assert (early["stores_before_wait"] > 0) == (at_exit["stores_before_wait"] > 0) == late, name
+        assert early["stores_before_wait"] == at_exit["stores_before_wait"] == 0, name
 
 
 class Chain:

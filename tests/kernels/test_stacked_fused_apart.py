@@ -81,14 +81,13 @@ def _to(device, x, apart, weight, scale, lora, bias, slots):
             None if bias is None else bias.to(device), meta)
 
 
-def _run(case, dtype, mode, device, config, shrink_first=False):
+def _run(case, dtype, mode, device, config):
     gen, seed = fresh_generator()
     x, apart, weight, scale, lora, bias, slots, rows = _apart_case(case, dtype, gen, mode)
     ref = _oracle(x, weight, scale, lora, bias, slots, mode)
     x_d, apart, w_d, scale_d, lora_d, bias_d, meta = _to(device, x, apart, weight, scale, lora, bias, slots)
-    y = stacked_fused(x_d, apart, lora_d, meta, rows, bias_d, config, _base(x_d, w_d, scale_d, mode),
-                      shrink_first=shrink_first).cpu()
-    check_close(y, ref, dtype, seed, f"fused apart {mode} {case} shrink_first={shrink_first}")
+    y = stacked_fused(x_d, apart, lora_d, meta, rows, bias_d, config, _base(x_d, w_d, scale_d, mode)).cpu()
+    check_close(y, ref, dtype, seed, f"fused apart {mode} {case}")
 
 
 # every mode in float32 over whole K; split K in float16 for the plain form (the forms differ only
@@ -102,15 +101,6 @@ FORMS = [(torch.float32, 1, m) for m in MODES] + [(torch.float16, 2, "plain")]
 @pytest.mark.parametrize("case", CPU_FUSED, ids=str)
 def test_fused_apart_interpreted(case, dtype, split, mode):
     _run(case, dtype, mode, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=split))
-
-
-@interpreted
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", CPU_FUSED[:6], ids=str)
-def test_fused_apart_with_the_shrink_launched_first(case, mode):
-    """shrink_first: the shrink values from a decode GEMM launched before, the fused launch's
-    base tiles only (their split-K counters in the other half), split K."""
-    _run(case, torch.float32, mode, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=2), shrink_first=True)
 
 
 @interpreted
@@ -184,9 +174,6 @@ def test_fused_apart_refuses_what_it_cannot_take():
         stacked_fused(x, apart, lora, meta, rows, apart=BaseApart(q, scale, (xq, x_scale[:-1])))
     with pytest.raises(ValueError, match="share"):
         stacked_fused(x.half(), apart, lora, meta, rows, apart=BaseApart(q, scale))
-    with pytest.raises(ValueError, match="no shrink tiles to size"):
-        stacked_fused(x, apart, lora, meta, rows, apart=BaseApart(q, scale), shrink=ShrinkTiles(128, 3, 8),
-                      shrink_first=True)
 
 
 def test_the_fused_linear_compiles_for_sm_89_and_sm_90():
@@ -200,22 +187,18 @@ def test_the_fused_linear_compiles_for_sm_89_and_sm_90():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("shrink_first", [False, True], ids=["shrink_tiles", "shrink_first"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", GPU_FUSED, ids=str)
-def test_fused_apart_gpu(case, mode, shrink_first):
+def test_fused_apart_gpu(case, mode):
     if mode == "w8a8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("e4m3 dots need sm_89")
     n, k = sum(case[4]), case[3]
-    _run(case, torch.bfloat16, mode, "cuda", decode_config(n, k) if mode == "plain" else fp8_decode_config(n, k),
-         shrink_first)
+    _run(case, torch.bfloat16, mode, "cuda", decode_config(n, k) if mode == "plain" else fp8_decode_config(n, k))
 
 
 @gpu_pdl_modes
-@pytest.mark.parametrize("shrink_first", [False, True], ids=["shrink_tiles", "shrink_first"])
-def test_fused_apart_chain_in_a_graph_gives_the_bits_of_pdl_off(mode, shrink_first):
-    """Two FP8 fused linears back to back, replayed: PDL on gives PDL off's bits, every replay
-    (shrink_first: the base tiles run beside the shrink launch and wait for it only late)."""
+def test_fused_apart_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
+    """Two FP8 fused linears back to back, replayed: PDL on gives PDL off's bits, every replay."""
     gen, seed = fresh_generator()
     case = ("uniform", 64, 8, 4096, (4096,), 16, 0.1, False, "bucket")
     x, apart, q, scale, lora, _, slots, rows = _apart_case(case, torch.bfloat16, gen, "weight_only")
@@ -223,7 +206,7 @@ def test_fused_apart_chain_in_a_graph_gives_the_bits_of_pdl_off(mode, shrink_fir
     config = fp8_decode_config(4096, 4096)
 
     def linear(h):
-        return stacked_fused(h, apart, lora, meta, rows, None, config, BaseApart(q, scale), shrink_first=shrink_first)
+        return stacked_fused(h, apart, lora, meta, rows, None, config, BaseApart(q, scale))
 
     outs = pdl_replays(lambda: linear(torch.relu(linear(x))), ("off", mode))
     assert torch.equal(outs["off"], outs[mode]), f"seed {seed}"
