@@ -1,11 +1,14 @@
-"""Engine configuration: one frozen dataclass, checked on construction."""
+"""Engine configuration: one frozen dataclass, checked on construction (torch is imported only
+where a value needs it: the server's processes check their settings without it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "float16", "bfloat16")  # torch's names of the activations' dtypes
 FP8 = "fp8"  # float8_e4m3fn linear weights (Llama-family decoders); see EngineConfig.dtype
 FP8_GEMMS = ("auto", "scaled_mm", "w8a8_triton", "weight_only", "decode_w8a8", "decode_weight_only",
              "reference")  # layers.base_gemm's kernels
@@ -182,9 +185,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The activations' dtype (and that of everything but FP8 weights)."""
+        import torch
+
         if self.dtype == FP8:
             return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     @property
     def fp8(self) -> bool:
@@ -200,6 +205,8 @@ class EngineConfig:
         """lora_decode with "auto" resolved for this config's device."""
         if self.lora_decode != "auto":
             return self.lora_decode
+        import torch
+
         device = torch.device(self.device)
         if device.type == "cuda" and torch.cuda.is_available() and \
                 torch.cuda.get_device_capability(device)[0] >= FUSED_MIN_CAPABILITY:

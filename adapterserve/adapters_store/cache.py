@@ -10,14 +10,13 @@ an entry.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Generic, TypeVar
-
-import torch
 
 from adapterserve.adapters_store.records import AdapterVersion
 from adapterserve.errors import CapacityError
@@ -27,6 +26,7 @@ T = TypeVar("T")
 
 def tensor_nbytes(obj: Any) -> int:
     """Bytes of the distinct tensors reachable from `obj` (through containers, dataclasses, attributes)."""
+    torch = sys.modules.get("torch")  # not imported yet: no tensor exists (this module leaves it unimported)
     seen: set[int] = set()
     total = 0
     stack = [obj]
@@ -35,7 +35,7 @@ def tensor_nbytes(obj: Any) -> int:
         if id(x) in seen:
             continue
         seen.add(id(x))
-        if isinstance(x, torch.Tensor):
+        if torch is not None and isinstance(x, torch.Tensor):
             total += x.nbytes
         elif isinstance(x, dict):
             stack += x.values()

@@ -11,14 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from adapterserve.adapters_store.formats.families import Adapter
-from adapterserve.adapters_store.formats.read import AdapterLimits, read_adapter
-from adapterserve.adapters_store.formats.types import BackboneSpec
+from adapterserve.adapters_store.formats.types import AdapterLimits, BackboneSpec
 from adapterserve.adapters_store.servable import ServingRules, check_servable
 from adapterserve.adapters_store.staging import ADAPTER_FILES
 from adapterserve.errors import AdapterError
+
+if TYPE_CHECKING:
+    from adapterserve.adapters_store.formats.families import Adapter
 
 # The files each format consists of (besides a README / LICENSE / model card).
 PEFT_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors"})
@@ -65,6 +66,8 @@ def describe_adapter(adapter: Adapter) -> dict[str, Any]:
 
 def check_fits(path: str | Path, static: Mapping[str, Any], name: str) -> Adapter:
     """Read `path` against one backbone and apply its engine's pool checks; AdapterError if unfit."""
+    from adapterserve.adapters_store.formats.read import read_adapter  # the readers import torch
+
     spec, limits = backbone_spec(static), AdapterLimits(**static["limits"])
     adapter = read_adapter(path, spec, limits, name=name)
     check_servable(adapter, name, ServingRules.from_dict(static["servable"]))

@@ -26,6 +26,7 @@ from adapterserve.server.front.pool import FrontPool
 from adapterserve.server.grpc_services import hold_pending_calls
 from adapterserve.server.ingress import Ingress
 from adapterserve.server.local_handle import LocalHandle
+from adapterserve.server.prompts import start_loading_tokenizer
 from adapterserve.server.replica import EngineReplica
 from adapterserve.server.replica_grpc import start_listener
 from adapterserve.server.replica_grpc_settings import SETTING
@@ -66,6 +67,7 @@ class DirectIngress(Ingress.func_or_class):
     async def __init__(self, config: dict[str, Any], encoder: DeploymentHandle | None = None,
                        metrics_hub: DeploymentHandle | None = None) -> None:
         hold_pending_calls()  # before Serve starts this replica's gRPC server, as the Ingress does
+        start_loading_tokenizer(config["model"])  # the Ingress's, while the engine process starts
         self.engine_replica = await start_engine_replica(config, "model", metrics_hub)
         local = LocalHandle(ENGINE_NAME, self.engine_replica)
         await super().__init__(local, ingress_config(config), encoder, metrics_hub)

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from threading import Thread
 
 from adapterserve.errors import RequestError, RequestTooLarge
 from adapterserve.request_fields import plain_ids
 
 CHARS_PER_TOKEN = 32
+_loading: dict[str, Future] = {}  # model dir -> its tokenizer, loading in a thread of its own
 
 
 @dataclass(frozen=True)
@@ -28,8 +31,28 @@ class PromptLimits:
     max_prompt_chars: int  # a longer text prompt is refused before it is tokenized
 
 
+def start_loading_tokenizer(model_dir: str | Path) -> None:
+    """Begin load_tokenizer(model_dir) in a thread, so that a replica loads it while its engine
+    process starts; the next load_tokenizer of that directory takes the result."""
+    future: Future = Future()
+    _loading[str(model_dir)] = future
+
+    def load() -> None:
+        try:
+            future.set_result(_read_tokenizer(model_dir))
+        except BaseException as exc:  # handed to load_tokenizer
+            future.set_exception(exc)
+
+    Thread(target=load, name="adapterserve-tokenizer", daemon=True).start()
+
+
 def load_tokenizer(model_dir: str | Path):
     """The backbone's tokenizer from its own files (never a download); None if it has none."""
+    future = _loading.pop(str(model_dir), None)
+    return future.result() if future is not None else _read_tokenizer(model_dir)
+
+
+def _read_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer
 
     try:

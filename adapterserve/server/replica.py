@@ -22,16 +22,17 @@ published into the store at start when the config lists them).
 from __future__ import annotations
 
 import asyncio
+import importlib
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from functools import partial
 from pathlib import Path
+from threading import Thread
 from typing import Any
 
 from ray import serve
 
 from adapterserve.adapters_store.cache import HostAdapterCache
-from adapterserve.adapters_store.formats.read import read_adapter
 from adapterserve.adapters_store.records import AdapterVersion
 from adapterserve.adapters_store.servable import check_servable
 from adapterserve.adapters_store.store import open_store
@@ -86,6 +87,8 @@ class EngineReplica:
     async def __init__(self, config: dict[str, Any], role: str = "model", metrics_hub: Any | None = None) -> None:
         path_key, id_key, engine_key, pinned_key = ROLES[role]
         own_process = config["engine_process"]
+        if own_process:  # the engine's facts name a torch dtype: import it while the engine process starts
+            Thread(target=importlib.import_module, args=("torch",), name="adapterserve-torch", daemon=True).start()
         self.engine = EngineSupervisor(partial(start_engine, config[path_key], config[engine_key], own_process),
                                        restartable=own_process, stall_timeout_s=config["stall_timeout_s"],
                                        start_timeout_s=config["engine_start_timeout_s"])
@@ -128,6 +131,8 @@ class EngineReplica:
 
     def _read(self, path):
         """Read and check an adapter as the engine will hold it (the host cache's loader)."""
+        from adapterserve.adapters_store.formats.read import read_adapter  # the readers import torch
+
         facts = self.engine.facts
         adapter = read_adapter(path, facts.backbone_spec, facts.adapter_limits, dtype=facts.host_dtype)
         check_servable(adapter, Path(path).name, facts.serving_rules)

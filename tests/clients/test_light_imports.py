@@ -1,6 +1,7 @@
 """The client side stays light: importing the package, the client or the CLI, and a CLI
 session against a live server, never import the engine's or the server's packages
-(each checked in a fresh interpreter where all of them are installed)."""
+(each checked in a fresh interpreter where all of them are installed). The server's own
+command and app import no model package either: only its engine processes need them."""
 from __future__ import annotations
 
 import json
@@ -25,6 +26,15 @@ def _python(code: str) -> str:
                                     "adapterserve.proto.adapterserve_pb2_grpc"])
 def test_importing_the_client_side_imports_no_heavy_package(module):
     assert json.loads(_python(f"import sys, json, {module}; print(json.dumps({LOADED_HEAVY}))")) == []
+
+
+@pytest.mark.parametrize("module", ["adapterserve.server.serve_command", "adapterserve.server.app"])
+def test_the_server_imports_no_model_package_before_its_engine_runs(module):
+    """`adapterserve serve` starts Ray with no torch or transformers loaded, and every deployment's
+    module imports without them: a replica starts its engine process first, then loads them
+    beside it."""
+    code = f"import sys, json, {module}; print(json.dumps({LOADED_HEAVY}))"
+    assert set(json.loads(_python(code))) <= {"ray", "numpy"}
 
 
 def test_the_engine_names_still_load_on_first_use():

@@ -9,7 +9,14 @@ import pytest
 
 from adapterserve import Engine
 from adapterserve.errors import RequestError, RequestTooLarge
-from adapterserve.server.prompts import CHARS_PER_TOKEN, PromptLimits, limits_of, load_tokenizer, prompt_token_ids
+from adapterserve.server.prompts import (
+    CHARS_PER_TOKEN,
+    PromptLimits,
+    limits_of,
+    load_tokenizer,
+    prompt_token_ids,
+    start_loading_tokenizer,
+)
 
 LIMITS = PromptLimits(vocab_size=512, max_model_len=64, max_prompt_chars=400)
 
@@ -73,3 +80,22 @@ def test_the_default_character_cap_follows_max_model_len():
     static = {"vocab_size": 512, "max_model_len": 1024}
     assert limits_of(static, None) == PromptLimits(512, 1024, CHARS_PER_TOKEN * 1024)
     assert limits_of(static, 5000).max_prompt_chars == 5000
+
+
+def test_a_tokenizer_loaded_meanwhile_is_the_one_load_tokenizer_gives(tiny_model, tmp_path, monkeypatch):
+    """start_loading_tokenizer (a replica while its engine process starts): the next load_tokenizer of
+    that directory takes the thread's result, once; one without tokenizer files still gives None."""
+    from adapterserve.server import prompts
+
+    start_loading_tokenizer(tiny_model)
+    start_loading_tokenizer(tmp_path)
+    for path in (tiny_model, tmp_path):
+        prompts._loading[str(path)].exception(timeout=120)  # both threads done before the reader is replaced
+    reads = []
+    monkeypatch.setattr(prompts, "_read_tokenizer", lambda path: reads.append(path))
+    loaded = load_tokenizer(tiny_model)  # the thread's: no read here
+    assert reads == [] and loaded.encode("hello there") == Engine.from_pretrained(tiny_model).tokenizer.encode(
+        "hello there")
+    assert load_tokenizer(tmp_path) is None and reads == []
+    load_tokenizer(tiny_model)  # taken once: a later call reads again
+    assert reads == [tiny_model]

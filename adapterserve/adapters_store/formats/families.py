@@ -7,8 +7,10 @@ classification head. Readers produce these; the engine places them in slots.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from adapterserve.adapters_store.formats.types import ClassifierHead, LoraAdapter
 

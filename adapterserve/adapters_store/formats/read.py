@@ -1,7 +1,6 @@
 """One entry point for every adapter format: picks the reader from the config."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,17 +13,10 @@ from adapterserve.adapters_store.formats.peft_prompt import (
     PROMPT_TYPES,
     read_peft_prompt,
 )
-from adapterserve.adapters_store.formats.types import BackboneSpec
+from adapterserve.adapters_store.formats.types import AdapterLimits, BackboneSpec
 from adapterserve.errors import AdapterError
 
 PEFT_TYPES = ("LORA", "IA3", *PROMPT_TYPES)
-
-
-@dataclass(frozen=True)
-class AdapterLimits:
-    max_lora_rank: int = 64
-    max_virtual_tokens: int = 64
-    max_bottleneck_rank: int = 64
 
 
 def read_adapter(path: str | Path, spec: BackboneSpec, limits: AdapterLimits, *, name: str | None = None,

@@ -5,11 +5,22 @@ Readers turn files (PEFT, AdapterHub) into these; the engine never sees files.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Projections of a Llama-family decoder layer that LoRA may target.
 DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class AdapterLimits:
+    """The largest adapters the served pools take (formats/read.py checks them)."""
+
+    max_lora_rank: int = 64
+    max_virtual_tokens: int = 64
+    max_bottleneck_rank: int = 64
 
 
 @dataclass(frozen=True)

@@ -14,3 +14,5 @@ pool) in lockstep.
 
 docs/tensor_parallel.md has the design and its reasons.
 """
+
+RAY_CPU_PER_WORKER = 0.01  # a CPU worker's bundle (Ray refuses empty ones): a sliver, not a core

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection, Listener
 import torch
 
 from adapterserve.config import EngineConfig
+from adapterserve.engine.tp import RAY_CPU_PER_WORKER
 from adapterserve.engine.tp.group import (COLLECTIVE_TIMEOUT_S, check_devices, free_port, join_group,
                                           step_all_reduce_bytes)
 from adapterserve.engine.tp.lockstep import Lockstep, WorkerLink
@@ -31,7 +32,6 @@ from adapterserve.errors import EngineBroken
 
 log = logging.getLogger("adapterserve.engine")
 
-RAY_CPU_PER_WORKER = 0.01  # a CPU worker's bundle (Ray refuses empty ones): a sliver, not a core
 _KILLED_WAIT_S = 10.0  # for a worker process to end after SIGKILL
 
 

@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from adapterserve.errors import EngineBroken
 
 
@@ -33,7 +31,9 @@ class EncoderCalls:
         self._started[key] = time.monotonic()
         try:
             return await asyncio.to_thread(call, *args)
-        except torch.AcceleratorError as exc:
+        except Exception as exc:
+            if not _on_the_device(exc):
+                raise
             self.broken = f"{type(exc).__name__}: {exc}"
             raise EngineBroken(f"the encoder failed a call on its device and serves no more requests "
                                f"({self.broken}); retry: its engine is being restarted") from exc
@@ -49,3 +49,10 @@ class EncoderCalls:
         """How long the oldest running call has run (0.0 when none runs)."""
         started = list(self._started.values())
         return time.monotonic() - min(started) if started else 0.0
+
+
+def _on_the_device(exc: Exception) -> bool:
+    """Whether exc is an accelerator error (torch is loaded: the encoder runs in this process)."""
+    import torch
+
+    return isinstance(exc, torch.AcceleratorError)

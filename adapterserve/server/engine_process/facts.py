@@ -3,13 +3,13 @@ at start, and the current load, read on demand (by RPC when the engine is elsewh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from adapterserve.adapters_store.formats.read import AdapterLimits
-from adapterserve.adapters_store.formats.types import BackboneSpec
+from adapterserve.adapters_store.formats.types import AdapterLimits, BackboneSpec
 from adapterserve.adapters_store.servable import ServingRules
-from adapterserve.engine.encoder_engine import EncoderEngine
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class EngineFacts:
 
     @classmethod
     def of(cls, engine) -> EngineFacts:
+        from adapterserve.engine.encoder_engine import EncoderEngine  # where the engine runs
+
         encoder = isinstance(engine, EncoderEngine)
         return cls(
             engine.backbone_spec, engine.adapter_limits, encoder, engine.model_config.vocab_size,

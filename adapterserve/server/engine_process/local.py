@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from adapterserve.adapters_store.formats.families import Adapter
-from adapterserve.engine.engine import Engine, Prompt
+from adapterserve.engine.async_front import Prompt
 from adapterserve.engine.request import ClassifyOutput, EmbedOutput, Request, RequestOutput, RequestTimes
 from adapterserve.engine.sampling_params import SamplingParams
 from adapterserve.errors import AdapterNotFound
@@ -34,6 +34,8 @@ class LocalEngine:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, engine_kwargs: Mapping[str, Any] | None = None) -> LocalEngine:
+        from adapterserve.engine.engine import Engine  # torch and the model code: only where it runs
+
         return cls(Engine.from_pretrained(model_dir, **dict(engine_kwargs or {})))
 
     def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, adapter_id: str | None = None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from adapterserve.engine.tp.launch import RAY_CPU_PER_WORKER, RayPlacement
+from adapterserve.engine.tp import RAY_CPU_PER_WORKER
 
 
 def tensor_parallel_size(engine_kwargs: Mapping[str, Any]) -> int:
@@ -34,5 +34,7 @@ def child_placement(engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     replica's cluster and placement group, where the child's workers go ({} otherwise)."""
     if tensor_parallel_size(engine_kwargs) <= 1:
         return {}
+    from adapterserve.engine.tp.launch import RayPlacement  # torch: only a tensor-parallel replica needs it
+
     placement = RayPlacement.of_this_actor()
     return {"placement": placement} if placement is not None else {}
