@@ -8,6 +8,17 @@ set -u
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+
+# each file's tests ($3...) in a pytest of its own, marked $2 (e.g. "-m gpu"), at most FILE_S seconds
+# (default $1); its log in $OUT, its summary line here
+test_files() {
+  local limit=${FILE_S:-$1} mark=$2 f; shift 2
+  for f in "$@"; do
+    timeout "$limit" python3 -m pytest -q -p no:cacheprovider $mark "$f" --tb=short -rfE \
+      > "$OUT/$(basename "$f" .py).log" 2>&1
+    echo "$f: $(grep -E "passed|failed|error" "$OUT/$(basename "$f" .py).log" | tail -1)"
+  done
+}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
@@ -97,12 +108,8 @@ for stage in "$@"; do
     fp8dec)  # 1 GPU: FP8 on our decode GEMM against the engine's FP8 kernels (its GPU tests: the fp8tests stage)
       timeout ${BENCH_S:-240} python3 benchmarks/fp8_decode_gemm.py 2>&1 | tail -48 ;;
     fp8tests)  # 1 GPU: the FP8 decode GEMM's and PDL kernel tests, then the FP8 engine tests; a log per file in $OUT
-      for f in tests/kernels/test_fp8_decode_gemm.py tests/kernels/test_pdl.py tests/models/test_fp8_kernels.py \
-               tests/models/test_fp8_gpu.py; do
-        timeout ${FILE_S:-240} python3 -m pytest -q -p no:cacheprovider -m gpu "$f" --tb=short -rfE \
-          > "$OUT/$(basename "$f" .py).log" 2>&1
-        echo "$f: $(grep -E "passed|failed|error" "$OUT/$(basename "$f" .py).log" | tail -1)"
-      done ;;
+      test_files 240 "-m gpu" tests/kernels/test_fp8_decode_gemm.py tests/kernels/test_pdl.py \
+        tests/models/test_fp8_kernels.py tests/models/test_fp8_gpu.py ;;
     engine8b) python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 480 \
                 --first-request --workloads base,one,one+st,uniform8,uniform8+st,distinct,distinct+st,zipf,families --out "$OUT/et8b.md" 2>&1 | tail -25 ;;
     fp8engine)  # the 8B in FP8 (FP8_WORKLOADS), then bf16 base; logs in $OUT as they grow (a timeout keeps them)
@@ -120,35 +127,20 @@ for stage in "$@"; do
         --workloads ${ATTN_WORKLOADS:-base,base+ad,base+kv8,base+kv8+ad} --max-tokens ${MAX_TOKENS:-64} \
         --out "$OUT/et8b_attn.md" > "$OUT/attnengine.log" 2>&1; tail -12 "$OUT/attnengine.log" ;;
     newtests)  # 1 GPU: the sixteenth session's GPU tests not yet run there (a log per file in $OUT)
-      for f in tests/engine/test_pdl_engine_gpu.py tests/engine/test_attention_dots_gpu.py tests/kernels/test_attention.py \
-               tests/kernels/test_kv_fp8.py tests/engine/test_kv_fp8_gpu.py; do
-        timeout ${FILE_S:-110} python3 -m pytest -q -p no:cacheprovider "$f" --tb=short -rfE \
-          > "$OUT/$(basename "$f" .py).log" 2>&1
-        echo "$f: $(grep -E "passed|failed|error" "$OUT/$(basename "$f" .py).log" | tail -1)"
-      done ;;
+      test_files 110 "" tests/engine/test_pdl_engine_gpu.py tests/engine/test_attention_dots_gpu.py \
+        tests/kernels/test_attention.py tests/kernels/test_kv_fp8.py tests/engine/test_kv_fp8_gpu.py ;;
     kvfp8)  # 1 GPU: the FP8 KV cache's GPU tests (logs in $OUT), then the 8B with and without it
-      for f in tests/kernels/test_kv_fp8.py tests/engine/test_kv_fp8_gpu.py; do
-        timeout ${FILE_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu "$f" --tb=short -rfE \
-          > "$OUT/$(basename "$f" .py).log" 2>&1
-        echo "$f: $(grep -E "passed|failed|error" "$OUT/$(basename "$f" .py).log" | tail -1)"
-      done
+      test_files 150 "-m gpu" tests/kernels/test_kv_fp8.py tests/engine/test_kv_fp8_gpu.py
       timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 280 \
         --workloads ${KV_WORKLOADS:-base,base+kv8,distinct,distinct+kv8} --max-tokens ${MAX_TOKENS:-128} \
         --out "$OUT/et8b_kv8.md" > "$OUT/kvfp8.log" 2>&1; tail -14 "$OUT/kvfp8.log" ;;
-    fp8lora)  # 1 GPU: the fused LoRA linear (shrink tiles, shrink first): GPU tests, the stack table (both dtypes)
-      for f in tests/kernels/test_stacked_fused_apart.py tests/models/test_fp8_lora_fused_gpu.py; do
-        timeout ${FILE_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu "$f" --tb=short -rfE \
-          > "$OUT/$(basename "$f" .py).log" 2>&1
-        echo "$f: $(grep -E "passed|failed|error" "$OUT/$(basename "$f" .py).log" | tail -1)"
-      done
+    fp8lora)  # 1 GPU: the fused LoRA linear with A rows apart: GPU tests, the stack table (both dtypes)
+      test_files 150 "-m gpu" tests/kernels/test_stacked_fused_apart.py tests/models/test_fp8_lora_fused_gpu.py
       timeout ${BENCH_S:-220} python3 benchmarks/fp8_lora_fused.py > "$OUT/fp8_lora_fused.log" 2>&1
       tail -9 "$OUT/fp8_lora_fused.log" ;;
     bf16lora)  # 1 GPU: the fused LoRA linear with A rows apart on bf16: its GPU tests
-      for f in tests/engine/test_lora_stacked.py tests/kernels/test_stacked_fused.py tests/engine/test_warmup_gpu.py; do
-        timeout ${FILE_S:-120} python3 -m pytest -q -p no:cacheprovider -m gpu "$f" --tb=short -rfE \
-          > "$OUT/$(basename "$f" .py).log" 2>&1
-        echo "$f: $(grep -E "passed|failed|error" "$OUT/$(basename "$f" .py).log" | tail -1)"
-      done ;;
+      test_files 120 "-m gpu" tests/engine/test_lora_stacked.py tests/kernels/test_stacked_fused.py \
+        tests/engine/test_warmup_gpu.py ;;
     fp8sweep)  # 1 GPU: fp8 fused's loop choices with one adapter (shrink loop, base stages: 2 programs a multiprocessor?)
       timeout ${STAGE_S:-200} python3 benchmarks/fp8_lora_fused.py --sweep 2>&1 | tail -30 ;;
     projections)  # 1 GPU: the fused linear projection by projection, with and without rows specialised
@@ -161,13 +153,9 @@ for stage in "$@"; do
           --out "$OUT/et8b_${dtype}_lora.md" > "$OUT/lora8b_$dtype.log" 2>&1; tail -10 "$OUT/lora8b_$dtype.log"
       done ;;
     autotests)  # 1 GPU: the fused linear's kernel tests and the engine's GPU tests under lora_decode "auto" (fused)
-      for f in ${AUTO_TESTS:-tests/kernels/test_stacked_fused_apart.py tests/kernels/test_stacked_fused.py \
-               tests/kernels/test_pdl.py tests/engine/test_lora_stacked.py tests/models/test_fp8_lora_fused_gpu.py \
-               tests/engine/test_gpu.py tests/engine/test_warmup_gpu.py}; do
-        timeout ${FILE_S:-120} python3 -m pytest -q -p no:cacheprovider -m gpu "$f" --tb=short -rfE \
-          > "$OUT/$(basename "$f" .py).log" 2>&1
-        echo "$f: $(grep -E "passed|failed|error" "$OUT/$(basename "$f" .py).log" | tail -1)"
-      done ;;
+      test_files 120 "-m gpu" ${AUTO_TESTS:-tests/kernels/test_stacked_fused_apart.py tests/kernels/test_stacked_fused.py \
+        tests/kernels/test_pdl.py tests/engine/test_lora_stacked.py tests/models/test_fp8_lora_fused_gpu.py \
+        tests/engine/test_gpu.py tests/engine/test_warmup_gpu.py} ;;
     firstreq)  # 1 GPU: the 8B's first request after ready against steady state, and what the first two paid
       timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --first-request \
         --workloads base --budget-s 120 --out "$OUT/firstreq.md" 2>&1 | grep -E "first request|request:|^    |start-up" | head -40 ;;
