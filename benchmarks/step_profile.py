@@ -118,9 +118,9 @@ def kernel_profile(engine: Engine, batch: int, adapters: list[str | None], steps
     return {name: (us / steps, n / steps) for name, (us, n) in table.items()}
 
 
-def _print_kernels(rows: dict[str, dict[str, tuple]], top: int) -> None:
+def _print_kernels(rows: dict[str, dict[str, tuple]], top: int, title: str) -> None:
     names = sorted({n for row in rows.values() for n in row}, key=lambda n: -max(r.get(n, (0, 0))[0] for r in rows.values()))
-    print(f"\n{torch.cuda.get_device_name()}; us per decode step (launches per step) of each kernel")
+    print(f"\n{torch.cuda.get_device_name()}; {title}; us per decode step (launches per step) of each kernel")
     print(f"{'kernel':<62}" + "".join(f"{w:>22}" for w in rows))
     for name in names[:top]:
         cells = [row.get(name, (0.0, 0)) for row in rows.values()]
@@ -135,30 +135,42 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kernels", action="store_true", help="per-kernel GPU time per step (torch.profiler)")
     parser.add_argument("--top", type=int, default=30, help="kernels listed with --kernels")
+    parser.add_argument("--in-graphs", action="store_true",
+                        help="with --kernels: trace the graph replays' kernels (where CUPTI records them), "
+                             "not eager steps")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "fp8"], help="the engine's dtype")
+    parser.add_argument("--workloads", default="base,one,distinct,ranks",
+                        help="of base, one (one shared LoRA), distinct (a LoRA a row), ranks (--kernels only)")
+    parser.add_argument("--pdl", default="auto", choices=["auto", "off", "early", "exit"],
+                        help="programmatic dependent launch: with it, a kernel's traced time includes its wait")
     args = parser.parse_args()
+    chosen = args.workloads.split(",")
     shape = SHAPES[args.model]
     path = write_random_checkpoint(shape, scratch_dir(shape.checkpoint_bytes()), "cuda")
-    # kernels in a graph replay are not traced one by one: --kernels runs the same kernels eagerly
+    # --kernels runs the same kernels eagerly unless --in-graphs (older CUPTI does not trace a replay's kernels)
     ranks = (8, 16, 64)
-    ranked = args.batch if args.kernels else 0  # adapters of mixed rank for the "ranks" workload
-    engine = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", max_loras=args.batch + ranked,
+    ranked = args.batch if args.kernels and "ranks" in chosen else 0  # adapters of mixed rank ("ranks")
+    engine = Engine.from_pretrained(path, device="cuda", dtype=args.dtype, max_loras=args.batch + ranked,
                                     lora_pool_rows=args.batch * 16 + ranked * 32, max_num_seqs=args.batch,
-                                    num_kv_blocks=args.batch * 40, max_model_len=640, cuda_graphs=not args.kernels)
-    ids = [f"a{i}" for i in range(args.batch)]
+                                    num_kv_blocks=args.batch * 40, max_model_len=640,
+                                    cuda_graphs=not args.kernels or args.in_graphs, warmup=False, pdl=args.pdl)
+    ids = [f"a{i}" for i in range(args.batch if "distinct" in chosen else 1)]
     for i, name in enumerate(ids):
         engine.add_adapter(name, _adapter(engine, i))
     workloads = {"base": [None], "one LoRA r16": ids[:1], f"{args.batch} distinct LoRA r16": ids}
+    workloads = {name: a for (name, a), key in zip(workloads.items(), ("base", "one", "distinct")) if key in chosen}
     if ranked:
         mixed = [f"m{i}" for i in range(ranked)]
         for i, name in enumerate(mixed):
             engine.add_adapter(name, _adapter(engine, 1000 + i, ranks[i % len(ranks)]))
         workloads[f"{ranked} ranks 8/16/64"] = mixed
     if args.kernels:
-        _print_kernels({w: kernel_profile(engine, args.batch, a, args.steps) for w, a in workloads.items()}, args.top)
+        _print_kernels({w: kernel_profile(engine, args.batch, a, args.steps) for w, a in workloads.items()},
+                       args.top, f"{args.dtype}, PDL {args.pdl}")
         return
     rows = {w: profile(engine, args.batch, a, args.steps) for w, a in workloads.items()}
     cols = list(next(iter(rows.values())))
-    print(f"\n{torch.cuda.get_device_name()}; {args.model}; batch {args.batch}; median ms per decode step")
+    print(f"\n{torch.cuda.get_device_name()}; {args.model}; {args.dtype}; batch {args.batch}; median ms per decode step")
     print(f"{'workload':<24}" + "".join(f"{c:>12}" for c in cols))
     for name, row in rows.items():
         print(f"{name:<24}" + "".join(f"{row[c]:>12.2f}" for c in cols))

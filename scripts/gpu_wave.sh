@@ -159,6 +159,19 @@ for stage in "$@"; do
     firstreq)  # 1 GPU: the 8B's first request after ready against steady state, and what the first two paid
       timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --first-request \
         --workloads base --budget-s 120 --out "$OUT/firstreq.md" 2>&1 | grep -E "first request|request:|^    |start-up" | head -40 ;;
+    profile)  # 1 GPU: each kernel's time in the 8B's decode step (B=64), graph replays traced, per dtype (DTYPES);
+      # PDL=off: each kernel's own time (with PDL a kernel's time includes its wait for the one before)
+      for dtype in ${DTYPES:-bfloat16 fp8}; do
+        timeout ${STAGE_S:-200} python3 benchmarks/step_profile.py --kernels --in-graphs --dtype $dtype \
+          --workloads ${PROFILE_WORKLOADS:-base,one} --steps 20 --top ${TOP:-24} --pdl ${PDL:-auto} \
+          > "$OUT/profile_${dtype}_${PDL:-auto}.log" 2>&1
+        tail -$((${TOP:-24} + 3)) "$OUT/profile_${dtype}_${PDL:-auto}.log"
+      done ;;
+    rowops)  # 1 GPU: the FP8 quantizing row ops in one pass: their GPU tests, against the row loops, then the
+      # 8B's FP8 step traced (PDL off: each kernel's own time)
+      test_files 120 "" tests/models/test_fp8_fused.py tests/models/test_fp8_kernels.py tests/kernels/test_pdl.py
+      timeout ${BENCH_S:-120} python3 benchmarks/fp8_row_ops.py 2>&1 | tail -10
+      PDL=off DTYPES=fp8 PROFILE_WORKLOADS=base TOP=12 bash "$0" profile ;;
     prefix) python3 benchmarks/prefix_cache.py --model 1b 2>&1 | tail -25 ;;
     quality) python3 benchmarks/fp8_quality.py --shape 8b 2>&1 | tail -20 ;;
     *) echo "unknown stage $stage" ;;

@@ -31,34 +31,64 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return (h / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+# the widest row one program holds in registers (one pass: read once, each value kept); at
+# 16 warps, 32 values a thread. Wider rows loop over blocks, twice (absmax, then quantize).
+ONE_PASS_MAX = 16384
+LOOP_BLOCK = 2048
+
+
+def row_launch(n: int, block: int | None = None) -> dict:
+    """A row kernel's BLOCK, ONE_PASS and num_warps for rows of ``n`` values (``block``:
+    loop over blocks of that many, for tests and benchmarks)."""
+    if block is None:
+        block = triton.next_power_of_2(n) if n <= ONE_PASS_MAX else LOOP_BLOCK
+    return {"BLOCK": block, "ONE_PASS": block >= n, "num_warps": max(4, min(16, block // 1024))}
+
+
+@triton.jit
+def store_quantized_row(y, q_ptr, s_ptr, row, stride_q, cols, mask, fp8_max, min_scale):
+    """Quantize one row held whole in registers (y: its values, masked to ``mask``)."""
+    h = y.to(tl.float32)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.where(mask, tl.abs(h), 0.0), axis=0), fp8_max), min_scale)
+    tl.store(s_ptr + row, scale)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale), -fp8_max), fp8_max)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, n, fp8_max, min_scale, BLOCK: tl.constexpr,
-                          USE_PDL: tl.constexpr = 0):
+                          ONE_PASS: tl.constexpr = 0, USE_PDL: tl.constexpr = 0):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     pdl_wait(USE_PDL)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n, BLOCK):
-        mask = start + cols < n
-        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), fp8_max), min_scale)
-    tl.store(s_ptr + row, scale)
-    for start in range(0, n, BLOCK):
-        mask = start + cols < n
-        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
-        tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    if ONE_PASS:
+        mask = cols < n
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        store_quantized_row(x, q_ptr, s_ptr, row, stride_q, cols, mask, fp8_max, min_scale)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n, BLOCK):
+            mask = start + cols < n
+            x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), fp8_max), min_scale)
+        tl.store(s_ptr + row, scale)
+        for start in range(0, n, BLOCK):
+            mask = start + cols < n
+            x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+            tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_rows_triton(x: torch.Tensor, out_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel (out_dtype other than FP8 only for tests under the interpreter)."""
+def quantize_rows_triton(x: torch.Tensor, out_dtype: torch.dtype = FP8, block: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel (out_dtype other than FP8 only for tests under the interpreter;
+    ``block``: see ``row_launch``)."""
     rows, n = x.shape
     q = torch.empty(rows, n, dtype=out_dtype, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    block = min(triton.next_power_of_2(n), 2048)
-    _quantize_rows_kernel[(rows,)](x, q, scale, x.stride(0), q.stride(0), n, FP8_MAX, MIN_SCALE, BLOCK=block,
-                                   **pdl_args(x))
+    _quantize_rows_kernel[(rows,)](x, q, scale, x.stride(0), q.stride(0), n, FP8_MAX, MIN_SCALE,
+                                   **row_launch(n, block), **pdl_args(x))
     return q, scale
 
 

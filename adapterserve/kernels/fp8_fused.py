@@ -12,18 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
-from adapterserve.kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, quantize_rows_reference
+from adapterserve.kernels.fp8 import (
+    FP8,
+    FP8_MAX,
+    MIN_SCALE,
+    quantize_rows_reference,
+    row_launch,
+    store_quantized_row,
+)
 from adapterserve.kernels.fused import add_rms_norm, rms_norm, silu_mul
 from adapterserve.kernels.pdl import pdl_args, pdl_wait
-
-
-@triton.jit
-def _store_quantized(y, q_ptr, s_ptr, row, stride_q, cols, mask, fp8_max, min_scale):
-    h = y.to(tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.where(mask, tl.abs(h), 0.0), axis=0), fp8_max), min_scale)
-    tl.store(s_ptr + row, scale)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale), -fp8_max), fp8_max)
-    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -44,7 +42,7 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, out_ptr, q_ptr, s_ptr, stride_
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n + eps)
     y = (h * inv).to(out_ptr.dtype.element_ty) * w
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
-    _store_quantized(y.to(out_ptr.dtype.element_ty), q_ptr, s_ptr, row, stride_q, cols, mask, fp8_max, min_scale)
+    store_quantized_row(y.to(out_ptr.dtype.element_ty), q_ptr, s_ptr, row, stride_q, cols, mask, fp8_max, min_scale)
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -60,38 +58,53 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
     q = torch.empty(rows, n, dtype=q_dtype, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     res = x if residual is None else residual
+    block = triton.next_power_of_2(n)  # one pass: the norm needs the whole row
     _rms_norm_quant_kernel[(rows,)](x, res, weight, out, q, scale, x.stride(0), res.stride(0), out.stride(0),
                                     q.stride(0), n, eps, FP8_MAX, MIN_SCALE, ADD=residual is not None,
-                                    BLOCK=triton.next_power_of_2(n), **pdl_args(x))
+                                    BLOCK=block, num_warps=row_launch(n, block)["num_warps"], **pdl_args(x))
     return out, q, scale
 
 
 @triton.jit
+def _silu_mul_row(gu_ptr, n, offs, mask, out_dtype: tl.constexpr):
+    """silu(gate) * up at ``offs`` of one row of gate|up, rounded to the output dtype."""
+    g = tl.load(gu_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + n + offs, mask=mask, other=0.0).to(tl.float32)
+    return (g / (1.0 + tl.exp(-g)) * u).to(out_dtype)
+
+
+@triton.jit
 def _silu_mul_quant_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, stride_g, stride_o, stride_q, n, fp8_max, min_scale,
-                           BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0):
+                           BLOCK: tl.constexpr, ONE_PASS: tl.constexpr = 0, USE_PDL: tl.constexpr = 0):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
+    out_dtype: tl.constexpr = out_ptr.dtype.element_ty
     pdl_wait(USE_PDL)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n, BLOCK):  # silu(gate) * up in the output dtype, and its absmax
-        mask = start + cols < n
-        g = tl.load(gu_ptr + row * stride_g + start + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptr + row * stride_g + n + start + cols, mask=mask, other=0.0).to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * stride_o + start + cols, y, mask=mask)
-        amax = tl.maximum(amax, tl.where(mask, tl.abs(y.to(tl.float32)), 0.0))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), fp8_max), min_scale)
-    tl.store(s_ptr + row, scale)
-    for start in range(0, n, BLOCK):  # each thread reads back what it wrote
-        mask = start + cols < n
-        y = tl.load(out_ptr + row * stride_o + start + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -fp8_max), fp8_max)
-        tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    if ONE_PASS:  # the whole row in registers: gate|up read once, the output quantized from them
+        mask = cols < n
+        y = _silu_mul_row(gu_ptr + row * stride_g, n, cols, mask, out_dtype)
+        tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+        store_quantized_row(y, q_ptr, s_ptr, row, stride_q, cols, mask, fp8_max, min_scale)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n, BLOCK):  # silu(gate) * up in the output dtype, and its absmax
+            mask = start + cols < n
+            y = _silu_mul_row(gu_ptr + row * stride_g, n, start + cols, mask, out_dtype)
+            tl.store(out_ptr + row * stride_o + start + cols, y, mask=mask)
+            amax = tl.maximum(amax, tl.where(mask, tl.abs(y.to(tl.float32)), 0.0))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), fp8_max), min_scale)
+        tl.store(s_ptr + row, scale)
+        for start in range(0, n, BLOCK):  # each thread reads back what it wrote
+            mask = start + cols < n
+            y = tl.load(out_ptr + row * stride_o + start + cols, mask=mask, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -fp8_max), fp8_max)
+            tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul_quant(gate_up: torch.Tensor, q_dtype: torch.dtype = FP8
+def silu_mul_quant(gate_up: torch.Tensor, q_dtype: torch.dtype = FP8, block: int | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gate_up: [T, 2I] -> (silu(gate) * up [T, I], q [T, I], scale [T, 1])."""
+    """gate_up: [T, 2I] -> (silu(gate) * up [T, I], q [T, I], scale [T, 1]) (``block``: see
+    ``kernels.fp8.row_launch``)."""
     if not gate_up.is_cuda and q_dtype == FP8:
         y = silu_mul(gate_up)
         return (y, *quantize_rows_reference(y))
@@ -100,6 +113,5 @@ def silu_mul_quant(gate_up: torch.Tensor, q_dtype: torch.dtype = FP8
     q = torch.empty(rows, inter, dtype=q_dtype, device=gate_up.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
     _silu_mul_quant_kernel[(rows,)](gate_up, out, q, scale, gate_up.stride(0), out.stride(0), q.stride(0), inter,
-                                    FP8_MAX, MIN_SCALE, BLOCK=min(triton.next_power_of_2(inter), 2048),
-                                    **pdl_args(gate_up))
+                                    FP8_MAX, MIN_SCALE, **row_launch(inter, block), **pdl_args(gate_up))
     return out, q, scale

@@ -1,5 +1,7 @@
 """The engine on a GPU (Triton path, bfloat16) against its float32 reference path
-(CPU ops), on a random Llama-shaped checkpoint with mixed adapters."""
+(CPU ops), on a random Llama-shaped checkpoint with mixed adapters. The first test's engines
+warm up as a server's do; the others skip warm-up (tens of seconds an engine), which their
+comparisons do not depend on."""
 import pytest
 import torch
 
@@ -81,7 +83,7 @@ def test_chunked_prefill_agrees_with_whole_prompts(setup):
     first, against the same prompts run whole: the Triton prefill path over chunks."""
     model_dir, adapters = setup
     engines = [Engine.from_pretrained(model_dir, device="cuda", dtype="float32", max_loras=8,
-                                      max_num_batched_tokens=budget) for budget in (4096, 48)]
+                                      max_num_batched_tokens=budget, warmup=False) for budget in (4096, 48)]
     for engine in engines:
         for name, path in adapters.items():
             engine.load_adapter(name, path)
@@ -98,7 +100,8 @@ def _two_engines(setup, option: str, values=(True, False), **fixed):
     """Two bf16 GPU engines differing in one EngineConfig option (``fixed``: others both set),
     every adapter loaded; with mixed-adapter request ids and random prompts."""
     model_dir, adapters = setup
-    engines = [Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", max_loras=8, **fixed, **{option: v})
+    engines = [Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", max_loras=8, warmup=False,
+                                 **fixed, **{option: v})
                for v in values]
     for engine in engines:
         for name, path in adapters.items():
@@ -132,7 +135,7 @@ def test_lora_side_stream_gives_the_same_tokens_and_logits(setup):
 
 def test_placements_copy_on_their_own_stream_and_report_when_landed(setup):
     model_dir, adapters = setup
-    engine = Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", max_loras=8)
+    engine = Engine.from_pretrained(model_dir, device="cuda", dtype="bfloat16", max_loras=8, warmup=False)
     engine.load_adapter("r16", adapters["lora-r16"])
     assert engine.slots.copy_stream is not None
     adapter = engine.adapters["r16"]

@@ -70,8 +70,9 @@ def test_stacked_places_and_evicts_while_others_decode(setup, device):
     gets the tokens the segmented kernels' engine gives it with room for all (float32)."""
     model_dir, adapter_dirs = setup
     tight = Engine.from_pretrained(model_dir, device, max_lora_rank=64, max_loras=3, lora_pool_rows=96,
-                                   lora_decode="stacked")
-    roomy = Engine.from_pretrained(model_dir, device, max_lora_rank=64, max_loras=8)
+                                   lora_decode="stacked", warmup=False)
+    roomy = Engine.from_pretrained(model_dir, device, max_lora_rank=64, max_loras=8, lora_decode="kernels",
+                                   warmup=False)
     for engine in (tight, roomy):
         for name, path in adapter_dirs.items():
             engine.load_adapter(name, path)
@@ -107,8 +108,10 @@ def test_stacked_expand_follows_the_step_s_distinct_adapters(setup, device, mode
     from adapterserve.layers.context import get_context
 
     model_dir, adapter_dirs = setup
-    stacked = Engine.from_pretrained(model_dir, device, max_lora_rank=64, max_loras=8, lora_decode=mode)
-    kernels = Engine.from_pretrained(model_dir, device, max_lora_rank=64, max_loras=8)
+    stacked = Engine.from_pretrained(model_dir, device, max_lora_rank=64, max_loras=8, lora_decode=mode,
+                                     warmup=False)
+    kernels = Engine.from_pretrained(model_dir, device, max_lora_rank=64, max_loras=8, lora_decode="kernels",
+                                     warmup=False)
     for engine in (stacked, kernels):
         for name, path in adapter_dirs.items():
             engine.load_adapter(name, path)
@@ -172,7 +175,8 @@ def test_decode_graph_keys_follow_the_stacked_row_bucket(setup):
     with pytest.raises(ValueError, match="row buckets"), pool.covering(48):
         pass
 
-    kernels = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=3, lora_pool_rows=96)
+    kernels = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=3, lora_pool_rows=96,
+                                     lora_decode="kernels")
     assert kernels.lora_pool.row_buckets() == []
     for mix in mixes:
         assert _key(8, mix, kernels.runner.graph_signature()) == _key(8, mix, ()), mix

@@ -52,11 +52,11 @@ def test_rms_norm_quant(dtype, add):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("inter", [96, 2500])  # one block; several blocks of the row loops
-def test_silu_mul_quant(dtype, inter):
+@pytest.mark.parametrize("inter, block", [(96, None), (2500, None), (2500, 1024)])  # one pass; the row loops
+def test_silu_mul_quant(dtype, inter, block):
     gate_up = (torch.randn(4, 2 * inter, device=DEVICE) * 3).to(dtype)
     gate_up[2] = 0.0  # an all-zero row keeps zeros
-    out, q, scale = silu_mul_quant(gate_up, q_dtype=Q_DTYPE)
+    out, q, scale = silu_mul_quant(gate_up, q_dtype=Q_DTYPE, block=block)
     want = torch.nn.functional.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert torch.allclose(out.float(), want, rtol=tol, atol=tol)

@@ -44,13 +44,13 @@ def _dequantized(q, scale):
     return q.float() * scale[:, None]
 
 
-@pytest.mark.parametrize("k", [300, 2500])  # one block, several blocks of the row loop
-def test_quantize_rows_triton_matches_the_twin(k):
+@pytest.mark.parametrize("k, block", [(300, None), (2500, None), (2500, 1024)])  # one pass; the row loops
+def test_quantize_rows_triton_matches_the_twin(k, block):
     x = torch.randn(6, k) * torch.logspace(-3, 2, 6)[:, None]
     x[3] = 0.0  # an all-zero row keeps zeros
     # float32 output under the interpreter (its float8 rounding differs from the GPU's
     # round-to-nearest-even); rounded here by torch, it must equal the twin bit for bit
-    q, scale = quantize_rows_triton(x, out_dtype=torch.float32)
+    q, scale = quantize_rows_triton(x, out_dtype=torch.float32, block=block)
     q_ref, scale_ref = quantize_rows_reference(x)
     assert torch.equal(scale, scale_ref)
     assert torch.equal(q.to(E4M3).view(torch.uint8), q_ref.view(torch.uint8))
@@ -127,10 +127,10 @@ def _with_ties(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("k", [300, 2500])  # one block, several blocks of the row loop
-def test_quantize_rows_triton_rounds_midpoints_as_the_twin(k):
+@pytest.mark.parametrize("k, block", [(300, None), (2500, None), (2500, 1024)])  # one pass; the row loops
+def test_quantize_rows_triton_rounds_midpoints_as_the_twin(k, block):
     x = _with_ties(torch.randn(6, k))
-    q, scale = quantize_rows_triton(x, out_dtype=torch.float32)
+    q, scale = quantize_rows_triton(x, out_dtype=torch.float32, block=block)
     q_ref, scale_ref = quantize_rows_reference(x)
     assert torch.equal(scale, scale_ref) and scale[0].item() == 2.0**-3  # absmax 56 = 448 / 8
     assert torch.equal(q.to(E4M3).view(torch.uint8), q_ref.view(torch.uint8))
