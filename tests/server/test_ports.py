@@ -32,6 +32,18 @@ def test_a_taken_port_is_named_with_its_flag():
     assert "\n" not in message
 
 
+def test_free_ports_are_outside_the_ephemeral_range_and_the_blocks_and_never_twice(monkeypatch):
+    """A test's server binds its port a while after free_port: a port the OS could hand to any
+    process binding port 0 (Ray's workers do) would race it. A port with a listener is passed over."""
+    picks = [ports.free_port() for _ in range(50)]
+    assert len(set(picks)) == len(picks)
+    assert all(ports.BLOCKS_END <= port < ports._ephemeral_start() for port in picks)
+    with _listener(picks[0] + 1, reuseaddr=True) as held:  # the next in order is taken: skipped
+        taken = held.getsockname()[1]
+        monkeypatch.setattr(ports.random, "sample", lambda spare, k: [taken, *(p for p in spare if p != taken)])
+        assert ports.free_port() not in (taken, *picks)
+
+
 def test_a_port_shared_with_so_reuseport_counts_as_taken():
     """Serve's gRPC servers bind with SO_REUSEPORT: a second such bind would succeed and split
     the traffic, so the check must not bind that way."""
