@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -114,6 +115,25 @@ def _fails_on_rank_1(tp, device):
     if tp.rank == 1:
         raise RuntimeError("rank 1 cannot build its shard")
     return checkpoint_shard(str(MODEL), torch.float32, None, tp, device)
+
+
+def test_the_group_s_port_listens_before_any_worker_starts(monkeypatch):
+    """Rank 0's store is bound before the workers start, so no process started meanwhile (Ray
+    starts many that bind port 0) can take the group's port before rank 0 listens on it."""
+    from adapterserve.engine.tp import launch
+
+    listening = []
+
+    def start_workers(specs, config):
+        host, port = specs[0].group_address.removeprefix("tcp://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5):
+            listening.append(port)
+        raise RuntimeError("no workers in this test")
+
+    monkeypatch.setattr(launch, "_start_local_workers", start_workers)
+    with pytest.raises(Exception, match="no workers in this test"):
+        Engine.from_pretrained(MODEL, tensor_parallel_size=2, **SETTINGS)
+    assert len(listening) == 1
 
 
 def test_a_worker_that_raises_fails_the_start_with_its_error():

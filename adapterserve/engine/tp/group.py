@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from datetime import timedelta
 
@@ -19,18 +18,26 @@ COLLECTIVE_TIMEOUT_S = 300.0
 LEAVE_WAIT_S = 30.0  # rank 0's leaving of the group at close; past it, the close goes on without waiting more
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def open_store(host: str, world_size: int) -> dist.TCPStore:
+    """Rank 0's store for a new group, listening now on a port the OS picks (``.port``): bound
+    before the workers start, so that no process started meanwhile can take the port."""
+    return dist.TCPStore(host, 0, world_size, is_master=True, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                         wait_for_workers=False)
+
+
+def _store_at(address: str, world_size: int) -> dist.TCPStore:
+    """A worker's connection to rank 0's store at ``address`` (tcp://host:port)."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return dist.TCPStore(host.strip("[]"), int(port), world_size, is_master=False,
+                         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
 def join_group(address: str, rank: int, world_size: int, device: str, all_reduce: str = "nccl",
-               all_reduce_bytes: int | None = None) -> TensorParallel:
-    """Join the group at ``address`` (tcp://host:port, rank 0's store): NCCL on CUDA
-    devices (this process's device set first), gloo on CPU. ``all_reduce``
-    (EngineConfig.tensor_parallel_all_reduce): "nccl", the group's own; "auto", sums over
-    symmetric memory where the GPUs allow it, with a buffer for messages of up to
+               all_reduce_bytes: int | None = None, store: dist.TCPStore | None = None) -> TensorParallel:
+    """Join the group at ``address`` (tcp://host:port, rank 0's store; ``store``: rank 0's own,
+    from open_store): NCCL on CUDA devices (this process's device set first), gloo on CPU.
+    ``all_reduce`` (EngineConfig.tensor_parallel_all_reduce): "nccl", the group's own; "auto",
+    sums over symmetric memory where the GPUs allow it, with a buffer for messages of up to
     ``all_reduce_bytes`` (see step_all_reduce_bytes)."""
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process: a tensor-parallel engine "
@@ -38,7 +45,8 @@ def join_group(address: str, rank: int, world_size: int, device: str, all_reduce
     place = torch.device(device)
     if place.type == "cuda" and place.index is not None:
         torch.cuda.set_device(place)
-    dist.init_process_group("nccl" if place.type == "cuda" else "gloo", init_method=address, rank=rank,
+    store = store if store is not None else _store_at(address, world_size)
+    dist.init_process_group("nccl" if place.type == "cuda" else "gloo", store=store, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     if place.type == "cuda":  # NCCL makes its communicator at the first collective: now, not inside a graph capture
         dist.all_reduce(torch.zeros(1, device=place))

@@ -23,7 +23,7 @@ import torch
 
 from adapterserve.config import EngineConfig
 from adapterserve.engine.tp import RAY_CPU_PER_WORKER
-from adapterserve.engine.tp.group import (COLLECTIVE_TIMEOUT_S, check_devices, free_port, join_group,
+from adapterserve.engine.tp.group import (COLLECTIVE_TIMEOUT_S, check_devices, join_group, open_store,
                                           step_all_reduce_bytes)
 from adapterserve.engine.tp.lockstep import Lockstep, WorkerLink
 from adapterserve.engine.tp.stack_dump import dump_stacks_on_signal
@@ -52,7 +52,8 @@ def start_group(build_model: ModelBuilder, config: EngineConfig, placement: RayP
     authkey = secrets.token_bytes(32)
     listener = Listener((host, 0), authkey=authkey)
     try:
-        group_address = f"tcp://{host}:{free_port(host)}"
+        store = open_store(host, size)
+        group_address = f"tcp://{host}:{store.port}"
         all_reduce_bytes = step_all_reduce_bytes(config, hidden_size) if hidden_size else None
         specs = [WorkerSpec(build_model, config, rank, size, group_address, listener.address, authkey,
                             all_reduce_bytes) for rank in range(1, size)]
@@ -63,7 +64,8 @@ def start_group(build_model: ModelBuilder, config: EngineConfig, placement: RayP
     finally:
         listener.close()
     try:
-        tp = join_group(group_address, 0, size, config.device, config.tensor_parallel_all_reduce, all_reduce_bytes)
+        tp = join_group(group_address, 0, size, config.device, config.tensor_parallel_all_reduce, all_reduce_bytes,
+                        store)
     except BaseException:
         for link in links:
             link.stop(0.0)
