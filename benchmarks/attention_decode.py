@@ -1,6 +1,6 @@
 """Paged decode attention: whole contexts against split contexts (split-KV), Llama-8B heads.
 
-    PYTHONPATH=. python benchmarks/attention_decode.py [--sweep]
+    PYTHONPATH=. python benchmarks/attention_decode.py [--sweep [--dots input]]
 
 Cases: batch x context length (uniform, or "a-b": each sequence's length drawn from
 a..b), 32 query / 8 KV heads, D=128, page 16, bf16, 64 keys per tile. For each, the
@@ -8,7 +8,8 @@ kernel with contexts whole (splits 1) in batch order and longest first (the engi
 launch order), with the split count `decode_splits` picks (default) and with other
 counts, side by side, and whole contexts longest first (and the default split) with both
 products on bf16 inputs (dots="input": tensor-core MMAs, the softmax weights rounded to bf16)
-against float32 ones (--sweep: tile shapes of whole contexts instead). Bytes counted: every context key and
+against float32 ones (--sweep: tile shapes of whole contexts instead, float32 products or, with
+--dots input, bf16 ones). Bytes counted: every context key and
 value read once, queries read and outputs written once. Prints one table naming the
 GPU; the copy bandwidth is measured in the same run.
 """
@@ -58,9 +59,9 @@ def _fp8_case(args: tuple, moved: int) -> tuple[tuple, dict, int]:
 SWEEP = [(n, w, st) for n in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3, 4)]
 
 
-def sweep(copy_bw: float) -> None:
+def sweep(copy_bw: float, dots: str) -> None:
     """Tile shapes (keys per tile, warps, stages) of whole contexts launched longest first, at the
-    batch sizes that keep contexts whole; the default first."""
+    batch sizes that keep contexts whole, with ``dots`` products; the default first."""
     print("| B | context | keys/tile | warps | stages | ms | of copy |")
     print("|---|---|---|---|---|---|---|")
     for batch, spec in ((64, "128-1152"), (64, "640"), (256, "640")):
@@ -68,7 +69,8 @@ def sweep(copy_bw: float) -> None:
         out = torch.empty_like(args[0])
         order = torch.argsort(args[4], descending=True, stable=True).to(torch.int32)
         for n, w, st in [(64, 4, 2)] + [c for c in SWEEP if c != (64, 4, 2)]:
-            fn = lambda: paged_decode_attention(*args, None, out, n, w, st, splits=1, order=order)  # noqa: E731
+            fn = lambda: paged_decode_attention(*args, None, out, n, w, st, splits=1, order=order,  # noqa: E731
+                                                dots=dots)
             try:
                 ms = triton.testing.do_bench(fn, return_mode="median")
             except Exception as exc:  # a shape the card cannot run (shared memory): say so, go on
@@ -83,8 +85,9 @@ def main() -> None:
     copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
     copy_bw = 2 * src.numel() / copy_ms / 1e6
     if "--sweep" in sys.argv:
-        print(f"\n{torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.0f} GB/s (read+write)")
-        sweep(copy_bw)
+        dots = sys.argv[sys.argv.index("--dots") + 1] if "--dots" in sys.argv else "float32"
+        print(f"\n{torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.0f} GB/s (read+write); {dots} products")
+        sweep(copy_bw, dots)
         return
     rows = []
     for batch, spec in CASES:

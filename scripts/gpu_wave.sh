@@ -126,6 +126,9 @@ for stage in "$@"; do
       timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 250 \
         --workloads ${ATTN_WORKLOADS:-base,base+ad,base+kv8,base+kv8+ad} --max-tokens ${MAX_TOKENS:-64} \
         --out "$OUT/et8b_attn.md" > "$OUT/attnengine.log" 2>&1; tail -12 "$OUT/attnengine.log" ;;
+    attnsweep)  # 1 GPU: decode attention's tile shapes with bf16-input products (DOTS), whole contexts
+      timeout ${BENCH_S:-200} python3 benchmarks/attention_decode.py --sweep --dots ${DOTS:-input} \
+        > "$OUT/attention_sweep.log" 2>&1; grep -E "^\||GB/s" "$OUT/attention_sweep.log" ;;
     newtests)  # 1 GPU: the sixteenth session's GPU tests not yet run there (a log per file in $OUT)
       test_files 110 "" tests/engine/test_pdl_engine_gpu.py tests/engine/test_attention_dots_gpu.py \
         tests/kernels/test_attention.py tests/kernels/test_kv_fp8.py tests/engine/test_kv_fp8_gpu.py ;;

@@ -35,7 +35,7 @@ def _store_at(address: str, world_size: int) -> dist.TCPStore:
 def join_group(address: str, rank: int, world_size: int, device: str, all_reduce: str = "nccl",
                all_reduce_bytes: int | None = None, store: dist.TCPStore | None = None) -> TensorParallel:
     """Join the group at ``address`` (tcp://host:port, rank 0's store; ``store``: rank 0's own,
-    from open_store): NCCL on CUDA devices (this process's device set first), gloo on CPU.
+    from open_store; or any init_method torch takes, as tests' file://): NCCL on CUDA devices (this process's device set first), gloo on CPU.
     ``all_reduce`` (EngineConfig.tensor_parallel_all_reduce): "nccl", the group's own; "auto",
     sums over symmetric memory where the GPUs allow it, with a buffer for messages of up to
     ``all_reduce_bytes`` (see step_all_reduce_bytes)."""
@@ -45,9 +45,11 @@ def join_group(address: str, rank: int, world_size: int, device: str, all_reduce
     place = torch.device(device)
     if place.type == "cuda" and place.index is not None:
         torch.cuda.set_device(place)
-    store = store if store is not None else _store_at(address, world_size)
-    dist.init_process_group("nccl" if place.type == "cuda" else "gloo", store=store, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    if store is None and address.startswith("tcp://"):  # a worker: rank 0's store, joined as rank 0 joins it
+        store = _store_at(address, world_size)
+    rendezvous = {"store": store} if store is not None else {"init_method": address}  # file://: tests
+    dist.init_process_group("nccl" if place.type == "cuda" else "gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), **rendezvous)
     if place.type == "cuda":  # NCCL makes its communicator at the first collective: now, not inside a graph capture
         dist.all_reduce(torch.zeros(1, device=place))
         torch.cuda.synchronize()
