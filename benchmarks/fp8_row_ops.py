@@ -61,7 +61,7 @@ def measure(kind: str, tokens: int, width: int, bandwidth: float) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", default="1,64,256", help="rows a launch, comma-separated")
+    parser.add_argument("--tokens", default="1,64,256,2048", help="rows a launch (decode and prefill sizes)")
     args = parser.parse_args()
     bandwidth = copy_bandwidth("cuda", 1 << 30)
     cases = [("silu_mul_quant", 2 * 14336), ("quantize_rows", 4096)]  # the 8B's down and o inputs
