@@ -14,14 +14,13 @@ import argparse
 
 import torch
 
-from adapterserve.kernels.fp8 import quantize_rows_triton
+from adapterserve.kernels.fp8 import LOOP_BLOCK, quantize_rows_triton
 from adapterserve.kernels.fp8_fused import silu_mul_quant
 from adapterserve.kernels.fused import silu_mul
 from benchmarks.fused_update import print_table
 from benchmarks.measure import copy_bandwidth, graph_ms
 
-LAUNCHES = 32
-LOOP_BLOCK = 2048  # the block the row loops ran with
+LAUNCHES = 32  # LOOP_BLOCK: the block the row loops run with
 
 
 def _per_launch_us(op, inputs: list[torch.Tensor]) -> float:

@@ -157,8 +157,9 @@ def main() -> None:
     ids = [f"a{i}" for i in range(args.batch if "distinct" in chosen else 1)]
     for i, name in enumerate(ids):
         engine.add_adapter(name, _adapter(engine, i))
-    workloads = {"base": [None], "one LoRA r16": ids[:1], f"{args.batch} distinct LoRA r16": ids}
-    workloads = {name: a for (name, a), key in zip(workloads.items(), ("base", "one", "distinct")) if key in chosen}
+    named = {"base": ("base", [None]), "one": ("one LoRA r16", ids[:1]),
+             "distinct": (f"{args.batch} distinct LoRA r16", ids)}
+    workloads = dict(named[key] for key in named if key in chosen)
     if ranked:
         mixed = [f"m{i}" for i in range(ranked)]
         for i, name in enumerate(mixed):

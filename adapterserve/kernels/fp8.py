@@ -42,17 +42,34 @@ def row_launch(n: int, block: int | None = None) -> dict:
     loop over blocks of that many, for tests and benchmarks)."""
     if block is None:
         block = triton.next_power_of_2(n) if n <= ONE_PASS_MAX else LOOP_BLOCK
-    return {"BLOCK": block, "ONE_PASS": block >= n, "num_warps": max(4, min(16, block // 1024))}
+    return {"BLOCK": block, "ONE_PASS": block >= n, "num_warps": row_warps(block)}
+
+
+def row_warps(block: int) -> int:
+    """Warps of a program that holds ``block`` values of a row: 4 up to 4,096, at most 16."""
+    return max(4, min(16, block // 1024))
+
+
+@triton.jit
+def row_scale(amax, fp8_max, min_scale):
+    """A row's scale from its absmax (IEEE division, as the twin)."""
+    return tl.maximum(tl.math.div_rn(amax, fp8_max), min_scale)
+
+
+@triton.jit
+def store_quantized(h, scale, q_row_ptr, offs, mask, fp8_max):
+    """h (float32) at ``offs`` of one row on its scale, clamped, rounded to q's dtype."""
+    q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale), -fp8_max), fp8_max)
+    tl.store(q_row_ptr + offs, q.to(q_row_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def store_quantized_row(y, q_ptr, s_ptr, row, stride_q, cols, mask, fp8_max, min_scale):
     """Quantize one row held whole in registers (y: its values, masked to ``mask``)."""
     h = y.to(tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.where(mask, tl.abs(h), 0.0), axis=0), fp8_max), min_scale)
+    scale = row_scale(tl.max(tl.where(mask, tl.abs(h), 0.0), axis=0), fp8_max, min_scale)
     tl.store(s_ptr + row, scale)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale), -fp8_max), fp8_max)
-    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    store_quantized(h, scale, q_ptr + row * stride_q, cols, mask, fp8_max)
 
 
 @triton.jit
@@ -71,13 +88,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, n, fp8_max, m
             mask = start + cols < n
             x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), fp8_max), min_scale)
+        scale = row_scale(tl.max(amax, axis=0), fp8_max, min_scale)
         tl.store(s_ptr + row, scale)
         for start in range(0, n, BLOCK):
             mask = start + cols < n
             x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
-            tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+            store_quantized(x, scale, q_ptr + row * stride_q, start + cols, mask, fp8_max)
 
 
 def quantize_rows_triton(x: torch.Tensor, out_dtype: torch.dtype = FP8, block: int | None = None

@@ -18,6 +18,9 @@ from adapterserve.kernels.fp8 import (
     MIN_SCALE,
     quantize_rows_reference,
     row_launch,
+    row_scale,
+    row_warps,
+    store_quantized,
     store_quantized_row,
 )
 from adapterserve.kernels.fused import add_rms_norm, rms_norm, silu_mul
@@ -61,7 +64,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
     block = triton.next_power_of_2(n)  # one pass: the norm needs the whole row
     _rms_norm_quant_kernel[(rows,)](x, res, weight, out, q, scale, x.stride(0), res.stride(0), out.stride(0),
                                     q.stride(0), n, eps, FP8_MAX, MIN_SCALE, ADD=residual is not None,
-                                    BLOCK=block, num_warps=row_launch(n, block)["num_warps"], **pdl_args(x))
+                                    BLOCK=block, num_warps=row_warps(block), **pdl_args(x))
     return out, q, scale
 
 
@@ -92,13 +95,12 @@ def _silu_mul_quant_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, stride_g, stride_o, st
             y = _silu_mul_row(gu_ptr + row * stride_g, n, start + cols, mask, out_dtype)
             tl.store(out_ptr + row * stride_o + start + cols, y, mask=mask)
             amax = tl.maximum(amax, tl.where(mask, tl.abs(y.to(tl.float32)), 0.0))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), fp8_max), min_scale)
+        scale = row_scale(tl.max(amax, axis=0), fp8_max, min_scale)
         tl.store(s_ptr + row, scale)
         for start in range(0, n, BLOCK):  # each thread reads back what it wrote
             mask = start + cols < n
             y = tl.load(out_ptr + row * stride_o + start + cols, mask=mask, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -fp8_max), fp8_max)
-            tl.store(q_ptr + row * stride_q + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+            store_quantized(y, scale, q_ptr + row * stride_q, start + cols, mask, fp8_max)
 
 
 def silu_mul_quant(gate_up: torch.Tensor, q_dtype: torch.dtype = FP8, block: int | None = None
