@@ -21,7 +21,7 @@ STACKED_DECODES = ("stacked", "fused")  # the lora_decode values that keep A row
 DECODE_GEMMS = ("cublas", "triton", "auto")  # EngineConfig.decode_gemm (layers.base_gemm)
 PDL_MODES = ("auto", "off", "early", "exit")  # EngineConfig.pdl (kernels/pdl.py)
 KV_CACHE_DTYPES = ("auto", "fp8")  # EngineConfig.kv_cache_dtype (kernels/kv_fp8.py)
-ATTENTION_DOTS = ("float32", "input")  # EngineConfig.decode_attention_dots (kernels/attention.py)
+ATTENTION_DOTS = ("auto", "float32", "input")  # EngineConfig.decode_attention_dots (kernels/attention.py)
 TP_LAUNCHES = ("auto", "ray", "local")  # EngineConfig.tensor_parallel_launch
 TP_ALL_REDUCES = ("auto", "nccl")  # EngineConfig.tensor_parallel_all_reduce
 
@@ -76,9 +76,11 @@ class EngineConfig:
     kv_cache_dtype:   "auto" (the activations' dtype) or "fp8": keys and values in float8 e4m3
                       with one float32 scale per token and KV head (kernels/kv_fp8.py); about
                       half the cache's bytes, so twice the tokens per block budget
-    decode_attention_dots: the decode attention kernel's products (CUDA): "float32" (keys,
-                      values and softmax weights widened) or "input" (bf16/fp16 tensor-core
-                      products, the weights rounded to the queries' dtype); float32 sums
+    decode_attention_dots: the decode attention kernel's products (CUDA): "input" (bf16/fp16
+                      tensor-core products, the softmax weights rounded to the queries' dtype, as
+                      flash attention does), "float32" (keys, values and weights widened first), or
+                      "auto": "input" for whole contexts, where it measured faster on an H200,
+                      "float32" for split contexts, where it did not; float32 sums either way
     pdl:              programmatic dependent launch of the decode step's Triton kernels (sm_90+,
                       process-wide: the engine built last sets it; kernels/pdl.py): "off",
                       "early", "exit", or "auto": ADAPTERSERVE_PDL when that is set, else "early"
@@ -125,7 +127,7 @@ class EngineConfig:
     decode_gemm: str = "cublas"
     pdl: str = "auto"
     kv_cache_dtype: str = "auto"
-    decode_attention_dots: str = "float32"
+    decode_attention_dots: str = "auto"
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     tensor_parallel_launch: str = "auto"

@@ -72,6 +72,7 @@ class Config:
     budget_s: float
     out: Path
     first_request: bool = False
+    hotswap: bool = True
 
 
 def parse_args(argv: list[str] | None) -> Config:
@@ -99,6 +100,8 @@ def parse_args(argv: list[str] | None) -> Config:
     p.add_argument("--smoke", action="store_true", help="CPU, float32, tiny model, few steps: checks every path")
     p.add_argument("--first-request", action="store_true", help="also: TTFT of the first request after the "
                    "engine is ready against the steady state, and the engine's start-up (warm-up) time")
+    p.add_argument("--no-hotswap", dest="hotswap", action="store_false", help="skip the hot-swap measurement "
+                   "(after each model's first batch)")
     a = p.parse_args(argv)
     unknown = {w for w in split(a.workloads) if _base_workload(w) not in WORKLOADS}
     if unknown:
@@ -108,13 +111,14 @@ def parse_args(argv: list[str] | None) -> Config:
         dtype = "fp8" if a.dtype == "fp8" else "float32"
         settings = Settings("cpu", dtype, 6, (8, 24), 16, 48, 40, 6, a.zipf_alpha, a.seed, a.fp8_gemm)
         return Config(settings, ("tiny",), {"tiny": (1, 4)}, split(a.workloads), ("tiny",), 4, 2, 8 << 20,
-                      a.budget_s, a.out, a.first_request)
+                      a.budget_s, a.out, a.first_request, a.hotswap)
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: run on a GPU, or pass --smoke for the CPU check")
     settings = Settings("cuda", a.dtype, a.max_tokens, (a.prompt_min, a.prompt_max), 16, a.max_batched_tokens,
                         a.zipf_adapters, a.zipf_slots, a.zipf_alpha, a.seed, a.fp8_gemm)
     return Config(settings, split(a.models), {"1b": ints(a.batches), "8b": ints(a.batches_8b)}, split(a.workloads),
-                  split(a.hf_models), a.hf_batch, a.hf_tokens, 1 << 30, a.budget_s, a.out, a.first_request)
+                  split(a.hf_models), a.hf_batch, a.hf_tokens, 1 << 30, a.budget_s, a.out, a.first_request,
+                  a.hotswap)
 
 
 def _activations(s: Settings) -> torch.dtype:
@@ -182,7 +186,7 @@ def run_model(name: str, cfg: Config, bandwidth: float, rows: list[dict], hotswa
         order = batch_order(cfg.batches[name], cfg.hf_batch)
         for batch in order:
             _run_batch(name, batch, backbone, factory, peft_dir, bottleneck, cfg, bandwidth, rows)
-            if batch == order[0]:
+            if batch == order[0] and cfg.hotswap:
                 _run_hotswap(name, backbone, factory, cfg, hotswaps)
                 if name in cfg.hf_models:
                     lora_bytes = decode_read_bytes(factory.lora(0), model.embed_tokens.weight.element_size())

@@ -1,5 +1,6 @@
-"""Quality of the FP8 backbone and, apart, of the FP8 KV cache: greedy agreement and logit
-error against bf16, with and without an adapter, on a fixed prompt set.
+"""Quality of the FP8 backbone and, apart, of the FP8 KV cache and of the decode attention's
+products in bf16: greedy agreement and logit error against bf16, with and without an adapter,
+on a fixed prompt set.
 
     PYTHONPATH=. python benchmarks/fp8_quality.py --model /path/to/checkpoint [--adapter DIR]
     PYTHONPATH=. python benchmarks/fp8_quality.py --shape 8b      # a random-weight 8B checkpoint
@@ -9,7 +10,9 @@ The reference engine runs bf16 (float32 on the CPU); each FP8 kernel available r
 same prompts (fixed-seed token ids, or the fixed texts below when the checkpoint has a
 tokenizer) greedily, with no adapter and with the adapter on every request (a random rank-16
 LoRA on all projections unless --adapter is given); then the bf16 backbone with an FP8 KV
-cache (kv_cache_dtype="fp8"; on the CPU smoke: the float32 one). Per prompt: tokens equal until the first
+cache (kv_cache_dtype="fp8"; on the CPU smoke: the float32 one), then the bf16 backbone with
+the decode attention's products in bf16 (decode_attention_dots="input"; the reference and the
+other rows take float32 products; --rows picks rows). Per prompt: tokens equal until the first
 divergence; logits compared on the steps both runs saw the same context (up to and
 including the first divergent token). Random weights give flat logits, so their agreement
 is a stress figure, lower than a trained model's.
@@ -40,6 +43,9 @@ TEXTS = (
     "The main differences between TCP and UDP are", "import numpy as np\n\ndef softmax(x):",
     "Dear hiring manager,", "The theory of general relativity states that", "List five prime numbers:",
 )
+
+
+ROWS = ("fp8", "kv8", "dots")  # --rows: the FP8 backbone's kernels, the FP8 KV cache, "input" attention products
 
 
 def _prompts(engine: Engine, count: int, vocab: int) -> list:
@@ -84,10 +90,10 @@ def _compare(ref, got) -> dict:
 
 
 def _engine(path: Path, device: str, dtype: str, adapter_dir: Path, fp8_gemm: str = "auto",
-            kv_cache_dtype: str = "auto") -> Engine:
+            kv_cache_dtype: str = "auto", dots: str = "float32") -> Engine:
     engine = Engine.from_pretrained(path, device=device, dtype=dtype, fp8_gemm=fp8_gemm, max_loras=1,
                                     max_lora_rank=64, num_kv_blocks=2048, block_size=16, cuda_graphs=device == "cuda",
-                                    kv_cache_dtype=kv_cache_dtype)
+                                    kv_cache_dtype=kv_cache_dtype, decode_attention_dots=dots)
     engine.load_adapter("adapter", adapter_dir)
     return engine
 
@@ -110,6 +116,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, 4 prompts, 6 tokens")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"which rows, comma-separated: {', '.join(ROWS)}")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.smoke:
@@ -119,46 +126,62 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="fp8q-"))
     try:
         model, adapter = _checkpoint(args, tmp, device)
-        rows = _measure(model, adapter, device, args)
+        _print_header(device, model, args)
+        _measure(model, adapter, device, args)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _print(rows, device, model, args)
 
 
-def _measure(model: Path, adapter: Path, device: str, args) -> list[tuple[str, str, dict]]:
+def _measure(model: Path, adapter: Path, device: str, args) -> None:
+    """Each row printed as it is measured (a run cut short keeps the rows it finished)."""
     ref_dtype = "bfloat16" if device == "cuda" else "float32"
     engine = _engine(model, device, ref_dtype, adapter)
     prompts = _prompts(engine, args.prompts, engine.model_config.vocab_size)
     refs = {a: _run(engine, prompts, a, args.max_tokens) for a in (None, "adapter")}
     del engine
-    kernels = dict.fromkeys(resolve_fp8_gemm(k, torch.device(device)) for k in ("scaled_mm", "weight_only"))
-    if device == "cuda" and torch.cuda.get_device_capability() < (9, 0):
-        kernels.pop("scaled_mm", None)
-    rows = []
-    engines = [(kernel, lambda kernel=kernel: _engine(model, device, "fp8", adapter, kernel)) for kernel in kernels]
-    engines.append((f"{ref_dtype} weights, fp8 KV cache", lambda: _engine(model, device, ref_dtype, adapter,
-                                                                            kv_cache_dtype="fp8")))
-    for label, build in engines:
+    for label, build in _candidates(model, adapter, device, ref_dtype, args.rows.split(",")):
         engine = build()
         for a in (None, "adapter"):
-            rows.append((label, a or "none", _compare(refs[a], _run(engine, prompts, a, args.max_tokens))))
+            _print_row(label, a or "none", _compare(refs[a], _run(engine, prompts, a, args.max_tokens)))
         del engine
         if device == "cuda":
             torch.cuda.empty_cache()
-    return rows
 
 
-def _print(rows, device: str, model: Path, args) -> None:
+def _candidates(model: Path, adapter: Path, device: str, ref_dtype: str, wanted: list[str]) -> list:
+    """(label, engine builder) of each row asked for: the FP8 kernels, the FP8 KV cache, the
+    decode attention's products in the activations' dtype (decode_attention_dots="input")."""
+    unknown = set(wanted) - set(ROWS)
+    if unknown:
+        sys.exit(f"unknown rows {sorted(unknown)}: pick from {', '.join(ROWS)}")
+    engines = []
+    if "fp8" in wanted:
+        kernels = dict.fromkeys(resolve_fp8_gemm(k, torch.device(device)) for k in ("scaled_mm", "weight_only"))
+        if device == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+            kernels.pop("scaled_mm", None)
+        engines += [(kernel, lambda kernel=kernel: _engine(model, device, "fp8", adapter, kernel)) for kernel in kernels]
+    if "kv8" in wanted:
+        engines.append((f"{ref_dtype} weights, fp8 KV cache",
+                        lambda: _engine(model, device, ref_dtype, adapter, kv_cache_dtype="fp8")))
+    if "dots" in wanted:
+        engines.append((f"{ref_dtype} weights, attention products in {ref_dtype}",
+                        lambda: _engine(model, device, ref_dtype, adapter, dots="input")))
+    return engines
+
+
+def _print_header(device: str, model: Path, args) -> None:
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke: float32 against fp8 on CPU: scaled_mm emulated in float32, weight_only dequantized)"
     source = model if args.model else f"random-weight {'tiny' if args.smoke else args.shape} checkpoint"
     print(f"\n{name}; torch {torch.__version__}; {source}; {args.prompts} prompts x {args.max_tokens} greedy tokens; "
           f"fp8 (e4m3 weights, per-channel scales) against {'bf16' if device == 'cuda' else 'float32'}")
     cols = ["mean agreed", "min agreed", "all agree", "max abs dlogit", "max rel L2"]
-    print("| fp8 kernel (or KV cache) | adapter | " + " | ".join(cols) + " |")
-    print("|" + "---|" * (len(cols) + 2))
-    for kernel, adapter, m in rows:
-        print(f"| {kernel} | {adapter} | {m['mean agreed']:.1f} | {m['min agreed']} | {100 * m['all agree']:.0f}% | "
-              f"{m['max abs dlogit']:.3f} | {m['max rel L2']:.4f} |")
+    print("| variant (fp8 kernel, KV cache, attention products) | adapter | " + " | ".join(cols) + " |")
+    print("|" + "---|" * (len(cols) + 2), flush=True)
+
+
+def _print_row(kernel: str, adapter: str, m: dict) -> None:
+    print(f"| {kernel} | {adapter} | {m['mean agreed']:.1f} | {m['min agreed']} | {100 * m['all agree']:.0f}% | "
+          f"{m['max abs dlogit']:.3f} | {m['max rel L2']:.4f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -113,17 +113,17 @@ for stage in "$@"; do
     engine8b) python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 480 \
                 --first-request --workloads base,one,one+st,uniform8,uniform8+st,distinct,distinct+st,zipf,families --out "$OUT/et8b.md" 2>&1 | tail -25 ;;
     fp8engine)  # the 8B in FP8 (FP8_WORKLOADS), then bf16 base; logs in $OUT as they grow (a timeout keeps them)
-      timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --dtype fp8 --hf-models '' \
+      timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --dtype fp8 --hf-models '' \
         --budget-s ${FP8_BUDGET_S:-300} --workloads ${FP8_WORKLOADS:-base,one,distinct} --max-tokens ${MAX_TOKENS:-128} \
         --out "$OUT/et8b_fp8.md" > "$OUT/fp8engine.log" 2>&1; tail -16 "$OUT/fp8engine.log"
-      timeout ${BF16_S:-200} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 100 \
+      timeout ${BF16_S:-200} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --hf-models '' --budget-s 100 \
         --workloads base --max-tokens ${MAX_TOKENS:-128} --out "$OUT/et8b_bf16_base.md" > "$OUT/bf16base.log" 2>&1
       tail -12 "$OUT/bf16base.log" ;;
     attn)  # 1 GPU: decode attention, float32 against bf16 products, the bf16 against the FP8 cache (table in $OUT),
       # then the 8B engine with both products (ATTN_WORKLOADS)
       timeout ${BENCH_S:-200} python3 benchmarks/attention_decode.py > "$OUT/attention_decode.log" 2>&1
       tail -60 "$OUT/attention_decode.log"
-      timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 250 \
+      timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --hf-models '' --budget-s 250 \
         --workloads ${ATTN_WORKLOADS:-base,base+ad,base+kv8,base+kv8+ad} --max-tokens ${MAX_TOKENS:-64} \
         --out "$OUT/et8b_attn.md" > "$OUT/attnengine.log" 2>&1; tail -12 "$OUT/attnengine.log" ;;
     attnsweep)  # 1 GPU: decode attention's tile shapes with bf16-input products (DOTS), whole contexts
@@ -134,7 +134,7 @@ for stage in "$@"; do
         tests/kernels/test_attention.py tests/kernels/test_kv_fp8.py tests/engine/test_kv_fp8_gpu.py ;;
     kvfp8)  # 1 GPU: the FP8 KV cache's GPU tests (logs in $OUT), then the 8B with and without it
       test_files 150 "-m gpu" tests/kernels/test_kv_fp8.py tests/engine/test_kv_fp8_gpu.py
-      timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 280 \
+      timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --hf-models '' --budget-s 280 \
         --workloads ${KV_WORKLOADS:-base,base+kv8,distinct,distinct+kv8} --max-tokens ${MAX_TOKENS:-128} \
         --out "$OUT/et8b_kv8.md" > "$OUT/kvfp8.log" 2>&1; tail -14 "$OUT/kvfp8.log" ;;
     fp8lora)  # 1 GPU: the fused LoRA linear with A rows apart: GPU tests, the stack table (both dtypes)
@@ -151,7 +151,7 @@ for stage in "$@"; do
     lora8b)  # 1 GPU: the 8B's one-adapter tax, the fused linear (the default on Hopper) against the separate kernels
       # (each dtype's engines take about 90 s a workload with warm-up: STAGE_S/BUDGET_S for three)
       for dtype in ${DTYPES:-fp8 bfloat16}; do
-        timeout ${STAGE_S:-280} python3 benchmarks/engine_throughput.py --models 8b --dtype $dtype --hf-models '' \
+        timeout ${STAGE_S:-280} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --dtype $dtype --hf-models '' \
           --budget-s ${BUDGET_S:-230} --workloads ${LORA_WORKLOADS:-base,one,one+ke} --max-tokens ${MAX_TOKENS:-64} \
           --out "$OUT/et8b_${dtype}_lora.md" > "$OUT/lora8b_$dtype.log" 2>&1; tail -10 "$OUT/lora8b_$dtype.log"
       done ;;

@@ -26,7 +26,7 @@ SPLIT_BELOW_PROGRAMS = 512  # split contexts while sequences x kv heads are fewe
 SPLIT_TARGET_PROGRAMS = 1024  # programs the split pass aims for
 MIN_SPLIT_KEYS = 256  # no part shorter than this for the longest context a table can hold
 MAX_SPLITS = 16  # more parts were slower (BENCHMARKS.md, paged decode attention)
-DEFAULT_DOTS = "float32"  # the products' inputs (paged_decode_attention's ``dots``: one of ATTENTION_DOTS)
+DEFAULT_DOTS = "auto"  # the products' inputs (paged_decode_attention's ``dots``: one of ATTENTION_DOTS)
 
 
 @triton.jit
@@ -223,9 +223,10 @@ def paged_decode_attention(
     order:        [B] int32, the sequences longest context first (optional; whole contexts
                   only): programs start in this order, which shortens the tail
     k_scale, v_scale: [slots, Hkv] float32, an FP8 (e4m3) cache's scales (kernels/kv_fp8.py)
-    dots:         the products' inputs: "float32" (keys, values and weights widened) or "input"
-                  (q's dtype: bf16 / fp16 tensor-core products, the softmax weights rounded to it);
-                  float32 sums either way
+    dots:         the products' inputs: "float32" (keys, values and weights widened), "input"
+                  (q's dtype: bf16 / fp16 tensor-core products, the softmax weights rounded to it)
+                  or "auto" ("input" for whole contexts, "float32" for split ones: what measured
+                  faster on an H200, BENCHMARKS.md); float32 sums either way
     Semantics: out[b, h] = softmax(q[b, h] . K[j] / sqrt(D)) V over j in
     [max(kv_start, len - window), len), K, V of kv head h // (Hq / Hkv).
     """
@@ -238,7 +239,7 @@ def paged_decode_attention(
     common = dict(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page_size,
-        BLOCK_N=block_n, HAS_WINDOW=window is not None, KV_FP8=k_cache.dtype == FP8, INPUT_DOTS=_input_dots(dots),
+        BLOCK_N=block_n, HAS_WINDOW=window is not None, KV_FP8=k_cache.dtype == FP8, INPUT_DOTS=input_dots(dots, splits),
         num_warps=num_warps, num_stages=num_stages,
     )
     k_scale, v_scale, stride_sn = kv_scales(k_cache, k_scale, v_scale)
@@ -264,7 +265,8 @@ def paged_decode_attention(
     )
 
 
-def _input_dots(dots: str) -> bool:
+def input_dots(dots: str, splits: int) -> bool:
+    """Whether a launch of ``splits`` parts per context takes its products in q's dtype."""
     if dots not in ATTENTION_DOTS:
         raise ValueError(f"dots must be one of {ATTENTION_DOTS}, got {dots!r}")
-    return dots == "input"
+    return dots == "input" or (dots == "auto" and splits <= 1)

@@ -73,7 +73,7 @@ def ia3_scale(x: torch.Tensor, scales: torch.Tensor, meta: AdapterBatchMeta) -> 
 
 def paged_decode_attention(
     q, k_cache, v_cache, block_tables, context_lens, kv_start, page_size, window, out, order=None, k_scale=None,
-    v_scale=None, dots="float32",
+    v_scale=None, dots="auto",
 ) -> None:
     """See attention.paged_decode_attention (order: a launch order, no effect on the result;
     k_scale, v_scale: an FP8 cache's scales, kernels/kv_fp8.py; dots: the GPU kernel's

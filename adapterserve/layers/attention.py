@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from adapterserve.kernels import paged_decode_attention, paged_prefill_attention
+from adapterserve.kernels.attention import DEFAULT_DOTS
 from adapterserve.kernels.fp8 import FP8
 from adapterserve.kernels.kv_fp8 import write_kv
 from adapterserve.layers.context import get_context
@@ -37,7 +38,7 @@ class PagedAttention(torch.nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
-        self.decode_dots = "float32"  # the decode kernel's products (EngineConfig.decode_attention_dots)
+        self.decode_dots = DEFAULT_DOTS  # the decode kernel's products (EngineConfig.decode_attention_dots)
 
     def allocate_cache(self, slots: int, dtype: torch.dtype, device: torch.device, fp8: bool = False) -> None:
         """Zeroed caches of ``slots`` entries in ``dtype``, or in e4m3 with their scales."""

@@ -18,7 +18,7 @@ DOTS_FACTOR, DOTS_FLOOR = 3.0, 0.02  # input against float32 dots: a few times b
 def test_input_dots_stay_within_bf16_error(setup, cache):  # noqa: F811
     cuda = dict(device="cuda", dtype="bfloat16", kv_cache_dtype=cache)
     reference = _run(setup, device="cpu", dtype="float32")
-    float32_dots = _run(setup, **cuda)
+    float32_dots = _run(setup, **cuda, decode_attention_dots="float32")
     input_dots = _run(setup, **cuda, decode_attention_dots="input")
     own = _rel(float32_dots, reference)
     assert _rel(input_dots, float32_dots) < max(DOTS_FACTOR * own, DOTS_FLOOR), (_rel(input_dots, float32_dots), own)

@@ -50,7 +50,7 @@ def test_the_engine_sets_its_process_mode(llama_dir):
 
 
 def test_the_engine_sets_its_attention_layers_dots(llama_dir):
-    engine = Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1, decode_attention_dots="input")
-    assert {attn.decode_dots for attn in engine.model.attention_layers()} == {"input"}
+    engine = Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1, decode_attention_dots="float32")
+    assert {attn.decode_dots for attn in engine.model.attention_layers()} == {"float32"}
     plain = Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1)
-    assert {attn.decode_dots for attn in plain.model.attention_layers()} == {"float32"}
+    assert {attn.decode_dots for attn in plain.model.attention_layers()} == {"auto"}

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from adapterserve.kernels import reference
-from adapterserve.kernels.attention import paged_decode_attention
+from adapterserve.kernels.attention import input_dots, paged_decode_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -73,6 +73,11 @@ def test_products_in_the_input_dtype_match_reference(splits, heads, kv_heads, di
     assert torch.isfinite(out).all()
     assert (out.float() - want).norm() / want.norm() < 2e-2
     assert torch.equal(out[0].float(), torch.zeros_like(want[0]))  # padding row writes zeros
+
+
+def test_auto_dots_take_the_input_dtype_for_whole_contexts_only():
+    assert [input_dots("auto", splits) for splits in (1, 2, 16)] == [True, False, False]
+    assert input_dots("input", 16) and not input_dots("float32", 1)
 
 
 def test_an_unknown_dots_choice_is_refused():

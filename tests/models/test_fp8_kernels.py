@@ -25,6 +25,8 @@ from adapterserve.layers.base_gemm import (
 E4M3 = torch.float8_e4m3fn
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+# CPU tensors through Triton's interpreter (set only without CUDA); the gpu-marked twins cover CUDA
+interpreter = pytest.mark.skipif(CUDA, reason="Triton's CPU interpreter: the gpu-marked tests run on CUDA")
 # one projection through e4m3 weights (3 mantissa bits, per-channel scales) against the
 # unquantized float32 product: about 0.027 relative L2 error for Gaussian weights
 LAYER_REL_TOL = 0.04
@@ -44,6 +46,7 @@ def _dequantized(q, scale):
     return q.float() * scale[:, None]
 
 
+@interpreter
 @pytest.mark.parametrize("k, block", [(300, None), (2500, None), (2500, 1024)])  # one pass; the row loops
 def test_quantize_rows_triton_matches_the_twin(k, block):
     x = torch.randn(6, k) * torch.logspace(-3, 2, 6)[:, None]
@@ -66,6 +69,7 @@ def test_quantize_rows_reference_is_within_e4m3_rounding():
     assert (q.float().abs().amax(dim=1) == 448.0).all()  # each row's absmax uses the whole e4m3 range
 
 
+@interpreter
 @pytest.mark.parametrize("m", [1, 7, 40, 100])  # each tile shape of _tiles
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_weight_only_gemm_matches_float32(m, dtype):
@@ -127,6 +131,7 @@ def _with_ties(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@interpreter
 @pytest.mark.parametrize("k, block", [(300, None), (2500, None), (2500, 1024)])  # one pass; the row loops
 def test_quantize_rows_triton_rounds_midpoints_as_the_twin(k, block):
     x = _with_ties(torch.randn(6, k))
@@ -140,12 +145,13 @@ def test_quantize_rows_triton_rounds_midpoints_as_the_twin(k, block):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("rows", [33, 1024])
-def test_quantize_rows_on_gpu_is_the_twin_bit_for_bit(rows):
+@pytest.mark.parametrize("block", [None, 1024])  # one pass; the row loops
+def test_quantize_rows_on_gpu_is_the_twin_bit_for_bit(rows, block):
     """Same float32 arithmetic in kernel and twin (IEEE divisions, then round to nearest
     even): equal bits, midpoints and near-midpoints included."""
     for _ in range(4):  # fresh inputs: a rare differing rounding shows up in some draw
         x = _with_ties(torch.randn(rows, 4096, device="cuda") * 4).to(torch.bfloat16)
-        q, scale = quantize_rows_triton(x)
+        q, scale = quantize_rows_triton(x, block=block)
         q_ref, scale_ref = quantize_rows_reference(x)
         assert torch.equal(scale, scale_ref)
         differ = (q.view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()
@@ -198,6 +204,7 @@ def _w8a8_twin(xq, x_scale, q, scale):
     return (xq.double() @ q.double().T * x_scale.double() * scale.double()[None, :]).float()
 
 
+@interpreter
 @pytest.mark.parametrize("m", [1, 5, 33])  # row blocks 16, 64
 @pytest.mark.parametrize("split_k", [1, 3])  # the last split's sum, a split with a ragged K end
 def test_w8a8_triton_gemm_matches_float32(m, split_k):
@@ -220,6 +227,7 @@ def test_w8a8_chooser_fills_the_gpu_on_narrow_outputs():
         assert k // (config.block_k * config.split_k) >= 4  # each split keeps several K blocks
 
 
+@interpreter
 def test_w8a8_runs_through_base_gemm_as_the_oracle_says():
     w, q, scale = _quantized_weight(64, 128)
     x = torch.randn(5, 128)
