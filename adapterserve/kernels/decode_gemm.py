@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from adapterserve.kernels.decode_loop import k_loop, split_total
+from adapterserve.kernels.decode_stream_k import stream_k_launch
 from adapterserve.kernels.pdl import pdl_args, pdl_wait
 from adapterserve.kernels.split_counters import INDEX_LIMIT, sms_of, split_counters, split_span
 
@@ -37,6 +39,7 @@ class DecodeGemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     waves: int = 2
+    stream_k: bool = False  # waves x multiprocessors programs share the K chunks equally (decode_stream_k.py)
 
 
 def row_tile(m: int) -> int:
@@ -74,47 +77,6 @@ def split_for(n: int, k: int, config: DecodeGemmConfig, sms: int) -> int:
     while tiles * split * 2 <= config.waves * sms and k // (config.block_k * split * 2) >= 2:
         split *= 2
     return split
-
-
-@triton.jit
-def k_loop(acc, x_rows, w_rows, rm, M, n_mask, k_start, k_end, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-           IEEE: tl.constexpr):
-    """acc + x[rm, k_start:k_end] @ w[rows, k_start:k_end].T, BLOCK_K columns at a time (IEEE:
-    float32 products, not TF32). A weight stored narrower than x (e4m3 under bf16) is widened
-    to x's dtype chunk by chunk."""
-    rk = tl.arange(0, BLOCK_K)
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + rk
-        x = tl.load(x_rows + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < k_end), other=0.0)
-        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k[None, :] < k_end), other=0.0)
-        if w.dtype != x.dtype:
-            w = w.to(x.dtype)
-        if IEEE:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
-    return acc
-
-
-@triton.jit
-def split_total(acc, part_ptr, counter, pid_k, rm, cols, out_mask, M, width, SPLIT_K: tl.constexpr):
-    """The tile's sum over its K splits, and whether this program holds it: with one split
-    always; else each split stores its float32 partial and the last to finish (the tile's
-    counter) sums them in split order and resets the counter."""
-    if SPLIT_K == 1:
-        total = acc
-        last = pid_k == 0
-    else:
-        tile = rm[:, None] * width + cols[None, :]
-        tl.store(part_ptr + pid_k * M * width + tile, acc, mask=out_mask)
-        tl.debug_barrier()
-        last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1
-        total = tl.zeros_like(acc)
-        if last:
-            for split in range(SPLIT_K):
-                total += tl.load(part_ptr + split * M * width + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(counter, 0)  # ready for the next call (and graph replay)
-    return total, last
 
 
 @triton.jit
@@ -179,6 +141,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor | None,
     if weight.shape[0] * weight.stride(0) >= INDEX_LIMIT:
         raise ValueError("decode_gemm: the weight's offsets need 64 bits; this kernel indexes in 32")
     y = torch.empty(m, n, dtype=out_dtype, device=x.device) if out is None else out
+    if config.stream_k:
+        stream_k_launch(x, weight, x_scale, weight_scale, y, row_tile(m), config)
+        return y
     split = split_for(n, k, config, sms_of(x.device))
     grid = (triton.cdiv(n, config.block_n), split)
     counters = split_counters(x.device)

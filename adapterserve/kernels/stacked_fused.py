@@ -31,15 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from adapterserve.kernels.decode_gemm import (
-    FP8,
-    MAX_ROWS,
-    DecodeGemmConfig,
-    k_loop,
-    row_tile,
-    split_for,
-    split_total,
-)
+from adapterserve.kernels.decode_gemm import FP8, MAX_ROWS, DecodeGemmConfig, row_tile, split_for
+from adapterserve.kernels.decode_loop import k_loop, split_total
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
 from adapterserve.kernels.pdl import pdl_args, pdl_wait

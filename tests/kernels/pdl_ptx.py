@@ -11,6 +11,7 @@ import re
 
 from adapterserve.kernels import (
     decode_gemm,
+    decode_stream_k,
     fp8,
     fp8_fused,
     fused,
@@ -22,6 +23,7 @@ from adapterserve.kernels import (
 from tests.kernels.ptx import compile_ptx, signature, with_defaults
 
 GEMM = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2, "NUM_STAGES": 4, "IEEE": False}
+STREAM_K = {key: value for key, value in GEMM.items() if key != "SPLIT_K"}
 SLICES = {"NUM_SLICES": 3, "HAS_BIAS": False}
 TILED = {"IEEE": False, "BLOCK_M": 16, "BLOCK_N": 128, "CHUNK_ROWS": 16}
 KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
@@ -49,6 +51,8 @@ KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
     "decode_gemm": (decode_gemm._decode_gemm_kernel, GEMM),
     "decode_gemm_fp8_weights": (decode_gemm._decode_gemm_kernel, {**GEMM, "W_SCALED": 1}),
     "decode_gemm_w8a8": (decode_gemm._decode_gemm_kernel, {**GEMM, "X_SCALED": 1, "W_SCALED": 1}),
+    "decode_stream_k": (decode_stream_k._stream_k_kernel, STREAM_K),
+    "decode_stream_k_w8a8": (decode_stream_k._stream_k_kernel, {**STREAM_K, "X_SCALED": 1, "W_SCALED": 1}),
     "stacked_fused": (stacked_fused._stacked_fused_kernel,
                       {**SLICES, **GEMM, "CHUNK_ROWS": 16, "HAS_LORA": True, "ALIGNED": True}),
 }
@@ -59,6 +63,7 @@ POINTER_TYPES = {  # name: the pointers that are not bf16 / int32 / float32 by t
     "silu_mul_quant_one_pass": QUANT, "quantize_rows_one_pass": QUANT,
     "decode_gemm_fp8_weights": {"w_ptr": E4M3},
     "decode_gemm_w8a8": {"x_ptr": E4M3, "w_ptr": E4M3},
+    "decode_stream_k_w8a8": {"x_ptr": E4M3, "w_ptr": E4M3},
     "rope_and_cache_fp8": {"kc_ptr": E4M3, "vc_ptr": E4M3, "ks_ptr": "*fp32", "vs_ptr": "*fp32"},
 }
 

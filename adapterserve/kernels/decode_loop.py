@@ -1,0 +1,48 @@
+"""The device functions of our decode GEMMs (kernels/decode_gemm.py, kernels/decode_stream_k.py,
+kernels/stacked_fused.py): the software-pipelined K loop of one output tile, and the sum of a
+tile's split-K partials by the last split to finish."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def k_loop(acc, x_rows, w_rows, rm, M, n_mask, k_start, k_end, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+           IEEE: tl.constexpr):
+    """acc + x[rm, k_start:k_end] @ w[rows, k_start:k_end].T, BLOCK_K columns at a time (IEEE:
+    float32 products, not TF32). A weight stored narrower than x (e4m3 under bf16) is widened
+    to x's dtype chunk by chunk."""
+    rk = tl.arange(0, BLOCK_K)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + rk
+        x = tl.load(x_rows + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < k_end), other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k[None, :] < k_end), other=0.0)
+        if w.dtype != x.dtype:
+            w = w.to(x.dtype)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def split_total(acc, part_ptr, counter, pid_k, rm, cols, out_mask, M, width, SPLIT_K: tl.constexpr):
+    """The tile's sum over its K splits, and whether this program holds it: with one split
+    always; else each split stores its float32 partial and the last to finish (the tile's
+    counter) sums them in split order and resets the counter."""
+    if SPLIT_K == 1:
+        total = acc
+        last = pid_k == 0
+    else:
+        tile = rm[:, None] * width + cols[None, :]
+        tl.store(part_ptr + pid_k * M * width + tile, acc, mask=out_mask)
+        tl.debug_barrier()
+        last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1
+        total = tl.zeros_like(acc)
+        if last:
+            for split in range(SPLIT_K):
+                total += tl.load(part_ptr + split * M * width + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(counter, 0)  # ready for the next call (and graph replay)
+    return total, last
