@@ -175,6 +175,10 @@ for stage in "$@"; do
       test_files 120 "" tests/models/test_fp8_fused.py tests/models/test_fp8_kernels.py tests/kernels/test_pdl.py
       timeout ${BENCH_S:-120} python3 benchmarks/fp8_row_ops.py 2>&1 | tail -10
       PDL=off DTYPES=fp8 PROFILE_WORKLOADS=base TOP=12 bash "$0" profile ;;
+    streamk)  # 1 GPU: the decode GEMM's stream-K launches: their GPU tests, then the FP8 tile sweep with them
+      test_files 150 "-m gpu" tests/kernels/test_decode_gemm.py tests/kernels/test_fp8_decode_gemm.py
+      timeout ${BENCH_S:-240} python3 benchmarks/fp8_decode_gemm.py > "$OUT/fp8_decode_gemm.log" 2>&1
+      tail -48 "$OUT/fp8_decode_gemm.log" ;;
     prefix) python3 benchmarks/prefix_cache.py --model 1b 2>&1 | tail -25 ;;
     quality) python3 benchmarks/fp8_quality.py --shape 8b 2>&1 | tail -20 ;;
     *) echo "unknown stage $stage" ;;

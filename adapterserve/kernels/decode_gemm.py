@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from adapterserve.kernels.decode_loop import k_loop, split_total
+from adapterserve.kernels.decode_loop import k_loop, split_total, store_scaled
 from adapterserve.kernels.decode_stream_k import stream_k_launch
 from adapterserve.kernels.pdl import pdl_args, pdl_wait
 from adapterserve.kernels.split_counters import INDEX_LIMIT, sms_of, split_counters, split_span
@@ -98,11 +98,7 @@ def _decode_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, xs_ptr, ws_ptr
     out_mask = (rm[:, None] < M) & n_mask[None, :]
     total, last = split_total(acc, part_ptr, count_ptr + pid_n, pid_k, rm, rn, out_mask, M, N, SPLIT_K)
     if last:
-        if X_SCALED:
-            total *= tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[:, None]
-        if W_SCALED:
-            total *= tl.load(ws_ptr + rn, mask=n_mask, other=0.0)[None, :]
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty), mask=out_mask)
+        store_scaled(total, y_ptr, xs_ptr, ws_ptr, rm, rn, n_mask, out_mask, M, stride_ym, X_SCALED, W_SCALED)
 
 
 def decode_gemm(x: torch.Tensor, weight: torch.Tensor, config: DecodeGemmConfig | None = None,

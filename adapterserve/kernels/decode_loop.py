@@ -1,6 +1,6 @@
 """The device functions of our decode GEMMs (kernels/decode_gemm.py, kernels/decode_stream_k.py,
-kernels/stacked_fused.py): the software-pipelined K loop of one output tile, and the sum of a
-tile's split-K partials by the last split to finish."""
+kernels/stacked_fused.py): the software-pipelined K loop of one output tile, the sum of a
+tile's split-K partials by the last split to finish, and the finished tile's scaled store."""
 from __future__ import annotations
 
 import triton
@@ -46,3 +46,14 @@ def split_total(acc, part_ptr, counter, pid_k, rm, cols, out_mask, M, width, SPL
                 total += tl.load(part_ptr + split * M * width + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(counter, 0)  # ready for the next call (and graph replay)
     return total, last
+
+
+@triton.jit
+def store_scaled(total, y_ptr, xs_ptr, ws_ptr, rm, rn, n_mask, out_mask, M, stride_ym, X_SCALED: tl.constexpr,
+                 W_SCALED: tl.constexpr):
+    """y[rm, rn] = total, times the rows' scales (X_SCALED) and the columns' (W_SCALED)."""
+    if X_SCALED:
+        total *= tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[:, None]
+    if W_SCALED:
+        total *= tl.load(ws_ptr + rn, mask=n_mask, other=0.0)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty), mask=out_mask)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from adapterserve.kernels.decode_loop import k_loop
+from adapterserve.kernels.decode_loop import k_loop, store_scaled
 from adapterserve.kernels.pdl import pdl_args, pdl_wait
 from adapterserve.kernels.split_counters import INDEX_LIMIT, sms_of, split_counters
 
@@ -73,11 +73,8 @@ def _stream_k_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, xs_ptr, ws_ptr, M
             total, last = _shared_tile_total(acc, part_ptr, count_ptr, tile, pid, units, chunks, programs, rm, rn,
                                              out_mask, M, N)
         if last:
-            if X_SCALED:
-                total *= tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[:, None]
-            if W_SCALED:
-                total *= tl.load(ws_ptr + rn, mask=n_mask, other=0.0)[None, :]
-            tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            store_scaled(total, y_ptr, xs_ptr, ws_ptr, rm, rn, n_mask, out_mask, M, stride_ym, X_SCALED,
+                         W_SCALED)
 
 
 @functools.lru_cache(maxsize=256)
