@@ -1,6 +1,6 @@
 """The FP8 decoder's per-token quantizing ops: one pass (the row held in registers) against the
 row loops they ran before (kernels/fp8.py, kernels/fp8_fused.py), and SiLU-mul+quant with each
-row split over 2, 4 or 8 programs (kernels/fp8_row_parts.py).
+row split over 2, 4 or 8 programs (kernels/fp8_row_parts.py; quantize_rows likewise).
 
     PYTHONPATH=. python benchmarks/fp8_row_ops.py      # H100/H200: under a minute
 
@@ -17,7 +17,7 @@ import torch
 
 from adapterserve.kernels.fp8 import LOOP_BLOCK, quantize_rows_triton
 from adapterserve.kernels.fp8_fused import silu_mul_quant
-from adapterserve.kernels.fp8_row_parts import silu_mul_quant_parts
+from adapterserve.kernels.fp8_row_parts import quantize_rows_parts, silu_mul_quant_parts
 from adapterserve.kernels.fused import silu_mul
 from benchmarks.fused_update import print_table
 from benchmarks.measure import copy_bandwidth, graph_ms
@@ -62,13 +62,12 @@ def measure(kind: str, tokens: int, width: int, bandwidth: float) -> list[str]:
 
 
 def _parts_us(kind: str, inputs: list[torch.Tensor], one_pass) -> list[str]:
-    """us per launch of silu_mul_quant_parts at each of PARTS (its bits checked against one pass)."""
-    if kind != "silu_mul_quant":
-        return ["-"] * len(PARTS)
+    """us per launch of the op over parts of a row at each of PARTS (its bits checked against one pass)."""
+    kernel = silu_mul_quant_parts if kind == "silu_mul_quant" else quantize_rows_parts
     timed = []
     for parts in PARTS:
         def op(x, parts=parts):
-            return silu_mul_quant_parts(x, parts)
+            return kernel(x, parts)
         _check_same(one_pass(inputs[0]), op(inputs[0]), f"{kind} over {parts} parts")
         timed.append(f"{_per_launch_us(op, inputs):.1f}")
     return timed

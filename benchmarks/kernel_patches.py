@@ -4,6 +4,7 @@ suffix patches the module attribute the engine calls, for that workload's engine
 
     +sk            the FP8 decode GEMMs launched stream-K (kernels/decode_stream_k.py)
     +sp2/+sp4/+sp8 SiLU-mul+quant with each row over 2/4/8 programs (kernels/fp8_row_parts.py)
+    +qp2/+qp4/+qp8 the row quantization of the products not fed by a fused op (o's input) likewise
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from adapterserve.kernels.fp8_row_parts import silu_mul_quant_parts
+from adapterserve.kernels.fp8_row_parts import quantize_rows_parts, silu_mul_quant_parts
 
 
 def _stream_k(config_of: Callable) -> Callable:
@@ -23,18 +24,22 @@ def _stream_k(config_of: Callable) -> Callable:
     return config
 
 
-def _silu_parts(parts: int) -> Callable[[Callable], Callable]:
+def _over_parts(kernel: Callable, parts: int) -> Callable[[Callable], Callable]:
+    """The one-program-a-row op replaced by ``kernel`` over ``parts`` programs on CUDA tensors."""
     def wrap(one_program_a_row: Callable) -> Callable:
-        def silu_mul_quant(gate_up: torch.Tensor):
-            return silu_mul_quant_parts(gate_up, parts) if gate_up.is_cuda else one_program_a_row(gate_up)
-        return silu_mul_quant
+        def op(x: torch.Tensor):
+            return kernel(x, parts) if x.is_cuda else one_program_a_row(x)
+        return op
     return wrap
 
 
 # suffix: (module, attribute, the replacement made from the original)
 PATCHES: dict[str, tuple[str, str, Callable[[Callable], Callable]]] = {
     "+sk": ("adapterserve.kernels.decode_gemm", "fp8_decode_config", _stream_k),
-    **{f"+sp{n}": ("adapterserve.models.decoder", "silu_mul_quant", _silu_parts(n)) for n in (2, 4, 8)},
+    **{f"+sp{n}": ("adapterserve.models.decoder", "silu_mul_quant", _over_parts(silu_mul_quant_parts, n))
+       for n in (2, 4, 8)},
+    # layers.base_gemm.quantized_rows imports kernels.fp8.quantize_rows when it is called
+    **{f"+qp{n}": ("adapterserve.kernels.fp8", "quantize_rows", _over_parts(quantize_rows_parts, n)) for n in (2, 4, 8)},
 }
 
 

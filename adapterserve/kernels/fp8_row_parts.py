@@ -1,10 +1,11 @@
-"""SiLU-mul with the per-token e4m3 quantization, each row split over ``parts`` programs
-(``silu_mul_quant_parts``): kernels/fp8_fused.silu_mul_quant runs one program a row, so a
-decode batch of 64 tokens keeps 64 multiprocessors busy and each streams a whole 2 x 14,336
-row alone. Here every program computes its part of the row, stores it (activations' dtype)
-and folds its absmax into the row's running maximum; the last part to finish (a per-row
-counter) takes the row's scale and quantizes the row, reading the parts back. Same float32
-arithmetic as silu_mul_quant, so the same bits.
+"""Per-token e4m3 quantization with each row split over ``parts`` programs: of SiLU-mul's
+output (``silu_mul_quant_parts``) and of a row as it is (``quantize_rows_parts``).
+kernels/fp8_fused.silu_mul_quant and kernels/fp8.quantize_rows run one program a row, so a
+decode batch of 64 tokens keeps 64 multiprocessors busy and each streams a whole row alone
+(2 x 14,336 values for the 8B's SiLU-mul). Here every program takes its part of the row (SiLU-mul:
+computes and stores it in the activations' dtype) and folds its absmax into the row's running
+maximum; the last part to finish (a per-row counter) takes the row's scale and quantizes the
+row, reading the parts back. Same float32 arithmetic as the one-program kernels, so the same bits.
 """
 from __future__ import annotations
 
@@ -19,17 +20,20 @@ from adapterserve.kernels.split_counters import COUNTERS, split_counters, zeroed
 
 
 @triton.jit
-def _silu_mul_quant_parts_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, max_ptr, count_ptr, stride_g, stride_o, stride_q, n,
-                                 part_width, fp8_max, min_scale, PARTS: tl.constexpr, BLOCK: tl.constexpr,
-                                 QUANT_BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0):
+def _row_parts_quant_kernel(src_ptr, row_ptr, q_ptr, s_ptr, max_ptr, count_ptr, stride_src, stride_row, stride_q, n,
+                            part_width, fp8_max, min_scale, SILU: tl.constexpr, PARTS: tl.constexpr,
+                            BLOCK: tl.constexpr, QUANT_BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    """SILU: src is gate|up, the row (row_ptr) silu(gate) * up, written here; else src is the row."""
     row, part = tl.program_id(0), tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     cols = part * part_width + offs
     mask = (offs < part_width) & (cols < n)
-    out_dtype: tl.constexpr = out_ptr.dtype.element_ty
     pdl_wait(USE_PDL)
-    y = _silu_mul_row(gu_ptr + row * stride_g, n, cols, mask, out_dtype)
-    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+    if SILU:
+        y = _silu_mul_row(src_ptr + row * stride_src, n, cols, mask, row_ptr.dtype.element_ty)
+        tl.store(row_ptr + row * stride_row + cols, y, mask=mask)
+    else:
+        y = tl.load(src_ptr + row * stride_src + cols, mask=mask, other=0.0)
     tl.atomic_max(max_ptr + row, tl.max(tl.where(mask, tl.abs(y.to(tl.float32)), 0.0), axis=0), sem="relaxed")
     tl.debug_barrier()
     if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == PARTS - 1:  # the row's last part: quantize it
@@ -39,7 +43,7 @@ def _silu_mul_quant_parts_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, max_ptr, count_p
         quant = tl.arange(0, QUANT_BLOCK)
         for start in range(0, n, QUANT_BLOCK):
             qmask = start + quant < n
-            h = tl.load(out_ptr + row * stride_o + start + quant, mask=qmask, other=0.0, cache_modifier=".cg")
+            h = tl.load(row_ptr + row * stride_row + start + quant, mask=qmask, other=0.0, cache_modifier=".cg")
             store_quantized(h.to(tl.float32), scale, q_ptr + row * stride_q, start + quant, qmask, fp8_max)
         tl.atomic_xchg(count_ptr + row, 0)
 
@@ -47,18 +51,29 @@ def _silu_mul_quant_parts_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, max_ptr, count_p
 def silu_mul_quant_parts(gate_up: torch.Tensor, parts: int, q_dtype: torch.dtype = FP8
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gate_up: [T, 2I] -> (silu(gate) * up [T, I], q [T, I], scale [T, 1]) as silu_mul_quant,
-    each row over ``parts`` programs (T up to the counters' size; q_dtype other than FP8 only for
-    tests under the interpreter)."""
+    each row over ``parts`` programs (q_dtype other than FP8 only for tests under the interpreter)."""
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    if rows > COUNTERS or parts < 1:
-        raise ValueError(f"silu_mul_quant_parts: {rows} rows (at most {COUNTERS}), {parts} parts (at least 1)")
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
-    q = torch.empty(rows, inter, dtype=q_dtype, device=gate_up.device)
-    scale = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
-    part_width = triton.cdiv(inter, parts)
-    block = triton.next_power_of_2(part_width)
-    _silu_mul_quant_parts_kernel[(rows, parts)](
-        gate_up, out, q, scale, zeroed_maxima(gate_up.device), split_counters(gate_up.device), gate_up.stride(0),
-        out.stride(0), q.stride(0), inter, part_width, FP8_MAX, MIN_SCALE, PARTS=parts, BLOCK=block,
-        QUANT_BLOCK=min(LOOP_BLOCK * 4, triton.next_power_of_2(inter)), num_warps=row_warps(block), **pdl_args(gate_up))
+    q, scale = _launch(gate_up, out, parts, q_dtype, silu=True)
     return out, q, scale
+
+
+def quantize_rows_parts(x: torch.Tensor, parts: int, q_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, K] -> (q [T, K], scale [T, 1]) as quantize_rows, each row over ``parts`` programs."""
+    return _launch(x, x, parts, q_dtype, silu=False)
+
+
+def _launch(src: torch.Tensor, row: torch.Tensor, parts: int, q_dtype: torch.dtype, silu: bool
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, n = row.shape
+    if rows > COUNTERS or parts < 1:
+        raise ValueError(f"row quantization over parts: {rows} rows (at most {COUNTERS}), {parts} parts (at least 1)")
+    q = torch.empty(rows, n, dtype=q_dtype, device=row.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=row.device)
+    part_width = triton.cdiv(n, parts)
+    block = triton.next_power_of_2(part_width)
+    _row_parts_quant_kernel[(rows, parts)](
+        src, row, q, scale, zeroed_maxima(row.device), split_counters(row.device), src.stride(0), row.stride(0),
+        q.stride(0), n, part_width, FP8_MAX, MIN_SCALE, SILU=silu, PARTS=parts, BLOCK=block,
+        QUANT_BLOCK=min(LOOP_BLOCK * 4, triton.next_power_of_2(n)), num_warps=row_warps(block), **pdl_args(row))
+    return q, scale

@@ -3,7 +3,7 @@ that workload only, whatever happens inside, and plan() carries the suffixes."""
 import pytest
 import torch
 
-from adapterserve.kernels import decode_gemm
+from adapterserve.kernels import decode_gemm, fp8
 from adapterserve.models import decoder
 from benchmarks.kernel_patches import patched
 from benchmarks.workloads import plan
@@ -27,6 +27,16 @@ def test_silu_parts_fall_back_on_cpu_and_are_undone_after_an_error():
                 assert torch.equal(got, want)  # a CPU tensor: the one-program-a-row path
             raise RuntimeError("inside")
     assert decoder.silu_mul_quant is original
+
+
+def test_row_quantization_parts_fall_back_on_cpu():
+    original = fp8.quantize_rows
+    x = torch.randn(3, 64)
+    with patched(("+qp4",)):
+        assert fp8.quantize_rows is not original
+        for got, want in zip(fp8.quantize_rows(x), original(x)):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert fp8.quantize_rows is original
 
 
 def test_plan_carries_patch_suffixes_beside_option_suffixes():
