@@ -180,9 +180,9 @@ for stage in "$@"; do
       timeout ${BENCH_S:-240} python3 benchmarks/fp8_decode_gemm.py > "$OUT/fp8_decode_gemm.log" 2>&1
       tail -48 "$OUT/fp8_decode_gemm.log" ;;
     fp8patch)  # 1 GPU: the FP8 8B engine with kernel choices that are not options yet (benchmarks/kernel_patches.py:
-      # +sk stream-K decode GEMMs, +spN SiLU-mul+quant over N programs a row), each row printed as it finishes
+      # +sk stream-K decode GEMMs, +spN / +qpN SiLU-mul+quant / row quantization over N programs a row)
       timeout ${STAGE_S:-420} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --dtype fp8 --hf-models '' \
-        --budget-s ${BUDGET_S:-340} --workloads ${PATCH_WORKLOADS:-base,base+sk,base+sp4,base+sk+sp4} \
+        --budget-s ${BUDGET_S:-340} --workloads ${PATCH_WORKLOADS:-base,base+sk,base+sp4+qp4,base+sk+sp4+qp4} \
         --max-tokens ${MAX_TOKENS:-64} --out "$OUT/et8b_fp8_patches.md" > "$OUT/fp8patch.log" 2>&1
       grep -E "B=64 .*: 8b" "$OUT/fp8patch.log" | tail -8 ;;
     prefix) python3 benchmarks/prefix_cache.py --model 1b 2>&1 | tail -25 ;;
