@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from adapterserve.kernels.decode_loop import k_loop, store_scaled
+from adapterserve.kernels.decode_loop import k_loop, store_scaled, sum_in_slot_order
 from adapterserve.kernels.pdl import pdl_args, pdl_wait
 from adapterserve.kernels.split_counters import INDEX_LIMIT, sms_of, split_counters
 
@@ -34,16 +34,8 @@ def _shared_tile_total(acc, part_ptr, count_ptr, tile, pid, units, chunks, progr
     its slot (its rank among the tile's programs); the last to finish sums the slots in order."""
     first = _first_program(tile * chunks, units, programs)
     sharers = _first_program((tile + 1) * chunks - 1, units, programs) - first + 1
-    offs = rm[:, None] * N + cols[None, :]
-    tl.store(part_ptr + (pid - first) * M * N + offs, acc, mask=out_mask)
-    tl.debug_barrier()
-    last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == sharers - 1
-    total = tl.zeros_like(acc)
-    if last:
-        for slot in range(0, sharers):
-            total += tl.load(part_ptr + slot * M * N + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call (and graph replay)
-    return total, last
+    return sum_in_slot_order(acc, part_ptr, count_ptr + tile, pid - first, sharers, rm[:, None] * N + cols[None, :],
+                             out_mask, M * N)
 
 
 @triton.jit

@@ -64,6 +64,17 @@ def store_quantized(h, scale, q_row_ptr, offs, mask, fp8_max):
 
 
 @triton.jit
+def quantize_stored_row(row_ptr, q_row_ptr, scale, n, fp8_max, BLOCK: tl.constexpr, CACHE: tl.constexpr):
+    """Quantize one row of n values already in memory (row_ptr) on its scale, BLOCK at a time
+    (CACHE: the loads' cache modifier; ".cg" for values other programs wrote)."""
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, n, BLOCK):
+        mask = start + cols < n
+        h = tl.load(row_ptr + start + cols, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+        store_quantized(h, scale, q_row_ptr, start + cols, mask, fp8_max)
+
+
+@triton.jit
 def store_quantized_row(y, q_ptr, s_ptr, row, stride_q, cols, mask, fp8_max, min_scale):
     """Quantize one row held whole in registers (y: its values, masked to ``mask``)."""
     h = y.to(tl.float32)
@@ -90,10 +101,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, n, fp8_max, m
             amax = tl.maximum(amax, tl.abs(x))
         scale = row_scale(tl.max(amax, axis=0), fp8_max, min_scale)
         tl.store(s_ptr + row, scale)
-        for start in range(0, n, BLOCK):
-            mask = start + cols < n
-            x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-            store_quantized(x, scale, q_ptr + row * stride_q, start + cols, mask, fp8_max)
+        quantize_stored_row(x_ptr + row * stride_x, q_ptr + row * stride_q, scale, n, fp8_max, BLOCK, "")
 
 
 def quantize_rows_triton(x: torch.Tensor, out_dtype: torch.dtype = FP8, block: int | None = None

@@ -17,10 +17,10 @@ from adapterserve.kernels.fp8 import (
     FP8_MAX,
     MIN_SCALE,
     quantize_rows_reference,
+    quantize_stored_row,
     row_launch,
     row_scale,
     row_warps,
-    store_quantized,
     store_quantized_row,
 )
 from adapterserve.kernels.fused import add_rms_norm, rms_norm, silu_mul
@@ -96,11 +96,8 @@ def _silu_mul_quant_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, stride_g, stride_o, st
             tl.store(out_ptr + row * stride_o + start + cols, y, mask=mask)
             amax = tl.maximum(amax, tl.where(mask, tl.abs(y.to(tl.float32)), 0.0))
         scale = row_scale(tl.max(amax, axis=0), fp8_max, min_scale)
-        tl.store(s_ptr + row, scale)
-        for start in range(0, n, BLOCK):  # each thread reads back what it wrote
-            mask = start + cols < n
-            y = tl.load(out_ptr + row * stride_o + start + cols, mask=mask, other=0.0).to(tl.float32)
-            store_quantized(y, scale, q_ptr + row * stride_q, start + cols, mask, fp8_max)
+        tl.store(s_ptr + row, scale)  # each thread reads back what it wrote
+        quantize_stored_row(out_ptr + row * stride_o, q_ptr + row * stride_q, scale, n, fp8_max, BLOCK, "")
 
 
 def silu_mul_quant(gate_up: torch.Tensor, q_dtype: torch.dtype = FP8, block: int | None = None

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from adapterserve.kernels.fp8 import FP8, FP8_MAX, LOOP_BLOCK, MIN_SCALE, row_scale, row_warps, store_quantized
+from adapterserve.kernels.fp8 import FP8, FP8_MAX, LOOP_BLOCK, MIN_SCALE, quantize_stored_row, row_scale, row_warps
 from adapterserve.kernels.fp8_fused import _silu_mul_row
 from adapterserve.kernels.pdl import pdl_args, pdl_wait
 from adapterserve.kernels.split_counters import COUNTERS, split_counters, zeroed_maxima
@@ -40,11 +40,7 @@ def _row_parts_quant_kernel(src_ptr, row_ptr, q_ptr, s_ptr, max_ptr, count_ptr, 
         scale = row_scale(tl.load(max_ptr + row, cache_modifier=".cg"), fp8_max, min_scale)
         tl.store(max_ptr + row, 0.0)  # zero for the next launch
         tl.store(s_ptr + row, scale)
-        quant = tl.arange(0, QUANT_BLOCK)
-        for start in range(0, n, QUANT_BLOCK):
-            qmask = start + quant < n
-            h = tl.load(row_ptr + row * stride_row + start + quant, mask=qmask, other=0.0, cache_modifier=".cg")
-            store_quantized(h.to(tl.float32), scale, q_ptr + row * stride_q, start + quant, qmask, fp8_max)
+        quantize_stored_row(row_ptr + row * stride_row, q_ptr + row * stride_q, scale, n, fp8_max, QUANT_BLOCK, ".cg")
         tl.atomic_xchg(count_ptr + row, 0)
 
 

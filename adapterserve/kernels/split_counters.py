@@ -1,6 +1,6 @@
 """Per-device split-K tile counters and multiprocessor counts, shared by our split-K GEMMs
 (kernels/decode_gemm.py, kernels/stacked_fused.py, kernels/fp8_w8a8.py) and the row ops that
-split a row over programs (kernels/fp8_fused.py: counters and running maxima).
+split a row over programs (kernels/fp8_row_parts.py: counters and running maxima).
 
 A split-K launch counts finished splits per output tile; the last one to finish sums the
 partials and sets its counter back to zero, so one zeroed array serves every launch of a

@@ -10,8 +10,8 @@ if not torch.cuda.is_available():  # before the kernels' @triton.jit runs
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from adapterserve.kernels.fp8 import quantize_rows_reference, quantize_rows_triton
-from adapterserve.kernels.fp8_row_parts import quantize_rows_parts
 from adapterserve.kernels.fp8_gemm import fp8_weight_only_linear
+from adapterserve.kernels.fp8_row_parts import quantize_rows_parts
 from adapterserve.kernels.fp8_w8a8 import choose_w8a8_config, fp8_w8a8_linear
 from adapterserve.layers import base_gemm
 from adapterserve.layers.base_gemm import (
