@@ -20,7 +20,6 @@ from adapterserve.config import EngineConfig
 from adapterserve.engine.engine import Engine
 from adapterserve.engine.graphs import BUCKETS
 from benchmarks.backbone import Backbone
-from benchmarks.kernel_patches import PATCHES, patched
 from benchmarks.measure import StepTrace, decode_summary, floor_for, run_requests, sync
 from benchmarks.random_adapters import BOTTLENECK_RANK, AdapterFactory, decode_read_bytes
 
@@ -32,8 +31,7 @@ WORKLOADS = ("base", "one", "uniform8", "distinct", "zipf", "ranks", "families")
 # "kernels" (the default, "auto", is "fused" on sm_90 and later);
 # +dg / +dgt: decode_gemm "auto" / "triton"; with --dtype fp8, +d8 / +dw: fp8_gemm "decode_w8a8" /
 # "decode_weight_only"; +pe / +po: pdl "early" / "off" (the engine's default, "auto", is early for an
-# FP8 backbone on our decode GEMM); +kv8: kv_cache_dtype "fp8"; +ad / +fd: decode_attention_dots "input" / "float32" (the default, "auto": input for whole contexts));
-# kernel choices that are not options yet: benchmarks/kernel_patches.py (+sk, +sp2/+sp4/+sp8)
+# FP8 backbone on our decode GEMM); +kv8: kv_cache_dtype "fp8"; +ad / +fd: decode_attention_dots "input" / "float32" (the default, "auto": input));
 VARIANTS = {"+1s": {"lora_side_stream": False}, "+r64": {"max_lora_rank": 64}, "+st": {"lora_decode": "stacked"},
             "+fu": {"lora_decode": "fused"}, "+ke": {"lora_decode": "kernels"}, "+dg": {"decode_gemm": "auto"}, "+dgt": {"decode_gemm": "triton"},
             "+d8": {"fp8_gemm": "decode_w8a8"}, "+dw": {"fp8_gemm": "decode_weight_only"},
@@ -53,7 +51,6 @@ class Plan:
     pool_rows: int = 16
     cold: bool = False  # evict every adapter after warm-up: the run includes its slot loads
     engine_options: dict = field(default_factory=dict)  # EngineConfig fields of a variant
-    patches: tuple[str, ...] = ()  # kernel_patches suffixes in force for this workload's engine
     note: str = ""
 
 
@@ -85,11 +82,6 @@ def plan(name: str, batch: int, factory: AdapterFactory, peft_dir: Path | dict, 
         if name.endswith(suffix):
             variant = plan(name.removesuffix(suffix), batch, factory, peft_dir, s, bottleneck)
             variant.name, variant.engine_options = name, {**variant.engine_options, **options}
-            return variant
-    for suffix in PATCHES:
-        if name.endswith(suffix):
-            variant = plan(name.removesuffix(suffix), batch, factory, peft_dir, s, bottleneck)
-            variant.name, variant.patches = name, (*variant.patches, suffix)
             return variant
     if name == "base":
         return Plan(name, [None] * batch)
@@ -200,11 +192,6 @@ def warm_up(engine: Engine, trace: StepTrace, p: Plan, timed: list[list[int]], v
 
 def run_workload(backbone: Backbone, p: Plan, prompts: list[list[int]], s: Settings, bandwidth: float) -> dict:
     """Warm up, then time the workload; the summary row (without the adapter tax)."""
-    with patched(p.patches):
-        return _run_workload(backbone, p, prompts, s, bandwidth)
-
-
-def _run_workload(backbone: Backbone, p: Plan, prompts: list[list[int]], s: Settings, bandwidth: float) -> dict:
     batch, model = len(prompts), backbone.model
     engine = None
     try:

@@ -26,7 +26,7 @@ SPLIT_BELOW_PROGRAMS = 512  # split contexts while sequences x kv heads are fewe
 SPLIT_TARGET_PROGRAMS = 1024  # programs the split pass aims for
 MIN_SPLIT_KEYS = 256  # no part shorter than this for the longest context a table can hold
 MAX_SPLITS = 16  # more parts were slower (BENCHMARKS.md, paged decode attention)
-DEFAULT_DOTS = "auto"  # the products' inputs (paged_decode_attention's ``dots``: one of ATTENTION_DOTS)
+DEFAULT_DOTS = "auto"  # the products' inputs (paged_decode_attention's ``dots``: one of ATTENTION_DOTS; input_dots)
 
 
 @triton.jit
@@ -239,7 +239,7 @@ def paged_decode_attention(
     common = dict(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page_size,
-        BLOCK_N=block_n, HAS_WINDOW=window is not None, KV_FP8=k_cache.dtype == FP8, INPUT_DOTS=input_dots(dots, splits),
+        BLOCK_N=block_n, HAS_WINDOW=window is not None, KV_FP8=k_cache.dtype == FP8, INPUT_DOTS=input_dots(dots),
         num_warps=num_warps, num_stages=num_stages,
     )
     k_scale, v_scale, stride_sn = kv_scales(k_cache, k_scale, v_scale)
@@ -265,8 +265,10 @@ def paged_decode_attention(
     )
 
 
-def input_dots(dots: str, splits: int) -> bool:
-    """Whether a launch of ``splits`` parts per context takes its products in q's dtype."""
+def input_dots(dots: str) -> bool:
+    """Whether the kernel takes its products in q's dtype. ``auto`` does, whole contexts and split
+    ones alike: a pick by split count would change a graph step's numbers (its block table is padded,
+    so it splits where the eager step does not) and so its greedy tokens."""
     if dots not in ATTENTION_DOTS:
         raise ValueError(f"dots must be one of {ATTENTION_DOTS}, got {dots!r}")
-    return dots == "input" or (dots == "auto" and splits <= 1)
+    return dots != "float32"

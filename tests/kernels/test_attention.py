@@ -75,9 +75,10 @@ def test_products_in_the_input_dtype_match_reference(splits, heads, kv_heads, di
     assert torch.equal(out[0].float(), torch.zeros_like(want[0]))  # padding row writes zeros
 
 
-def test_auto_dots_take_the_input_dtype_for_whole_contexts_only():
-    assert [input_dots("auto", splits) for splits in (1, 2, 16)] == [True, False, False]
-    assert input_dots("input", 16) and not input_dots("float32", 1)
+def test_auto_dots_take_the_input_dtype_and_bad_names_are_refused():
+    assert input_dots("auto") and input_dots("input") and not input_dots("float32")
+    with pytest.raises(ValueError, match="dots must be one of"):
+        input_dots("bf16")
 
 
 def test_an_unknown_dots_choice_is_refused():
