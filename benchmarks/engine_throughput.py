@@ -36,7 +36,6 @@ from benchmarks.checkpoints import SHAPES, scratch_dir, write_random_checkpoint
 from benchmarks.first_request import cold_cost_lines, first_request_line, measure_first_request
 from benchmarks.hf_baseline import add_peft_loras, load_hf, timed_row
 from benchmarks.hotswap import measure_hotswap
-from benchmarks.kernel_patches import PATCHES
 from benchmarks.measure import Floor, copy_bandwidth, floor_for
 from benchmarks.random_adapters import (
     AdapterFactory,
@@ -107,7 +106,7 @@ def parse_args(argv: list[str] | None) -> Config:
     unknown = {w for w in split(a.workloads) if _base_workload(w) not in WORKLOADS}
     if unknown:
         p.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}, "
-                f"each optionally with a variant suffix ({', '.join((*VARIANTS, *PATCHES))})")
+                f"each optionally with a variant suffix ({', '.join(VARIANTS)})")
     if a.smoke:
         dtype = "fp8" if a.dtype == "fp8" else "float32"
         settings = Settings("cpu", dtype, 6, (8, 24), 16, 48, 40, 6, a.zipf_alpha, a.seed, a.fp8_gemm)
@@ -231,7 +230,7 @@ def _start_lines(rows: list[dict]) -> list[str]:
 
 def _base_workload(name: str) -> str:
     """The workload without its variant suffixes (any number, any order)."""
-    while (suffix := next((v for v in (*VARIANTS, *PATCHES) if name.endswith(v)), None)) is not None:
+    while (suffix := next((v for v in VARIANTS if name.endswith(v)), None)) is not None:
         name = name.removesuffix(suffix)
     return name
 

@@ -10,8 +10,6 @@ weights (every read from HBM), one CUDA graph replay per figure, B tokens. Varia
   scaled_mm, w8a8 triton        the activations already quantized per token (as the fused
                                 RMSNorm / SiLU-mul hand them over): the GEMM alone
   ours w8a8 <tiles>             e4m3 activations and weights in our decode GEMM
-  ours w8a8-sk <tiles>          the same launched stream-K (kernels/decode_stream_k.py): waves x SMs
-                                programs share the (tile, K chunk) units equally, no tail
   ours wo <tiles>               bf16 activations, e4m3 weights widened in the loop (no
                                 activation quantization at all)
 Ours run with PDL "early" (the other kernels have no PDL path); the engine's tiles
@@ -50,25 +48,17 @@ TILES = (  # (block_n, block_k, stages, waves: split-K aims at this many program
     (32, 128, 4, 2), (32, 256, 4, 2), (64, 256, 3, 2), (128, 128, 3, 2), (128, 256, 3, 2),
     (32, 256, 4, 4), (16, 256, 4, 2), (16, 256, 4, 4),  # narrow outputs (o, q|k|v): more, shorter programs
 )
-STREAM_K_TILES = (  # the same, launched stream-K: waves x SMs programs share the K chunks equally
-    (32, 256, 4, 1), (32, 256, 4, 2), (64, 256, 3, 1), (64, 256, 3, 2), (128, 256, 3, 1), (16, 256, 4, 2),
-)
 
 
 def fp8_configs(quick: bool) -> list[DecodeGemmConfig]:
-    tiles = [(tile, False) for tile in (TILES[:3] if quick else TILES)]
-    tiles += [(tile, True) for tile in (STREAM_K_TILES[:2] if quick else STREAM_K_TILES)]
-    return [DecodeGemmConfig(block_n=n, block_k=k, num_stages=s, waves=w, num_warps=8 if n * k >= 128 * 256 else 4,
-                             stream_k=stream_k) for (n, k, s, w), stream_k in tiles]
+    tiles = TILES[:3] if quick else TILES
+    return [DecodeGemmConfig(block_n=n, block_k=k, num_stages=s, waves=w, num_warps=8 if n * k >= 128 * 256 else 4)
+            for n, k, s, w in tiles]
 
 
 def label(c: DecodeGemmConfig) -> str:
-    """e.g. "n32 k256 s4", "n64 k256 s3 w1" (stream-K launches are told apart by their family)."""
+    """e.g. "n32 k256 s4", "n64 k256 s3 w1"."""
     return f"n{c.block_n} k{c.block_k} s{c.num_stages}" + (f" w{c.waves}" if c.waves != 2 else "")
-
-
-def family(c: DecodeGemmConfig, form: str) -> str:
-    return f"ours {form}-sk" if c.stream_k else f"ours {form}"
 
 
 class Projection:
@@ -101,11 +91,10 @@ class Projection:
             runs[f"ours w8a8 engine tiles, PDL {mode}"] = (
                 lambda: [fp8_decode_gemm(xq, q, s, xs, x.dtype, engine_tiles) for q, s in self.fp8][-1], a8_twin, mode)
         for c in configs:
-            runs[f"{family(c, 'w8a8')} {label(c)}"] = (
+            runs[f"ours w8a8 {label(c)}"] = (
                 lambda c=c: [fp8_decode_gemm(xq, q, s, xs, x.dtype, c) for q, s in self.fp8][-1], a8_twin, "early")
-            if not c.stream_k:  # weight-only has lost to W8A8 on every projection: its stream-K not timed
-                runs[f"{family(c, 'wo')} {label(c)}"] = (
-                    lambda c=c: [fp8_decode_gemm(x, q, s, config=c) for q, s in self.fp8][-1], wo_twin, "early")
+            runs[f"ours wo {label(c)}"] = (
+                lambda c=c: [fp8_decode_gemm(x, q, s, config=c) for q, s in self.fp8][-1], wo_twin, "early")
         return runs
 
 
@@ -130,7 +119,7 @@ def rows_for(name: str, timed: dict[str, tuple[float, float]], fp8_floor: float)
     """The fixed variants, then the fastest two tile choices of each of ours."""
     picked = ["bf16 cuBLAS", "bf16 ours", "scaled_mm", "w8a8 triton", "ours w8a8 engine tiles, PDL off",
               "ours w8a8 engine tiles, PDL early"]
-    for kind in ("ours w8a8", "ours w8a8-sk", "ours wo"):
+    for kind in ("ours w8a8", "ours wo"):
         ours = sorted((v for v in timed if v.startswith(kind + " ") and "engine" not in v), key=lambda v: timed[v][0])
         picked += ours[:2]
     base = timed.get("w8a8 triton", (float("nan"), 0.0))[0]
@@ -147,8 +136,7 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         device, dtype, shape, layers, name = "cpu", torch.float32, SHAPES["tiny"], 2, "CPU (smoke)"
-        configs = [DecodeGemmConfig(block_n=32, block_k=32, split_k=2),
-                   DecodeGemmConfig(block_n=32, block_k=32, stream_k=True)]
+        configs = [DecodeGemmConfig(block_n=32, block_k=32, split_k=2)]
     else:
         device, dtype, shape, layers = "cuda", torch.bfloat16, SHAPES["8b"], args.layers
         name, configs = torch.cuda.get_device_name(), fp8_configs(args.quick)

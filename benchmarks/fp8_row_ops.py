@@ -1,6 +1,5 @@
 """The FP8 decoder's per-token quantizing ops: one pass (the row held in registers) against the
-row loops they ran before (kernels/fp8.py, kernels/fp8_fused.py), and SiLU-mul+quant with each
-row split over 2, 4 or 8 programs (kernels/fp8_row_parts.py; quantize_rows likewise).
+row loops they ran before (kernels/fp8.py, kernels/fp8_fused.py).
 
     PYTHONPATH=. python benchmarks/fp8_row_ops.py      # H100/H200: under a minute
 
@@ -17,13 +16,11 @@ import torch
 
 from adapterserve.kernels.fp8 import LOOP_BLOCK, quantize_rows_triton
 from adapterserve.kernels.fp8_fused import silu_mul_quant
-from adapterserve.kernels.fp8_row_parts import quantize_rows_parts, silu_mul_quant_parts
 from adapterserve.kernels.fused import silu_mul
 from benchmarks.fused_update import print_table
 from benchmarks.measure import copy_bandwidth, graph_ms
 
 LAUNCHES = 32  # LOOP_BLOCK: the block the row loops run with
-PARTS = (2, 4, 8)  # programs a row, silu_mul_quant_parts
 
 
 def _per_launch_us(op, inputs: list[torch.Tensor]) -> float:
@@ -38,7 +35,7 @@ def _per_launch_us(op, inputs: list[torch.Tensor]) -> float:
 def _check_same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...], what: str) -> None:
     for x, y in zip(a, b):
         if not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
-            raise AssertionError(f"{what}: differs from the other path")
+            raise AssertionError(f"{what}: one pass and loops differ")
 
 
 def _ops(kind: str):
@@ -58,19 +55,7 @@ def measure(kind: str, tokens: int, width: int, bandwidth: float) -> list[str]:
     plain_us = f"{_per_launch_us(plain, inputs):.1f}" if plain is not None else "-"
     floor_us = nbytes(inputs[0]) / bandwidth * 1e6
     return [kind, str(tokens), str(width), f"{loop_us:.1f}", f"{one_us:.1f}", f"{loop_us / one_us:.2f}x",
-            *_parts_us(kind, inputs, one_pass), plain_us, f"{floor_us:.1f}"]
-
-
-def _parts_us(kind: str, inputs: list[torch.Tensor], one_pass) -> list[str]:
-    """us per launch of the op over parts of a row at each of PARTS (its bits checked against one pass)."""
-    kernel = silu_mul_quant_parts if kind == "silu_mul_quant" else quantize_rows_parts
-    timed = []
-    for parts in PARTS:
-        def op(x, parts=parts):
-            return kernel(x, parts)
-        _check_same(one_pass(inputs[0]), op(inputs[0]), f"{kind} over {parts} parts")
-        timed.append(f"{_per_launch_us(op, inputs):.1f}")
-    return timed
+            plain_us, f"{floor_us:.1f}"]
 
 
 def main() -> None:
@@ -82,8 +67,8 @@ def main() -> None:
     rows = [measure(kind, int(t), width, bandwidth) for kind, width in cases for t in args.tokens.split(",")]
     print(f"\n{torch.cuda.get_device_name()}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s; us per launch "
           f"(graph replay of {LAUNCHES})")
-    print_table(["op", "tokens", "input width", "loops", "one pass", "speed-up",
-                 *[f"{parts} parts" for parts in PARTS], "bf16 silu_mul", "bytes' floor"], rows)
+    print_table(["op", "tokens", "input width", "loops", "one pass", "speed-up", "bf16 silu_mul", "bytes' floor"],
+                rows)
 
 
 if __name__ == "__main__":

@@ -175,16 +175,6 @@ for stage in "$@"; do
       test_files 120 "" tests/models/test_fp8_fused.py tests/models/test_fp8_kernels.py tests/kernels/test_pdl.py
       timeout ${BENCH_S:-120} python3 benchmarks/fp8_row_ops.py 2>&1 | tail -10
       PDL=off DTYPES=fp8 PROFILE_WORKLOADS=base TOP=12 bash "$0" profile ;;
-    streamk)  # 1 GPU: the decode GEMM's stream-K launches: their GPU tests, then the FP8 tile sweep with them
-      test_files 150 "-m gpu" tests/kernels/test_decode_gemm.py tests/kernels/test_fp8_decode_gemm.py
-      timeout ${BENCH_S:-240} python3 benchmarks/fp8_decode_gemm.py > "$OUT/fp8_decode_gemm.log" 2>&1
-      tail -48 "$OUT/fp8_decode_gemm.log" ;;
-    fp8patch)  # 1 GPU: the FP8 8B engine with kernel choices that are not options yet (benchmarks/kernel_patches.py:
-      # +sk stream-K decode GEMMs, +spN / +qpN SiLU-mul+quant / row quantization over N programs a row)
-      timeout ${STAGE_S:-420} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --dtype fp8 --hf-models '' \
-        --budget-s ${BUDGET_S:-340} --workloads ${PATCH_WORKLOADS:-base,base+sk,base+sp4+qp4,base+sk+sp4+qp4} \
-        --max-tokens ${MAX_TOKENS:-64} --out "$OUT/et8b_fp8_patches.md" > "$OUT/fp8patch.log" 2>&1
-      grep -E "B=64 .*: 8b" "$OUT/fp8patch.log" | tail -8 ;;
     prefix) python3 benchmarks/prefix_cache.py --model 1b 2>&1 | tail -25 ;;
     quality) python3 benchmarks/fp8_quality.py --shape 8b 2>&1 | tail -20 ;;
     *) echo "unknown stage $stage" ;;

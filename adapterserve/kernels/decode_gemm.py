@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from adapterserve.kernels.decode_loop import k_loop, split_total, store_scaled
-from adapterserve.kernels.decode_stream_k import stream_k_launch
 from adapterserve.kernels.pdl import pdl_args, pdl_wait
 from adapterserve.kernels.split_counters import INDEX_LIMIT, sms_of, split_counters, split_span
 
@@ -39,7 +38,6 @@ class DecodeGemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     waves: int = 2
-    stream_k: bool = False  # waves x multiprocessors programs share the K chunks equally (decode_stream_k.py)
 
 
 def row_tile(m: int) -> int:
@@ -137,9 +135,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor | None,
     if weight.shape[0] * weight.stride(0) >= INDEX_LIMIT:
         raise ValueError("decode_gemm: the weight's offsets need 64 bits; this kernel indexes in 32")
     y = torch.empty(m, n, dtype=out_dtype, device=x.device) if out is None else out
-    if config.stream_k:
-        stream_k_launch(x, weight, x_scale, weight_scale, y, row_tile(m), config)
-        return y
     split = split_for(n, k, config, sms_of(x.device))
     grid = (triton.cdiv(n, config.block_n), split)
     counters = split_counters(x.device)

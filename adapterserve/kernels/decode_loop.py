@@ -1,6 +1,6 @@
-"""The device functions of our decode GEMMs (kernels/decode_gemm.py, kernels/decode_stream_k.py,
-kernels/stacked_fused.py): the software-pipelined K loop of one output tile, the sum of a
-tile's partials by the last of its programs to finish, and the finished tile's scaled store."""
+"""The device functions of our decode GEMMs (kernels/decode_gemm.py, kernels/stacked_fused.py):
+the software-pipelined K loop of one output tile, the sum of a tile's K splits by the last of
+its programs to finish, and the finished tile's scaled store."""
 from __future__ import annotations
 
 import triton
@@ -36,24 +36,15 @@ def split_total(acc, part_ptr, counter, pid_k, rm, cols, out_mask, M, width, SPL
         total = acc
         last = pid_k == 0
     else:
-        total, last = sum_in_slot_order(acc, part_ptr, counter, pid_k, SPLIT_K, rm[:, None] * width + cols[None, :],
-                                        out_mask, M * width)
-    return total, last
-
-
-@triton.jit
-def sum_in_slot_order(acc, part_ptr, counter, slot, slots, tile, out_mask, slot_size):
-    """acc stored in its slot of a tile's float32 partials (``tile``: the tile's offsets in a slot);
-    the last of the tile's ``slots`` programs to arrive (its counter) sums every slot in order and
-    resets the counter: (the sum, whether this program holds it)."""
-    tl.store(part_ptr + slot * slot_size + tile, acc, mask=out_mask)
-    tl.debug_barrier()
-    last = tl.atomic_add(counter, 1, sem="acq_rel") == slots - 1
-    total = tl.zeros_like(acc)
-    if last:
-        for other in range(slots):
-            total += tl.load(part_ptr + other * slot_size + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(counter, 0)  # ready for the next call (and graph replay)
+        tile = rm[:, None] * width + cols[None, :]
+        tl.store(part_ptr + pid_k * M * width + tile, acc, mask=out_mask)
+        tl.debug_barrier()
+        last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1
+        total = tl.zeros_like(acc)
+        if last:
+            for split in range(SPLIT_K):
+                total += tl.load(part_ptr + split * M * width + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(counter, 0)  # ready for the next call (and graph replay)
     return total, last
 
 

@@ -64,13 +64,12 @@ def store_quantized(h, scale, q_row_ptr, offs, mask, fp8_max):
 
 
 @triton.jit
-def quantize_stored_row(row_ptr, q_row_ptr, scale, n, fp8_max, BLOCK: tl.constexpr, CACHE: tl.constexpr):
-    """Quantize one row of n values already in memory (row_ptr) on its scale, BLOCK at a time
-    (CACHE: the loads' cache modifier; ".cg" for values other programs wrote)."""
+def quantize_stored_row(row_ptr, q_row_ptr, scale, n, fp8_max, BLOCK: tl.constexpr):
+    """Quantize one row of n values already in memory (row_ptr) on its scale, BLOCK at a time."""
     cols = tl.arange(0, BLOCK)
     for start in range(0, n, BLOCK):
         mask = start + cols < n
-        h = tl.load(row_ptr + start + cols, mask=mask, other=0.0, cache_modifier=CACHE).to(tl.float32)
+        h = tl.load(row_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
         store_quantized(h, scale, q_row_ptr, start + cols, mask, fp8_max)
 
 
@@ -101,7 +100,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, n, fp8_max, m
             amax = tl.maximum(amax, tl.abs(x))
         scale = row_scale(tl.max(amax, axis=0), fp8_max, min_scale)
         tl.store(s_ptr + row, scale)
-        quantize_stored_row(x_ptr + row * stride_x, q_ptr + row * stride_q, scale, n, fp8_max, BLOCK, "")
+        quantize_stored_row(x_ptr + row * stride_x, q_ptr + row * stride_q, scale, n, fp8_max, BLOCK)
 
 
 def quantize_rows_triton(x: torch.Tensor, out_dtype: torch.dtype = FP8, block: int | None = None

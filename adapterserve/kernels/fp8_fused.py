@@ -97,7 +97,7 @@ def _silu_mul_quant_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, stride_g, stride_o, st
             amax = tl.maximum(amax, tl.where(mask, tl.abs(y.to(tl.float32)), 0.0))
         scale = row_scale(tl.max(amax, axis=0), fp8_max, min_scale)
         tl.store(s_ptr + row, scale)  # each thread reads back what it wrote
-        quantize_stored_row(out_ptr + row * stride_o, q_ptr + row * stride_q, scale, n, fp8_max, BLOCK, "")
+        quantize_stored_row(out_ptr + row * stride_o, q_ptr + row * stride_q, scale, n, fp8_max, BLOCK)
 
 
 def silu_mul_quant(gate_up: torch.Tensor, q_dtype: torch.dtype = FP8, block: int | None = None

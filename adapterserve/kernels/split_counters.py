@@ -1,11 +1,10 @@
 """Per-device split-K tile counters and multiprocessor counts, shared by our split-K GEMMs
-(kernels/decode_gemm.py, kernels/stacked_fused.py, kernels/fp8_w8a8.py) and the row ops that
-split a row over programs (kernels/fp8_row_parts.py: counters and running maxima).
+(kernels/decode_gemm.py, kernels/stacked_fused.py, kernels/fp8_w8a8.py).
 
 A split-K launch counts finished splits per output tile; the last one to finish sums the
 partials and sets its counter back to zero, so one zeroed array serves every launch of a
 stream, CUDA-graph replays included. Launches on one stream follow each other, so they
-can share it. The maxima (float32) are used and zeroed again the same way.
+can share it.
 """
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ COUNTERS = 1 << 16  # tiles (and step counters) one launch may use
 INDEX_LIMIT = 2**31  # these kernels index a weight's elements in 32 bits
 
 _ARRAYS: dict[torch.device, torch.Tensor] = {}
-_MAXIMA: dict[torch.device, torch.Tensor] = {}
 
 
 def prepare_split_counters(device: torch.device | str) -> None:
@@ -26,7 +24,6 @@ def prepare_split_counters(device: torch.device | str) -> None:
     device = _indexed(torch.device(device))
     if device not in _ARRAYS:
         _ARRAYS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-        _MAXIMA[device] = torch.zeros(COUNTERS, dtype=torch.float32, device=device)
 
 
 def split_counters(device: torch.device) -> torch.Tensor:
@@ -37,12 +34,6 @@ def split_counters(device: torch.device) -> torch.Tensor:
             raise RuntimeError("split-K GEMM: call prepare_split_counters(device) before capturing a CUDA graph")
         prepare_split_counters(device)
     return _ARRAYS[device]
-
-
-def zeroed_maxima(device: torch.device) -> torch.Tensor:
-    """The device's float32 running maxima, zero between launches (allocated with the counters)."""
-    split_counters(device)
-    return _MAXIMA[_indexed(device)]
 
 
 def split_span(k: int, split: int, block_k: int) -> int:

@@ -11,10 +11,8 @@ import re
 
 from adapterserve.kernels import (
     decode_gemm,
-    decode_stream_k,
     fp8,
     fp8_fused,
-    fp8_row_parts,
     fused,
     segment_gemv,
     stacked_fused,
@@ -24,7 +22,6 @@ from adapterserve.kernels import (
 from tests.kernels.ptx import compile_ptx, signature, with_defaults
 
 GEMM = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2, "NUM_STAGES": 4, "IEEE": False}
-STREAM_K = {key: value for key, value in GEMM.items() if key != "SPLIT_K"}
 SLICES = {"NUM_SLICES": 3, "HAS_BIAS": False}
 TILED = {"IEEE": False, "BLOCK_M": 16, "BLOCK_N": 128, "CHUNK_ROWS": 16}
 KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
@@ -49,15 +46,9 @@ KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
     "silu_mul_quant": (fp8_fused._silu_mul_quant_kernel, {"BLOCK": 2048}),
     "silu_mul_quant_one_pass": (fp8_fused._silu_mul_quant_kernel, {"BLOCK": 16384, "ONE_PASS": 1}),
     "quantize_rows_one_pass": (fp8._quantize_rows_kernel, {"BLOCK": 4096, "ONE_PASS": 1}),
-    "silu_mul_quant_parts": (fp8_row_parts._row_parts_quant_kernel,
-                             {"SILU": True, "PARTS": 4, "BLOCK": 4096, "QUANT_BLOCK": 8192}),
-    "quantize_rows_parts": (fp8_row_parts._row_parts_quant_kernel,
-                            {"SILU": False, "PARTS": 4, "BLOCK": 1024, "QUANT_BLOCK": 4096}),
     "decode_gemm": (decode_gemm._decode_gemm_kernel, GEMM),
     "decode_gemm_fp8_weights": (decode_gemm._decode_gemm_kernel, {**GEMM, "W_SCALED": 1}),
     "decode_gemm_w8a8": (decode_gemm._decode_gemm_kernel, {**GEMM, "X_SCALED": 1, "W_SCALED": 1}),
-    "decode_stream_k": (decode_stream_k._stream_k_kernel, STREAM_K),
-    "decode_stream_k_w8a8": (decode_stream_k._stream_k_kernel, {**STREAM_K, "X_SCALED": 1, "W_SCALED": 1}),
     "stacked_fused": (stacked_fused._stacked_fused_kernel,
                       {**SLICES, **GEMM, "CHUNK_ROWS": 16, "HAS_LORA": True, "ALIGNED": True}),
 }
@@ -66,10 +57,8 @@ QUANT = {"q_ptr": E4M3, "s_ptr": "*fp32"}
 POINTER_TYPES = {  # name: the pointers that are not bf16 / int32 / float32 by their names
     "quantize_rows": QUANT, "rms_norm_quant": QUANT, "add_rms_norm_quant": QUANT, "silu_mul_quant": QUANT,
     "silu_mul_quant_one_pass": QUANT, "quantize_rows_one_pass": QUANT,
-    "silu_mul_quant_parts": {**QUANT, "max_ptr": "*fp32"}, "quantize_rows_parts": {**QUANT, "max_ptr": "*fp32"},
     "decode_gemm_fp8_weights": {"w_ptr": E4M3},
     "decode_gemm_w8a8": {"x_ptr": E4M3, "w_ptr": E4M3},
-    "decode_stream_k_w8a8": {"x_ptr": E4M3, "w_ptr": E4M3},
     "rope_and_cache_fp8": {"kc_ptr": E4M3, "vc_ptr": E4M3, "ks_ptr": "*fp32", "vs_ptr": "*fp32"},
 }
 

@@ -1,14 +1,12 @@
 """The decode GEMM (kernels/decode_gemm.py) against float32 torch: fresh random inputs,
-output poisoned with NaN before the call, split and unsplit K, stream-K launches (tiles whole
-and shared, programs spanning tiles), ragged N and K, on a GPU also the 8B's shapes and PDL
-on in a CUDA graph."""
+output poisoned with NaN before the call, split and unsplit K, ragged N and K, on a GPU
+also the 8B's shapes and PDL on in a CUDA graph."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from adapterserve.kernels.decode_gemm import DecodeGemmConfig, decode_gemm
-from adapterserve.kernels.decode_stream_k import most_sharers
 from adapterserve.kernels.split_counters import split_counters
 
 from .cases import NAN, SHAPES_8B, TOL, fresh_generator, gpu, gpu_pdl_modes, interpreted, needs_cuda, pdl_replays
@@ -32,10 +30,7 @@ def _rel(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
     DecodeGemmConfig(block_n=32, block_k=32, split_k=1),
     DecodeGemmConfig(block_n=32, block_k=32, split_k=3),
     DecodeGemmConfig(block_n=16, block_k=32, split_k=2, num_stages=1),
-    # 5 tiles x 7 K chunks over 4 programs (whole tiles and shared ones) and over 12 (every tile shared)
-    DecodeGemmConfig(block_n=16, block_k=32, stream_k=True, waves=1),
-    DecodeGemmConfig(block_n=16, block_k=32, stream_k=True, waves=3),
-], ids=["one-split", "three-splits", "unpipelined", "stream-k-4", "stream-k-12"])
+], ids=["one-split", "three-splits", "unpipelined"])
 def test_interpreted_matches_float32(m, config):
     x, w, seed = _inputs(m, 72, 200, torch.float32, "cpu")  # N and K not multiples of the tiles
     out = torch.full((m, 72), NAN)
@@ -45,35 +40,14 @@ def test_interpreted_matches_float32(m, config):
 
 
 @interpreted
-@pytest.mark.parametrize("config", [DecodeGemmConfig(block_n=16, block_k=32, split_k=3),
-                                    DecodeGemmConfig(block_n=16, block_k=32, stream_k=True, waves=2)],
-                         ids=["split-k", "stream-k"])
-def test_counters_are_reset_for_the_next_call(config):
+def test_counters_are_reset_for_the_next_call():
+    config = DecodeGemmConfig(block_n=16, block_k=32, split_k=3)
     x, w, seed = _inputs(8, 40, 96, torch.float32, "cpu")
     first = decode_gemm(x, w, config)
     assert not split_counters(x.device).any()
     x2 = torch.randn_like(x)
     second = decode_gemm(x2, w, config)
     assert _rel(first, x, w) < TOL[torch.float32] and _rel(second, x2, w) < TOL[torch.float32], f"seed {seed}"
-
-
-@interpreted
-def test_stream_k_sums_in_a_fixed_order():
-    """The same inputs give the same bits: a shared tile's partials are summed in program order."""
-    x, w, seed = _inputs(5, 72, 200, torch.float32, "cpu")
-    config = DecodeGemmConfig(block_n=16, block_k=32, stream_k=True, waves=3)
-    assert torch.equal(decode_gemm(x, w, config), decode_gemm(x, w, config)), f"seed {seed}"
-
-
-@pytest.mark.parametrize("tiles, chunks, programs", [(5, 7, 4), (5, 7, 12), (192, 16, 264), (448, 16, 264),
-                                                     (128, 56, 264), (3, 1, 3), (1, 9, 9)])
-def test_stream_k_slots_cover_every_tile_s_programs(tiles, chunks, programs):
-    """most_sharers against the programs' unit ranges counted one by one."""
-    units = tiles * chunks
-    owner = [next(p for p in range(programs) if p * units // programs <= u < (p + 1) * units // programs)
-             for u in range(units)]
-    sharers = [len(set(owner[t * chunks:(t + 1) * chunks])) for t in range(tiles)]
-    assert most_sharers(tiles, chunks, programs) == max(sharers)
 
 
 def test_refuses_what_it_cannot_take():
@@ -99,8 +73,8 @@ def test_base_products_take_it_only_on_a_gpu_and_by_name():
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 17, 64])
 @pytest.mark.parametrize("n,k", SHAPES_8B)
-@pytest.mark.parametrize("config", [DecodeGemmConfig(), DecodeGemmConfig(block_n=128, block_k=64, waves=4),
-                                    DecodeGemmConfig(stream_k=True)], ids=["default", "n128-k64", "stream-k"])
+@pytest.mark.parametrize("config", [DecodeGemmConfig(), DecodeGemmConfig(block_n=128, block_k=64, waves=4)],
+                         ids=["default", "n128-k64"])
 def test_gpu_matches_float32_on_8b_shapes(m, n, k, config):
     x, w, seed = _inputs(m, n, k, torch.bfloat16, "cuda")
     out = torch.full((m, n), NAN, dtype=torch.bfloat16, device="cuda")
@@ -111,10 +85,10 @@ def test_gpu_matches_float32_on_8b_shapes(m, n, k, config):
 
 
 @gpu_pdl_modes
-@pytest.mark.parametrize("config", [DecodeGemmConfig(), DecodeGemmConfig(stream_k=True)], ids=["split-k", "stream-k"])
-def test_gpu_pdl_chain_in_a_graph_gives_the_bits_of_pdl_off(mode, config):
+def test_gpu_pdl_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
     x, w1, seed = _inputs(64, 4096, 4096, torch.bfloat16, "cuda")
     w2 = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    config = DecodeGemmConfig()
 
     def chain():
         return decode_gemm(torch.relu(decode_gemm(x, w1, config)), w2, config)

@@ -12,9 +12,7 @@ if not torch.cuda.is_available():  # before the kernels' @triton.jit runs
 
 from adapterserve.kernels.fp8 import quantize_rows_reference
 from adapterserve.kernels.fp8_fused import rms_norm_quant, silu_mul_quant
-from adapterserve.kernels.fp8_row_parts import silu_mul_quant_parts
 from adapterserve.kernels.fused import silu_mul
-from adapterserve.kernels.split_counters import split_counters, zeroed_maxima
 
 E4M3 = torch.float8_e4m3fn
 CUDA = torch.cuda.is_available()
@@ -64,44 +62,6 @@ def test_silu_mul_quant(dtype, inter, block):
     assert torch.allclose(out.float(), want, rtol=tol, atol=tol)
     assert torch.equal(_bits(q)[2], torch.zeros(inter, dtype=torch.uint8, device=DEVICE))
     _same_quantization(out, q, scale)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("inter, parts", [(96, 1), (96, 3), (2500, 4), (17, 8)])  # 17 / 8: parts with no column
-def test_silu_mul_quant_over_parts_of_rows_gives_the_bits_of_one_program_a_row(dtype, inter, parts):
-    for _ in range(2):  # the second launch starts from the counters and maxima the first left
-        gate_up = (torch.randn(5, 2 * inter, device=DEVICE) * 3).to(dtype)
-        gate_up[2] = 0.0
-        got = silu_mul_quant_parts(gate_up, parts, q_dtype=Q_DTYPE)
-        want = silu_mul_quant(gate_up, q_dtype=Q_DTYPE)
-        for a, b in zip(got, want):
-            assert torch.equal(a, b)
-        _same_quantization(*got)
-        assert not split_counters(gate_up.device).any() and not zeroed_maxima(gate_up.device).any()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("rows", [1, 64, 256])
-@pytest.mark.parametrize("parts", [2, 4, 8])
-def test_silu_mul_quant_parts_on_the_8b_width_in_a_graph(rows, parts):
-    """The 8B's down input (2 x 14,336) in a CUDA graph replayed on fresh inputs: the bits of
-    one program a row every replay."""
-    gate_up = torch.empty(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16)
-    silu_mul_quant_parts(gate_up.normal_(), parts)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = silu_mul_quant_parts(gate_up, parts)
-    for _ in range(3):
-        gate_up.normal_().mul_(3)
-        graph.replay()
-        for a, b in zip(got, silu_mul_quant(gate_up)):
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
-def test_parts_refuse_what_they_cannot_take():
-    with pytest.raises(ValueError, match="0 parts"):
-        silu_mul_quant_parts(torch.zeros(2, 8, device=DEVICE), 0)
 
 
 def test_cpu_twins_are_the_unfused_ops_then_quantize_rows():

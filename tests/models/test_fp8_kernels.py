@@ -11,7 +11,6 @@ if not torch.cuda.is_available():  # before the kernels' @triton.jit runs
 
 from adapterserve.kernels.fp8 import quantize_rows_reference, quantize_rows_triton
 from adapterserve.kernels.fp8_gemm import fp8_weight_only_linear
-from adapterserve.kernels.fp8_row_parts import quantize_rows_parts
 from adapterserve.kernels.fp8_w8a8 import choose_w8a8_config, fp8_w8a8_linear
 from adapterserve.layers import base_gemm
 from adapterserve.layers.base_gemm import (
@@ -141,29 +140,6 @@ def test_quantize_rows_triton_rounds_midpoints_as_the_twin(k, block):
     assert torch.equal(scale, scale_ref) and scale[0].item() == 2.0**-3  # absmax 56 = 448 / 8
     assert torch.equal(q.to(E4M3).view(torch.uint8), q_ref.view(torch.uint8))
     assert q_ref[0, :3].float().tolist() == [1.0, -1.25, 3.0]  # ties to even
-
-
-@interpreter
-@pytest.mark.parametrize("k, parts", [(300, 1), (300, 3), (2500, 4), (5, 8)])  # 5 / 8: parts with no column
-def test_quantize_rows_over_parts_gives_the_bits_of_one_program_a_row(k, parts):
-    for _ in range(2):  # the second launch starts from the counters and maxima the first left
-        x = _with_ties(torch.randn(6, k)) if k >= 9 else torch.randn(6, k)
-        x[3] = 0.0
-        q, scale = quantize_rows_parts(x, parts, q_dtype=torch.float32)
-        q_one, scale_one = quantize_rows_triton(x, out_dtype=torch.float32)
-        assert torch.equal(q, q_one) and torch.equal(scale, scale_one)
-        assert torch.equal(q.to(E4M3).view(torch.uint8), quantize_rows_reference(x)[0].view(torch.uint8))
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("parts", [2, 4, 8])
-def test_quantize_rows_over_parts_on_gpu_is_the_twin_bit_for_bit(parts):
-    for rows in (1, 64, 256):
-        x = _with_ties(torch.randn(rows, 4096, device="cuda") * 4).to(torch.bfloat16)
-        q, scale = quantize_rows_parts(x, parts)
-        q_ref, scale_ref = quantize_rows_reference(x)
-        assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
 @pytest.mark.gpu
