@@ -79,8 +79,8 @@ class EngineConfig:
     decode_attention_dots: the decode attention kernel's products (CUDA): "input" (bf16/fp16
                       tensor-core products, the softmax weights rounded to the queries' dtype, as
                       flash attention does), "float32" (keys, values and weights widened first), or
-                      "auto": "input" for whole contexts, where it measured faster on an H200,
-                      "float32" for split contexts, where it did not; float32 sums either way
+                      "auto" (the default): "input" for whole and split contexts alike, so a graph
+                      step and the same eager step (which split differently) agree; float32 sums
     pdl:              programmatic dependent launch of the decode step's Triton kernels (sm_90+,
                       process-wide: the engine built last sets it; kernels/pdl.py): "off",
                       "early", "exit", or "auto": ADAPTERSERVE_PDL when that is set, else "early"
