@@ -7,13 +7,16 @@ step stays capturable in a CUDA graph.
 Besides the per-slot segments it holds a *tile list* for the Triton kernels: each
 tile is up to ``block_m`` consecutive tokens of one slot. The list has a fixed
 length computed from host ints (``max_tiles``), so launch grids never depend on
-device values; entries past the last real tile carry slot -1.
+device values; entries past the last real tile carry slot -1. On a GPU a batch of up to
+metadata_triton.MAX_TOKENS tokens gets all of it from one launch (kernels/metadata_triton.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from adapterserve.kernels.metadata_triton import MAX_TOKENS, adapter_meta_one_launch
 
 NO_ADAPTER = -1
 
@@ -91,6 +94,17 @@ def build_tiles(
     return tile_slots, torch.where(valid, starts, zero), torch.where(valid, ends, zero)
 
 
+def group_by_slot(slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_tokens, slot_counts, slot_starts) of [T] int32 slots, in torch ops (no host sync)."""
+    sorted_tokens = torch.argsort(slots, stable=True).to(torch.int32)
+    shifted = (slots.long() + 1).clamp_(min=0)
+    counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=slots.device)
+    counts.scatter_add_(0, shifted, torch.ones_like(slots))
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    slot_counts = counts[1:].contiguous()
+    return sorted_tokens, slot_counts, (ends[1:] - slot_counts).contiguous()
+
+
 def build_adapter_meta(
     token_slots: torch.Tensor, num_slots: int, block_m: int | None = None, stacked_expand: str = "tiled"
 ) -> AdapterBatchMeta:
@@ -106,14 +120,12 @@ def build_adapter_meta(
     block_m = default_block_m(num_tokens) if block_m is None else block_m
     if block_m < 1:
         raise ValueError(f"block_m must be positive, got {block_m}")
-    sorted_tokens = torch.argsort(slots, stable=True).to(torch.int32)
-    shifted = (slots.long() + 1).clamp_(min=0)
-    counts = torch.zeros(num_slots + 1, dtype=torch.int32, device=slots.device)
-    counts.scatter_add_(0, shifted, torch.ones_like(slots))
-    ends = torch.cumsum(counts, 0, dtype=torch.int32)
-    slot_counts = counts[1:].contiguous()
-    slot_starts = (ends[1:] - slot_counts).contiguous()
-    tile_slots, tile_starts, tile_ends = build_tiles(slot_counts, slot_starts, num_tokens, block_m)
+    if slots.is_cuda and 0 < num_tokens <= MAX_TOKENS and num_slots > 0:  # one launch, not thirty
+        sorted_tokens, slot_counts, slot_starts, tile_slots, tile_starts, tile_ends = adapter_meta_one_launch(
+            slots, num_slots, block_m, max_tiles(num_tokens, num_slots, block_m))
+    else:
+        sorted_tokens, slot_counts, slot_starts = group_by_slot(slots, num_slots)
+        tile_slots, tile_starts, tile_ends = build_tiles(slot_counts, slot_starts, num_tokens, block_m)
     return AdapterBatchMeta(
         token_slots=slots,
         sorted_tokens=sorted_tokens,

@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adapterserve.kernels.metadata import build_adapter_meta, max_tiles
+from adapterserve.kernels.metadata import build_adapter_meta, build_tiles, group_by_slot, max_tiles
+from adapterserve.kernels.metadata_triton import MAX_TOKENS, adapter_meta_one_launch
 
-from .cases import PATTERNS, fresh_generator, gpu, needs_cuda, token_slots
+from .cases import PATTERNS, fresh_generator, gpu, interpreted, needs_cuda, token_slots
 
 
 def _check(slots: torch.Tensor, num_slots: int, block_m: int, seed: int) -> None:
@@ -62,3 +63,46 @@ def test_tiles_on_gpu_without_sync(pattern):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     _check(slots, 128, 16, seed)
+
+
+def _torch_ops(slots: torch.Tensor, num_slots: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    sorted_tokens, counts, starts = group_by_slot(slots, num_slots)
+    return (sorted_tokens, counts, starts, *build_tiles(counts, starts, slots.shape[0], block_m))
+
+
+def _one_launch_matches_the_torch_ops(slots: torch.Tensor, num_slots: int, block_m: int, seed: int) -> None:
+    n_tiles = max_tiles(slots.shape[0], num_slots, block_m)
+    poisoned = torch.full((slots.shape[0] + n_tiles + 3 * num_slots,), -7, dtype=torch.int32, device=slots.device)
+    del poisoned  # the allocator hands the kernel's outputs memory that held -7s, not zeros
+    got = adapter_meta_one_launch(slots, num_slots, block_m, n_tiles)
+    names = ("sorted_tokens", "slot_counts", "slot_starts", "tile_slots", "tile_starts", "tile_ends")
+    for name, a, b in zip(names, got, _torch_ops(slots, num_slots, block_m)):
+        assert torch.equal(a.cpu(), b.cpu()), f"{name}: {a.tolist()} != {b.tolist()}; seed={seed}"
+
+
+@interpreted
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("t,s,block_m", [(1, 1, 16), (5, 3, 16), (64, 70, 16), (130, 9, 32), (100, 200, 16)])
+def test_one_launch_gives_the_torch_ops_metadata(pattern, t, s, block_m):
+    """Every output equal to the torch ops' (the stable order included), slots and tiles over more
+    than one chunk (70 and 200 slots, 130 tokens), tokens without adapters among them."""
+    gen, seed = fresh_generator()
+    _one_launch_matches_the_torch_ops(token_slots(pattern, t, s, gen, no_adapter=0.2), s, block_m, seed)
+
+
+def test_one_launch_refuses_what_it_cannot_take():
+    int32 = dict(dtype=torch.int32)
+    for slots, num_slots in [(torch.zeros(0, **int32), 2), (torch.zeros(MAX_TOKENS + 1, **int32), 2),
+                             (torch.zeros(4, dtype=torch.int64), 2), (torch.zeros(4, **int32), 0),
+                             (torch.zeros(8, **int32)[::2], 2)]:
+        with pytest.raises(ValueError, match="adapter_meta_one_launch"):
+            adapter_meta_one_launch(slots, num_slots, 16, 4)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("t,s", [(1, 8), (64, 128), (512, 1000)])
+def test_one_launch_on_gpu_gives_the_torch_ops_metadata(pattern, t, s):
+    gen, seed = fresh_generator()
+    _one_launch_matches_the_torch_ops(token_slots(pattern, t, s, gen, no_adapter=0.1).cuda(), s, 16, seed)
