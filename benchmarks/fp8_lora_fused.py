@@ -106,8 +106,9 @@ class Stack:
         if variant == "fp8 fused":
             return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=self._fp8_config(p),
                                  apart=BaseApart(p.q, p.scale, (xq, xs)), shrink=self._shrink(p, x, rows))
-        if variant == "bf16 fused":
-            return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=p.bf16_config, apart=BaseApart(p.weight))
+        if variant in ("bf16 fused", "bf16 own shrink"):
+            return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=p.bf16_config, apart=BaseApart(p.weight),
+                                 own_shrink=variant.endswith("own shrink") and rows > 0)
         bf16 = variant.startswith("bf16")
         if variant.endswith("base") or not rows:
             return self._base(p, bf16)

@@ -1,5 +1,5 @@
-"""The fused LoRA linear projection by projection, and what Triton's integer specialisation of
-its arguments is worth (kernels/stacked_fused.py).
+"""The fused LoRA linear projection by projection, its shrink tiles against each output tile's own
+shrink (kernels/stacked_fused.py).
 
     PYTHONPATH=. python benchmarks/fused_linear_projections.py           # H100/H200: about a minute
     PYTHONPATH=. python benchmarks/fused_linear_projections.py --smoke   # CPU, interpreter, tiny shapes
@@ -8,9 +8,10 @@ fp8_lora_fused.py's stack (16 layers of the 8B, B=64, e4m3 and bf16 weights, ran
 PDL early); each figure is one CUDA graph replay of the 16 projections of one kind, in us per
 projection, with its tax over the plain decode GEMM of the same dtype. Variants:
   base            our decode GEMM (W8A8 on the rounded activations, or bf16)
-  fused N         the fused linear over N adapters (0: no pool row in use), as on main
-  fused N, rows unspecialised    the same kernel compiled with ``rows`` left unspecialised, as
-                  before the nineteenth session (``do_not_specialize``: M, rows, a_tiles)
+  fused N         the fused linear over N adapters (0: no pool row in use), as on main: shrink
+                  tiles, every output tile waiting for them
+  own shrink N    the same with ``own_shrink``: no shrink tiles, each output tile's shrink in
+                  its own K loop, no wait (bf16 only; its output checked against fused N's)
 """
 from __future__ import annotations
 
@@ -23,9 +24,6 @@ import torch
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' @triton.jit runs
 
-import triton
-
-from adapterserve.kernels import stacked_fused as fused_module
 from adapterserve.kernels.pdl import set_pdl
 from adapterserve.kernels.stacked import row_bucket
 from benchmarks.checkpoints import SHAPES
@@ -33,38 +31,43 @@ from benchmarks.fp8_lora_fused import RANK, Stack
 from benchmarks.fused_update import print_table, step_meta, time_ms
 
 KINDS = ("q|k|v", "o", "gate|up", "down")  # Stack's projection order within a layer
-MAIN_KERNEL = fused_module._stacked_fused_kernel
-UNSPECIALISED = triton.jit(MAIN_KERNEL.fn, do_not_specialize=["M", "rows", "a_tiles"])
-VARIANTS = {  # name: (adapters, kernel, Stack's variant without its dtype)
-    "fused 0": (0, MAIN_KERNEL, "fused"),
-    "fused 0, rows unspecialised": (0, UNSPECIALISED, "fused"),
-    "fused 1": (1, MAIN_KERNEL, "fused"),
-    "fused 1, rows unspecialised": (1, UNSPECIALISED, "fused"),
+VARIANTS = {  # name: (adapters, Stack's variant without its dtype)
+    "fused 0": (0, "fused"),
+    "fused 1": (1, "fused"),
+    "own shrink 1": (1, "own shrink"),
+    "fused 2": (2, "fused"),
+    "own shrink 2": (2, "own shrink"),
 }
+OWN_SHRINK_TOL = 2e-2  # own shrink against fused: bf16 outputs, the shrink summed in another order
 
 
-def timed_with(kernel, run, device: str) -> float:
-    """run's time with the fused linear's launches going to this compiled form of its kernel."""
-    fused_module._stacked_fused_kernel = kernel
-    try:
-        return time_ms(run, device)
-    finally:
-        fused_module._stacked_fused_kernel = MAIN_KERNEL
+def _checked(stack: Stack, form: str, meta, rows: int, projections: list) -> None:
+    """An own-shrink variant's output against the fused linear's, before it is timed."""
+    if form != "own shrink":
+        return
+    want = stack.run("bf16 fused", meta, rows, projections).float()
+    err = float((stack.run("bf16 own shrink", meta, rows, projections).float() - want).norm() / want.norm())
+    if err > OWN_SHRINK_TOL:
+        raise AssertionError(f"own shrink differs from fused: {err:.2e}")
 
 
 def table(stack: Stack, tokens: int, slots: int, device: str, layers: int) -> list[list[str]]:
-    metas = {0: step_meta(tokens, 1, slots, device), 1: step_meta(tokens, 1, slots, device)}
+    metas = {n: step_meta(tokens, max(n, 1), slots, device) for n in (0, 1, 2)}
     metas[0].token_slots.fill_(-1)
-    rows_of = {0: 0, 1: row_bucket(RANK, slots * RANK)}
+    rows_of = {n: row_bucket(n * RANK, slots * RANK) for n in (0, 1, 2)}
     out = []
     for dtype in ("fp8", "bf16"):
         for i, kind in enumerate(KINDS):
             projections = stack.projections[i::len(KINDS)]
             base = time_ms(lambda: stack.run(f"{dtype} base", metas[0], 0, projections), device)
             cells = [f"{base * 1e3 / layers:.1f}"]
-            for adapters, kernel, form in VARIANTS.values():
+            for adapters, form in VARIANTS.values():
+                if dtype == "fp8" and form == "own shrink":  # one dtype only
+                    cells.append("-")
+                    continue
                 meta, rows = metas[adapters], rows_of[adapters]
-                ms = timed_with(kernel, lambda: stack.run(f"{dtype} {form}", meta, rows, projections), device)
+                _checked(stack, form, meta, rows, projections)
+                ms = time_ms(lambda: stack.run(f"{dtype} {form}", meta, rows, projections), device)
                 cells.append(f"{ms * 1e3 / layers:.1f} ({(ms / base - 1) * 100:+.0f}%)")
             out.append([dtype, kind, *cells])
     return out

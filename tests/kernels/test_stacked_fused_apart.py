@@ -81,12 +81,15 @@ def _to(device, x, apart, weight, scale, lora, bias, slots):
             None if bias is None else bias.to(device), meta)
 
 
-def _run(case, dtype, mode, device, config):
+def _run(case, dtype, mode, device, config, own_shrink=False):
     gen, seed = fresh_generator()
     x, apart, weight, scale, lora, bias, slots, rows = _apart_case(case, dtype, gen, mode)
     ref = _oracle(x, weight, scale, lora, bias, slots, mode)
     x_d, apart, w_d, scale_d, lora_d, bias_d, meta = _to(device, x, apart, weight, scale, lora, bias, slots)
-    y = stacked_fused(x_d, apart, lora_d, meta, rows, bias_d, config, _base(x_d, w_d, scale_d, mode)).cpu()
+    if own_shrink and rows == 0:
+        return
+    y = stacked_fused(x_d, apart, lora_d, meta, rows, bias_d, config, _base(x_d, w_d, scale_d, mode),
+                      own_shrink=own_shrink).cpu()
     check_close(y, ref, dtype, seed, f"fused apart {mode} {case}")
 
 
@@ -101,6 +104,13 @@ FORMS = [(torch.float32, 1, m) for m in MODES] + [(torch.float16, 2, "plain")]
 @pytest.mark.parametrize("case", CPU_FUSED, ids=str)
 def test_fused_apart_interpreted(case, dtype, split, mode):
     _run(case, dtype, mode, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=split))
+
+
+@interpreted
+@pytest.mark.parametrize("case", CPU_FUSED, ids=str)
+def test_fused_apart_with_each_tile_s_own_shrink_interpreted(case):
+    """own_shrink with the weight kept apart (the engine's bf16 fused linear), split K."""
+    _run(case, torch.float32, "plain", "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=2), own_shrink=True)
 
 
 @interpreted
@@ -159,6 +169,10 @@ def test_fused_apart_refuses_what_it_cannot_take():
     meta = build_adapter_meta(slots, lora.rank.shape[1])
     with pytest.raises(ValueError, match="A rows only"):
         stacked_fused(x, apart, lora, meta, rows)
+    with pytest.raises(ValueError, match="own_shrink needs"):
+        stacked_fused(x, apart, lora, meta, rows, apart=BaseApart(q, scale), own_shrink=True)
+    with pytest.raises(ValueError, match="own_shrink needs"):
+        stacked_fused(x, apart, lora, meta, 0, apart=BaseApart(q.float()), own_shrink=True)
     with pytest.raises(ValueError, match="must be torch.float32 or torch.float8_e4m3fn"):
         stacked_fused(x, apart, lora, meta, rows, apart=BaseApart(q.half()))
     with pytest.raises(ValueError, match="with an e4m3 weight only"):
@@ -194,6 +208,14 @@ def test_fused_apart_gpu(case, mode):
         pytest.skip("e4m3 dots need sm_89")
     n, k = sum(case[4]), case[3]
     _run(case, torch.bfloat16, mode, "cuda", decode_config(n, k) if mode == "plain" else fp8_decode_config(n, k))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("case", GPU_FUSED, ids=str)
+def test_fused_apart_with_each_tile_s_own_shrink_gpu(case):
+    n, k = sum(case[4]), case[3]
+    _run(case, torch.bfloat16, "plain", "cuda", decode_config(n, k), own_shrink=True)
 
 
 @gpu_pdl_modes
