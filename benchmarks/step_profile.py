@@ -24,6 +24,7 @@ import torch
 
 from adapterserve import Engine, SamplingParams
 from adapterserve.adapters_store.formats.types import LoraAdapter, LoraModule
+from adapterserve.kernels import metadata
 from benchmarks.checkpoints import SHAPES, scratch_dir, write_random_checkpoint
 
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -128,6 +129,10 @@ def _print_kernels(rows: dict[str, dict[str, tuple]], top: int, title: str) -> N
     print(f"{'total':<62}" + "".join(f"{sum(us for us, _ in r.values()):>22.1f}" for r in rows.values()))
 
 
+def _metadata_build() -> str:
+    return "one launch" if metadata.ONE_LAUNCH else "torch ops"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="8b")
@@ -143,7 +148,11 @@ def main() -> None:
                         help="of base, one (one shared LoRA), distinct (a LoRA a row), ranks (--kernels only)")
     parser.add_argument("--pdl", default="auto", choices=["auto", "off", "early", "exit"],
                         help="programmatic dependent launch: with it, a kernel's traced time includes its wait")
+    parser.add_argument("--metadata", choices=["torch", "one-launch"],
+                        help="the adapter metadata's build (default: kernels/metadata.py's ONE_LAUNCH)")
     args = parser.parse_args()
+    if args.metadata:
+        metadata.ONE_LAUNCH = args.metadata == "one-launch"
     chosen = args.workloads.split(",")
     shape = SHAPES[args.model]
     path = write_random_checkpoint(shape, scratch_dir(shape.checkpoint_bytes()), "cuda")
@@ -167,7 +176,7 @@ def main() -> None:
         workloads[f"{ranked} ranks 8/16/64"] = mixed
     if args.kernels:
         _print_kernels({w: kernel_profile(engine, args.batch, a, args.steps) for w, a in workloads.items()},
-                       args.top, f"{args.dtype}, PDL {args.pdl}")
+                       args.top, f"{args.dtype}, PDL {args.pdl}, metadata {_metadata_build()}")
         return
     rows = {w: profile(engine, args.batch, a, args.steps) for w, a in workloads.items()}
     cols = list(next(iter(rows.values())))

@@ -184,6 +184,16 @@ for stage in "$@"; do
         --budget-s ${BUDGET_S:-250} --workloads ${TAX_WORKLOADS:-base,base+dgt,one} --max-tokens ${MAX_TOKENS:-64} \
         --out "$OUT/et8b_taxsplit.md" > "$OUT/taxsplit.log" 2>&1; grep -E "B=64 .*: 8b" "$OUT/taxsplit.log" | tail -6
       timeout ${BENCH_S:-150} python3 benchmarks/fused_linear_projections.py 2>&1 | tail -12 ;;
+    metaprof)  # 1 GPU: the one-launch adapter metadata's GPU tests, then (if they passed) the bf16 8B's traced
+      # decode step with the metadata from the torch ops and from one launch
+      if test_files 150 "-m gpu" tests/kernels/test_metadata.py | tee /dev/stderr | grep -q " passed" \
+         && ! grep -q "failed" "$OUT/test_metadata.log"; then
+        for build in torch one-launch; do
+          timeout ${STAGE_S:-200} python3 benchmarks/step_profile.py --kernels --in-graphs --dtype bfloat16 \
+            --workloads base,one --steps 20 --top ${TOP:-20} --metadata $build > "$OUT/profile_meta_$build.log" 2>&1
+          tail -$((${TOP:-20} + 3)) "$OUT/profile_meta_$build.log"
+        done
+      fi ;;
     prefix) python3 benchmarks/prefix_cache.py --model 1b 2>&1 | tail -25 ;;
     quality) python3 benchmarks/fp8_quality.py --shape 8b 2>&1 | tail -20 ;;
     *) echo "unknown stage $stage" ;;
