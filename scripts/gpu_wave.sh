@@ -175,15 +175,16 @@ for stage in "$@"; do
       test_files 120 "" tests/models/test_fp8_fused.py tests/models/test_fp8_kernels.py tests/kernels/test_pdl.py
       timeout ${BENCH_S:-120} python3 benchmarks/fp8_row_ops.py 2>&1 | tail -10
       PDL=off DTYPES=fp8 PROFILE_WORKLOADS=base TOP=12 bash "$0" profile ;;
-    taxsplit)  # 1 GPU: the fused linear's and the one-launch metadata's GPU tests; the bf16 one-adapter tax taken
-      # apart: base on cuBLAS, base on our decode GEMM (the fused linear's base product), one adapter (fused); then
-      # the fused linear projection by projection, shrink tiles against each tile's own shrink
-      test_files 150 "-m gpu" tests/kernels/test_stacked_fused.py tests/kernels/test_stacked_fused_apart.py \
+    taxsplit)  # 1 GPU: the fused linear's and the one-launch metadata's GPU tests, then the fused linear projection
+      # by projection, shrink tiles against each tile's own shrink (then: taxengine)
+      test_files 100 "-m gpu" tests/kernels/test_stacked_fused.py tests/kernels/test_stacked_fused_apart.py \
         tests/kernels/test_metadata.py
-      timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --hf-models '' \
-        --budget-s ${BUDGET_S:-250} --workloads ${TAX_WORKLOADS:-base,base+dgt,one} --max-tokens ${MAX_TOKENS:-64} \
-        --out "$OUT/et8b_taxsplit.md" > "$OUT/taxsplit.log" 2>&1; grep -E "B=64 .*: 8b" "$OUT/taxsplit.log" | tail -6
       timeout ${BENCH_S:-150} python3 benchmarks/fused_linear_projections.py 2>&1 | tail -12 ;;
+    taxengine)  # 1 GPU: the bf16 8B's one-adapter tax taken apart: base on cuBLAS, base on our decode GEMM (the
+      # fused linear's base product), one adapter (fused)
+      timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --hf-models '' \
+        --budget-s ${BUDGET_S:-270} --workloads ${TAX_WORKLOADS:-base,base+dgt,one} --max-tokens ${MAX_TOKENS:-64} \
+        --out "$OUT/et8b_taxsplit.md" > "$OUT/taxsplit.log" 2>&1; grep -E "B=64 .*: 8b" "$OUT/taxsplit.log" | tail -6 ;;
     metaprof)  # 1 GPU: the one-launch adapter metadata's GPU tests, then (if they passed) the bf16 8B's traced
       # decode step with the metadata from the torch ops and from one launch
       if test_files 150 "-m gpu" tests/kernels/test_metadata.py | tee /dev/stderr | grep -q " passed" \
