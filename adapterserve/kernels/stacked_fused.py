@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from adapterserve.kernels.decode_gemm import FP8, MAX_ROWS, DecodeGemmConfig, row_tile, split_for
-from adapterserve.kernels.decode_loop import k_loop, split_total
+from adapterserve.kernels.decode_loop import arrive_last, k_loop, scaled, split_total, sum_splits
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
 from adapterserve.kernels.pdl import pdl_args, pdl_wait
@@ -142,15 +142,11 @@ def _pair_total(acc, acc_s, part_ptr, part_s_ptr, counter, pid_k, rm, cols, out_
         s_mask = (rm < M)[:, None]
         tl.store(part_ptr + pid_k * M * width + out_tile, acc, mask=out_mask)
         tl.store(part_s_ptr + pid_k * tiles * M * ROWS_PAD + s_tile, acc_s, mask=s_mask)
-        tl.debug_barrier()
-        last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1
+        last = arrive_last(counter, SPLIT_K)
         total, total_s = tl.zeros_like(acc), tl.zeros_like(acc_s)
         if last:
-            for split in range(SPLIT_K):
-                total += tl.load(part_ptr + split * M * width + out_tile, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")
-                total_s += tl.load(part_s_ptr + split * tiles * M * ROWS_PAD + s_tile, mask=s_mask, other=0.0,
-                                   cache_modifier=".cg")
+            total = sum_splits(total, part_ptr, out_tile, out_mask, M * width, SPLIT_K)
+            total_s = sum_splits(total_s, part_s_ptr, s_tile, s_mask, tiles * M * ROWS_PAD, SPLIT_K)
             tl.atomic_xchg(counter, 0)  # ready for the next call (and graph replay)
     return total, total_s, last
 
@@ -254,10 +250,7 @@ def _stacked_fused_kernel(
             total, last = split_total(acc, part_ptr, count_ptr + a_tiles + tile, pid_k, rm, cols, out_mask, M, n_out,
                                       SPLIT_K)
         if last:
-            if X_SCALED:
-                total *= tl.load(xs_ptr + rm, mask=rm < M, other=0.0)[:, None]
-            if W_SCALED:
-                total *= tl.load(ws_ptr + cols, mask=n_mask, other=0.0)[None, :]
+            total = scaled(total, xs_ptr, ws_ptr, rm, cols, n_mask, M, X_SCALED, W_SCALED)
             if OWN_SHRINK:
                 total = _expand_own_shrink(total, total_s, b_ptr, row0, end, rows, cols, n_mask, stride_br,
                                            stride_bn, ROWS_PAD, IEEE)
