@@ -225,8 +225,7 @@ def paged_decode_attention(
     k_scale, v_scale: [slots, Hkv] float32, an FP8 (e4m3) cache's scales (kernels/kv_fp8.py)
     dots:         the products' inputs: "float32" (keys, values and weights widened), "input"
                   (q's dtype: bf16 / fp16 tensor-core products, the softmax weights rounded to it)
-                  or "auto" ("input" for whole contexts, "float32" for split ones: what measured
-                  faster on an H200, BENCHMARKS.md); float32 sums either way
+                  or "auto" (the default: "input" for every launch, input_dots); float32 sums either way
     Semantics: out[b, h] = softmax(q[b, h] . K[j] / sqrt(D)) V over j in
     [max(kv_start, len - window), len), K, V of kv head h // (Hq / Hkv).
     """

@@ -97,6 +97,11 @@ def _adapter_meta_kernel(slots_ptr, sorted_ptr, counts_ptr, starts_ptr, last_ptr
                block_m, CHUNK)
 
 
+def _int32(n: int, device: torch.device) -> torch.Tensor:
+    """An output or scratch buffer of the launch (tests poison them)."""
+    return torch.empty(n, dtype=torch.int32, device=device)
+
+
 def adapter_meta_one_launch(slots: torch.Tensor, num_slots: int, block_m: int, n_tiles: int
                             ) -> tuple[torch.Tensor, ...]:
     """(sorted_tokens, slot_counts, slot_starts, tile_slots, tile_starts, tile_ends) of ``slots``
@@ -107,10 +112,8 @@ def adapter_meta_one_launch(slots: torch.Tensor, num_slots: int, block_m: int, n
     if not 0 < num_tokens <= MAX_TOKENS or num_slots < 1 or slots.dtype != torch.int32 or slots.stride(0) != 1:
         raise ValueError(f"adapter_meta_one_launch: needs 1..{MAX_TOKENS} contiguous int32 slots and a slot, "
                          f"got {tuple(slots.shape)} {slots.dtype} over {num_slots} slots")
-    ints = dict(dtype=torch.int32, device=slots.device)
-    sorted_tokens = torch.empty(num_tokens, **ints)
-    counts, starts, last = (torch.empty(num_slots, **ints) for _ in range(3))
-    tiles = torch.empty(3, n_tiles, **ints)
+    sorted_tokens, counts, starts, last = (_int32(n, slots.device) for n in (num_tokens, *[num_slots] * 3))
+    tiles = _int32(3 * n_tiles, slots.device).view(3, n_tiles)
     _adapter_meta_kernel[(1,)](slots, sorted_tokens, counts, starts, last, tiles[0], tiles[1], tiles[2],
                                num_tokens, num_slots, block_m, n_tiles, CHUNK=CHUNK, num_warps=4)
     return sorted_tokens, counts, starts, tiles[0], tiles[1], tiles[2]

@@ -45,7 +45,7 @@ def _run(case, dtype, device, config, own_shrink=False):
     ref = _oracle(x, stacked, lora, bias, slots)
     x_dev, stacked, lora_dev, bias_dev, meta = _on(device, x, stacked, lora, bias, slots)
     if own_shrink and rows == 0:
-        return
+        pytest.skip("no pool row in use: own_shrink refuses a launch without rows")
     y = stacked_fused(x_dev, stacked, lora_dev, meta, rows, bias_dev, config, own_shrink=own_shrink).cpu()
     check_close(y, ref, dtype, seed, f"fused {case}")
     touched = expand_touched(lora, slots)

@@ -87,7 +87,7 @@ def _run(case, dtype, mode, device, config, own_shrink=False):
     ref = _oracle(x, weight, scale, lora, bias, slots, mode)
     x_d, apart, w_d, scale_d, lora_d, bias_d, meta = _to(device, x, apart, weight, scale, lora, bias, slots)
     if own_shrink and rows == 0:
-        return
+        pytest.skip("no pool row in use: own_shrink refuses a launch without rows")
     y = stacked_fused(x_d, apart, lora_d, meta, rows, bias_d, config, _base(x_d, w_d, scale_d, mode),
                       own_shrink=own_shrink).cpu()
     check_close(y, ref, dtype, seed, f"fused apart {mode} {case}")

@@ -36,7 +36,8 @@ def join_group(address: str, rank: int, world_size: int, device: str, all_reduce
                all_reduce_bytes: int | None = None, store: dist.TCPStore | None = None) -> TensorParallel:
     """Join the group at ``address`` (tcp://host:port, rank 0's store; ``store``: rank 0's own,
     from open_store; or any init_method torch takes, as tests' file://): NCCL on CUDA devices
-    (this process's device set first), gloo on CPU. ``all_reduce`` (EngineConfig.tensor_parallel_all_reduce): "nccl", the group's own; "auto",
+    (this process's device set first), gloo on CPU. ``all_reduce``
+    (EngineConfig.tensor_parallel_all_reduce): "nccl", the group's own; "auto",
     sums over symmetric memory where the GPUs allow it, with a buffer for messages of up to
     ``all_reduce_bytes`` (see step_all_reduce_bytes)."""
     if dist.is_initialized():
