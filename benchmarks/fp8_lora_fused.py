@@ -37,6 +37,7 @@ from adapterserve.kernels.decode_gemm import (
     decode_gemm,
     fp8_decode_config,
     fp8_decode_gemm,
+    row_tile,
     split_for,
 )
 from adapterserve.kernels.fp8 import quantize_rows
@@ -44,7 +45,7 @@ from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.pdl import set_pdl
 from adapterserve.kernels.stacked import RowsInUse, row_bucket, stack_apart
 from adapterserve.kernels.split_counters import sms_of
-from adapterserve.kernels.stacked_fused import BaseApart, ShrinkTiles, stacked_fused
+from adapterserve.kernels.stacked_fused import BaseApart, ShrinkTiles, shared_memory_of, shrink_tiles, stacked_fused
 from adapterserve.models.fp8 import quantize_per_channel
 from benchmarks.checkpoints import SHAPES
 from benchmarks.fused_update import bandwidth, print_table, step_meta, time_ms
@@ -93,6 +94,7 @@ class Stack:
         self.side = torch.cuda.Stream() if device == "cuda" else None
         # fp8 fused's swept loops: (shrink K chunk, shrink stages, shrink split factor, most base stages)
         self.shrink: tuple[int, int, int, int] | None = None
+        self.shrink_factor = 1  # both dtypes' fused: the kernel's own shrink split times this
 
     def run(self, variant: str, meta, rows: int, projections: list[Projection] | None = None) -> torch.Tensor:
         """The variant over every projection of the stack (or over `projections`); the last output."""
@@ -105,10 +107,10 @@ class Stack:
         x, (xq, xs) = self.x[p.k], self.rounded[p.k]
         if variant == "fp8 fused":
             return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=self._fp8_config(p),
-                                 apart=BaseApart(p.q, p.scale, (xq, xs)), shrink=self._shrink(p, x, rows))
-        if variant in ("bf16 fused", "bf16 own shrink"):
+                                 apart=BaseApart(p.q, p.scale, (xq, xs)), shrink=self._shrink(p, x, rows, True))
+        if variant == "bf16 fused":
             return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=p.bf16_config, apart=BaseApart(p.weight),
-                                 own_shrink=variant.endswith("own shrink") and rows > 0)
+                                 shrink=self._shrink(p, x, rows, False))
         bf16 = variant.startswith("bf16")
         if variant.endswith("base") or not rows:
             return self._base(p, bf16)
@@ -126,13 +128,19 @@ class Stack:
         lora_expand(workspace, p.lora_kernels, meta, y)
         return y
 
-    def _shrink(self, p: Projection, x: torch.Tensor, rows: int) -> ShrinkTiles | None:
-        """The swept shrink loop of this projection (None: the kernel's own choice)."""
-        if self.shrink is None:
+    def _shrink(self, p: Projection, x: torch.Tensor, rows: int, fp8: bool) -> ShrinkTiles | None:
+        """The shrink loop of this projection: fp8's swept one, or the kernel's own with its split
+        times shrink_factor (None: the kernel's own choice)."""
+        config = p.fp8_config if fp8 else p.bf16_config
+        split = split_for(p.n + rows * p.n_slices, p.k, config, sms_of(x.device))
+        if fp8 and self.shrink is not None:
+            block_k, stages, factor, _ = self.shrink
+            return ShrinkTiles(block_k, stages, factor * split)
+        if self.shrink_factor == 1:
             return None
-        block_k, stages, factor, _ = self.shrink
-        return ShrinkTiles(block_k, stages, factor * split_for(p.n + rows * p.n_slices, p.k, p.fp8_config,
-                                                              sms_of(x.device)))
+        own = shrink_tiles(config, row_tile(x.shape[0]), split, p.k, x.element_size(), 1 if fp8 else x.element_size(),
+                           1 if fp8 else x.element_size(), shared_memory_of(x.device))
+        return replace(own, split=own.split * self.shrink_factor)
 
     def _fp8_config(self, p: Projection) -> DecodeGemmConfig:
         """fp8 fused's base tiles: the projection's, their stages capped by the sweep's if any (fewer

@@ -1,5 +1,5 @@
-"""The fused LoRA linear projection by projection, its shrink tiles against each output tile's own
-shrink (kernels/stacked_fused.py).
+"""The fused LoRA linear projection by projection: how finely its shrink tiles split K
+(kernels/stacked_fused.py).
 
     PYTHONPATH=. python benchmarks/fused_linear_projections.py           # H100/H200: about a minute
     PYTHONPATH=. python benchmarks/fused_linear_projections.py --smoke   # CPU, interpreter, tiny shapes
@@ -10,8 +10,9 @@ projection, with its tax over the plain decode GEMM of the same dtype. Variants:
   base            our decode GEMM (W8A8 on the rounded activations, or bf16)
   fused N         the fused linear over N adapters (0: no pool row in use), as on main: shrink
                   tiles, every output tile waiting for them
-  own shrink N    the same with ``own_shrink``: no shrink tiles, each output tile's shrink in
-                  its own K loop, no wait (bf16 only; its output checked against fused N's)
+  fused 1 sF      one adapter with the shrink tiles' K split F times the kernel's own choice: shorter
+                  shrink programs, done sooner, so output tiles wait less
+Each fused 1 sF is checked against fused 1's output before it is timed.
 """
 from __future__ import annotations
 
@@ -26,32 +27,37 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
 
 from adapterserve.kernels.pdl import set_pdl
 from adapterserve.kernels.stacked import row_bucket
+from adapterserve.kernels.decode_gemm import _decode_gemm_kernel
+from adapterserve.kernels.stacked_fused import _stacked_fused_kernel
 from benchmarks.checkpoints import SHAPES
+from benchmarks.compiled_forms import forms_table
 from benchmarks.fp8_lora_fused import RANK, Stack
 from benchmarks.fused_update import print_table, step_meta, time_ms
 
 KINDS = ("q|k|v", "o", "gate|up", "down")  # Stack's projection order within a layer
-VARIANTS = {  # name: (adapters, Stack's variant without its dtype)
-    "fused 0": (0, "fused"),
-    "fused 1": (1, "fused"),
-    "own shrink 1": (1, "own shrink"),
-    "fused 2": (2, "fused"),
-    "own shrink 2": (2, "own shrink"),
-}
-OWN_SHRINK_TOL = 2e-2  # own shrink against fused: bf16 outputs, the shrink summed in another order
+VARIANTS = {"fused 0": (0, 1), "fused 1": (1, 1), "fused 2": (2, 1)}  # name: (adapters, shrink split factor)
+SPLIT_TOL = 2e-2  # a finer shrink split against the kernel's own: the shrink summed in another order
 
 
-def _checked(stack: Stack, form: str, meta, rows: int, projections: list) -> None:
-    """An own-shrink variant's output against the fused linear's, before it is timed."""
-    if form != "own shrink":
+def _checked(stack: Stack, dtype: str, factor: int, meta, rows: int, projections: list) -> None:
+    """A finer shrink split's output against the kernel's own choice's, before it is timed."""
+    if factor == 1:
         return
-    want = stack.run("bf16 fused", meta, rows, projections).float()
-    err = float((stack.run("bf16 own shrink", meta, rows, projections).float() - want).norm() / want.norm())
-    if err > OWN_SHRINK_TOL:
-        raise AssertionError(f"own shrink differs from fused: {err:.2e}")
+    stack.shrink_factor = 1
+    want = stack.run(f"{dtype} fused", meta, rows, projections).float()
+    stack.shrink_factor = factor
+    err = float((stack.run(f"{dtype} fused", meta, rows, projections).float() - want).norm() / want.norm())
+    if err > SPLIT_TOL:
+        raise AssertionError(f"{dtype} fused with the shrink split x{factor} differs: {err:.2e}")
 
 
-def table(stack: Stack, tokens: int, slots: int, device: str, layers: int) -> list[list[str]]:
+def variants(factors: list[int]) -> dict[str, tuple[int, int]]:
+    """VARIANTS, then one adapter with the shrink split times each factor."""
+    return {**VARIANTS, **{f"fused 1 s{f}": (1, f) for f in factors}}
+
+
+def table(stack: Stack, tokens: int, slots: int, device: str, layers: int,
+          named: dict[str, tuple[int, int]]) -> list[list[str]]:
     metas = {n: step_meta(tokens, max(n, 1), slots, device) for n in (0, 1, 2)}
     metas[0].token_slots.fill_(-1)
     rows_of = {n: row_bucket(n * RANK, slots * RANK) for n in (0, 1, 2)}
@@ -61,36 +67,46 @@ def table(stack: Stack, tokens: int, slots: int, device: str, layers: int) -> li
             projections = stack.projections[i::len(KINDS)]
             base = time_ms(lambda: stack.run(f"{dtype} base", metas[0], 0, projections), device)
             cells = [f"{base * 1e3 / layers:.1f}"]
-            for adapters, form in VARIANTS.values():
-                if dtype == "fp8" and form == "own shrink":  # one dtype only
-                    cells.append("-")
-                    continue
+            for adapters, factor in named.values():
                 meta, rows = metas[adapters], rows_of[adapters]
-                _checked(stack, form, meta, rows, projections)
-                ms = time_ms(lambda: stack.run(f"{dtype} {form}", meta, rows, projections), device)
+                _checked(stack, dtype, factor, meta, rows, projections)
+                stack.shrink_factor = factor
+                ms = time_ms(lambda: stack.run(f"{dtype} fused", meta, rows, projections), device)
                 cells.append(f"{ms * 1e3 / layers:.1f} ({(ms / base - 1) * 100:+.0f}%)")
             out.append([dtype, kind, *cells])
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code runs, figures mean nothing")
-    args = p.parse_args()
-    if args.smoke:
-        device, dtype, shape, layers, tokens, slots = "cpu", torch.float32, SHAPES["tiny"], 1, 8, 8
-        name = "CPU (smoke)"
+def projection_stack(smoke: bool, layers: int) -> tuple[Stack, tuple]:
+    """The stack to time and (device, shape, layers, tokens, slots, card name): the 8B's on a GPU
+    with PDL early, or a tiny float32 one layer deep for --smoke."""
+    if smoke:
+        device, dtype, shape, layers, tokens, slots, name = "cpu", torch.float32, SHAPES["tiny"], 1, 8, 8, "CPU (smoke)"
     else:
-        device, dtype, shape, layers, tokens, slots = "cuda", torch.bfloat16, SHAPES["8b"], args.layers, 64, 8
+        device, dtype, shape, tokens, slots = "cuda", torch.bfloat16, SHAPES["8b"], 64, 8
         name = torch.cuda.get_device_name()
         set_pdl("early")
     torch.manual_seed(0)
-    stack = Stack(shape, layers, tokens, slots, device, dtype)
-    rows = table(stack, tokens, slots, device, layers)
+    return Stack(shape, layers, tokens, slots, device, dtype), (device, shape, layers, tokens, slots, name)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--splits", default="", help="comma-separated shrink split factors to add (e.g. 2,4,8)")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code runs, figures mean nothing")
+    args = p.parse_args()
+    stack, run = projection_stack(args.smoke, args.layers)
+    device, shape, layers, tokens, slots, name = run
+    named = variants([int(f) for f in args.splits.split(",") if f])
+    rows = table(stack, tokens, slots, device, layers, named)
     print(f"\n{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, rank-{RANK} adapters; "
           "us per projection (one CUDA graph replay of the layers' projections of a kind; tax over base):")
-    print_table(["dtype", "projection", "base us", *VARIANTS], rows)
+    print_table(["dtype", "projection", "base us", *named], rows)
+    for name, kernel in (("decode GEMM", _decode_gemm_kernel), ("fused linear", _stacked_fused_kernel)):
+        if forms := forms_table(kernel):
+            print(f"\n{name}: its compiled forms")
+            print_table(["form", "registers", "spills", "shared KiB", "programs / SM"], forms)
 
 
 if __name__ == "__main__":

@@ -175,11 +175,11 @@ for stage in "$@"; do
       test_files 120 "" tests/models/test_fp8_fused.py tests/models/test_fp8_kernels.py tests/kernels/test_pdl.py
       timeout ${BENCH_S:-120} python3 benchmarks/fp8_row_ops.py 2>&1 | tail -10
       PDL=off DTYPES=fp8 PROFILE_WORKLOADS=base TOP=12 bash "$0" profile ;;
-    taxsplit)  # 1 GPU: the fused linear's and the one-launch metadata's GPU tests, then the fused linear projection
-      # by projection, shrink tiles against each tile's own shrink (then: taxengine)
-      test_files 100 "-m gpu" tests/kernels/test_stacked_fused.py tests/kernels/test_stacked_fused_apart.py \
-        tests/kernels/test_metadata.py
-      timeout ${BENCH_S:-150} python3 benchmarks/fused_linear_projections.py 2>&1 | tail -12 ;;
+    taxsplit)  # 1 GPU: the fused linear projection by projection (SPLITS: shrink split factors to sweep), its
+      # compiled forms (TAIL=40 shows them), where its tax goes; then the engine's GPU tests (then: taxengine)
+      timeout ${BENCH_S:-200} python3 benchmarks/fused_linear_projections.py --splits "${SPLITS:-}" 2>&1 | tail -${TAIL:-12}
+      timeout ${BENCH_S:-200} python3 benchmarks/fused_ablation.py 2>&1 | tail -7
+      test_files 200 "-m gpu" ${ENGINE_TESTS:-tests/engine/test_gpu.py tests/engine/test_warmup_gpu.py tests/engine/test_mixed_graphs_gpu.py} ;;
     taxengine)  # 1 GPU: the bf16 8B's one-adapter tax taken apart: base on cuBLAS, base on our decode GEMM (the
       # fused linear's base product), one adapter (fused)
       timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --hf-models '' \

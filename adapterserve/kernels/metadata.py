@@ -20,9 +20,8 @@ import torch
 from adapterserve.kernels.metadata_triton import MAX_TOKENS, adapter_meta_one_launch
 
 NO_ADAPTER = -1
-# the one-launch metadata on CUDA: off until its GPU test has run on a GPU (written and tested
-# under the interpreter only; tests/kernels/test_metadata.py's gpu-marked test is that check)
-ONE_LAUNCH = False
+# the one-launch metadata on CUDA (its GPU test passed on an H200; about 30 us less a traced 8B step)
+ONE_LAUNCH = True
 
 
 @dataclass

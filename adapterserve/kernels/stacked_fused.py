@@ -21,11 +21,6 @@ themselves (weight-only, the weight widened chunk by chunk); its base sum takes 
 column scales before the update is added. Its shrink tiles then run a K loop of their own on
 the unrounded activations, as the separate kernels do (``ShrinkTiles``: sized to fit shared
 memory beside the base loop, and split finer over K, as they read twice the bytes per column).
-
-``own_shrink`` (one dtype only) drops the shrink tiles: each base tile computes its slice's shrink
-of every pool row in use in its own K loop, beside its output, sums both over its K splits and adds
-its tokens' updates at once: no wait and no shrink values through memory, for A rows read once per
-output tile (from L2: a few pool rows), so a candidate for steps with one or two adapters.
 """
 from __future__ import annotations
 
@@ -37,7 +32,7 @@ import triton
 import triton.language as tl
 
 from adapterserve.kernels.decode_gemm import FP8, MAX_ROWS, DecodeGemmConfig, row_tile, split_for
-from adapterserve.kernels.decode_loop import arrive_last, k_loop, scaled, split_total, sum_splits
+from adapterserve.kernels.decode_loop import k_loop, scaled, split_total
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
 from adapterserve.kernels.pdl import pdl_args, pdl_wait
@@ -112,58 +107,6 @@ def _expand(acc, s_rows, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl, stride
 
 
 @triton.jit
-def _k_loop_with_shrink(acc, acc_s, x_rows, w_rows, a_rows, rm, M, n_mask, a_mask, k_start, k_end,
-                        BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, IEEE: tl.constexpr):
-    """decode_loop.k_loop's sum, and beside it the tile's own shrink: acc_s + x @ a_rows.T over the
-    same K chunks (a_mask: the A rows that exist), one load of x for both."""
-    rk = tl.arange(0, BLOCK_K)
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + rk
-        k_in = k[None, :] < k_end
-        x = tl.load(x_rows + k[None, :], mask=(rm[:, None] < M) & k_in, other=0.0)
-        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_in, other=0.0)
-        a = tl.load(a_rows + k[None, :], mask=a_mask[:, None] & k_in, other=0.0)
-        acc = _dot(acc, x, tl.trans(w), IEEE)
-        acc_s = _dot(acc_s, x, tl.trans(a), IEEE)
-    return acc, acc_s
-
-
-@triton.jit
-def _pair_total(acc, acc_s, part_ptr, part_s_ptr, counter, pid_k, rm, cols, out_mask, M, width, tile, tiles,
-                SPLIT_K: tl.constexpr, ROWS_PAD: tl.constexpr):
-    """decode_loop.split_total for a tile's output and its own shrink at once: each split stores both
-    partials before it counts itself; the last sums both in split order."""
-    if SPLIT_K == 1:
-        total, total_s = acc, acc_s
-        last = pid_k == 0
-    else:
-        out_tile = rm[:, None] * width + cols[None, :]
-        s_tile = tile * M * ROWS_PAD + rm[:, None] * ROWS_PAD + tl.arange(0, ROWS_PAD)[None, :]
-        s_mask = (rm < M)[:, None]
-        tl.store(part_ptr + pid_k * M * width + out_tile, acc, mask=out_mask)
-        tl.store(part_s_ptr + pid_k * tiles * M * ROWS_PAD + s_tile, acc_s, mask=s_mask)
-        last = arrive_last(counter, SPLIT_K)
-        total, total_s = tl.zeros_like(acc), tl.zeros_like(acc_s)
-        if last:
-            total = sum_splits(total, part_ptr, out_tile, out_mask, M * width, SPLIT_K)
-            total_s = sum_splits(total_s, part_s_ptr, s_tile, s_mask, tiles * M * ROWS_PAD, SPLIT_K)
-            tl.atomic_xchg(counter, 0)  # ready for the next call (and graph replay)
-    return total, total_s, last
-
-
-@triton.jit
-def _expand_own_shrink(total, total_s, b_ptr, row0, end, rows, cols, n_mask, stride_br, stride_bn,
-                       ROWS_PAD: tl.constexpr, IEEE: tl.constexpr):
-    """total + each token's update from the tile's own shrink values: a token's values on the pool
-    rows it does not use are zeroed, rounded to B's dtype as a stored shrink would be, then one dot."""
-    rr = tl.arange(0, ROWS_PAD)
-    uses = (rr[None, :] >= row0[:, None]) & (rr[None, :] < end[:, None])
-    row_used = (tl.max(uses.to(tl.int32), axis=0) > 0) & (rr < rows)
-    s = tl.where(uses, total_s, 0.0).to(b_ptr.dtype.element_ty)
-    return _dot(total, s, _b_rows(b_ptr, rr, row_used, cols, n_mask, stride_br, stride_bn), IEEE)
-
-
-@triton.jit
 def _columns(pid, a_tiles, a_width, c1, c2, c3, c4, NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr,
              SPLIT_K: tl.constexpr, SPLIT_A: tl.constexpr, ALIGNED: tl.constexpr):
     """Program pid's tile: whether it is a shrink tile (the first a_tiles * SPLIT_A programs),
@@ -195,7 +138,7 @@ def _stacked_fused_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, HAS_LORA: tl.constexpr, ALIGNED: tl.constexpr, SPLIT_A: tl.constexpr = 1,
     A_BLOCK_K: tl.constexpr = 0, A_STAGES: tl.constexpr = 0, BASE_IEEE: tl.constexpr = 0, X_SCALED: tl.constexpr = 0,
-    W_SCALED: tl.constexpr = 0, USE_PDL: tl.constexpr = 0, OWN_SHRINK: tl.constexpr = 0, ROWS_PAD: tl.constexpr = 16,
+    W_SCALED: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
     a_width = rows * NUM_SLICES
     is_shrink, tile, pid_k, sl, cols, n_mask = _columns(
@@ -208,20 +151,13 @@ def _stacked_fused_kernel(
         row0, end, lo, hi = token_rows(rank_ptr, row_start_ptr, slots_ptr, rm, rm < M, sl, rows, max_rank,
                                         stride_rs, stride_rslot)
         hi = tl.where(is_shrink, lo, hi)  # a shrink tile's columns are no B columns: it reads none
-        if not OWN_SHRINK:
-            rr, uses, row_used = _chunk_rows(lo, row0, end, CHUNK_ROWS)
-            b_first = _b_rows(b_ptr, rr, row_used & (rr < hi), cols, n_mask, stride_br, stride_bn)
+        rr, uses, row_used = _chunk_rows(lo, row0, end, CHUNK_ROWS)
+        b_first = _b_rows(b_ptr, rr, row_used & (rr < hi), cols, n_mask, stride_br, stride_bn)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_s = tl.zeros([BLOCK_M, ROWS_PAD], dtype=tl.float32)
     if not HAS_LORA:  # no shrink tiles: the (rounded) activations against the weight
         acc = k_loop(acc, xb_ptr + rm[:, None] * stride_xbm, w_ptr + cols[:, None] * stride_wn, rm, M, n_mask,
                      k_start, k_end, BLOCK_K, NUM_STAGES, BASE_IEEE)
-    elif OWN_SHRINK:  # no shrink tiles: each base tile computes its slice's shrink in its own K loop
-        rs = tl.arange(0, ROWS_PAD)
-        acc, acc_s = _k_loop_with_shrink(acc, acc_s, x_ptr + rm[:, None] * stride_xm, w_ptr + cols[:, None] * stride_wn,
-                                         a_ptr + (rs * NUM_SLICES + sl)[:, None] * stride_an, rm, M, n_mask, rs < rows,
-                                         k_start, k_end, BLOCK_K, NUM_STAGES, IEEE)
     elif A_STAGES > 0:  # an e4m3 base: a K loop (and shared memory) of its own for the shrink tiles
         if is_shrink:
             acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, a_ptr + cols[:, None] * stride_an, rm, M, n_mask,
@@ -243,18 +179,11 @@ def _stacked_fused_kernel(
             tl.debug_barrier()
             tl.atomic_add(step, 1, sem="release")
     else:
-        if OWN_SHRINK:
-            total, total_s, last = _pair_total(acc, acc_s, part_ptr, part_a_ptr, count_ptr + a_tiles + tile, pid_k, rm,
-                                               cols, out_mask, M, n_out, tile, b_tiles, SPLIT_K, ROWS_PAD)
-        else:
-            total, last = split_total(acc, part_ptr, count_ptr + a_tiles + tile, pid_k, rm, cols, out_mask, M, n_out,
-                                      SPLIT_K)
+        total, last = split_total(acc, part_ptr, count_ptr + a_tiles + tile, pid_k, rm, cols, out_mask, M, n_out,
+                                  SPLIT_K)
         if last:
             total = scaled(total, xs_ptr, ws_ptr, rm, cols, n_mask, M, X_SCALED, W_SCALED)
-            if OWN_SHRINK:
-                total = _expand_own_shrink(total, total_s, b_ptr, row0, end, rows, cols, n_mask, stride_br,
-                                           stride_bn, ROWS_PAD, IEEE)
-            elif HAS_LORA:
+            if HAS_LORA:
                 _wait_for(step, a_tiles)
                 total = _expand(total, s_ptr + rm[:, None] * stride_sm, b_ptr, b_first, row0, end, lo, hi, cols,
                                 n_mask, sl, stride_br, stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS)
@@ -262,7 +191,7 @@ def _stacked_fused_kernel(
                 total += tl.load(bias_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + rm[:, None] * stride_ym + cols[None, :], total.to(y_ptr.dtype.element_ty),
                      mask=out_mask)
-            if HAS_LORA and not OWN_SHRINK:
+            if HAS_LORA:
                 # a base tile counts itself past its wait; the last one resets both counters (relaxed:
                 # the count follows the wait it depends on, and the next call starts after this one ends)
                 if tl.atomic_add(step + 1, 1, sem="relaxed") == b_tiles - 1:
@@ -272,17 +201,13 @@ def _stacked_fused_kernel(
 
 def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, meta: AdapterBatchMeta, rows: int,
                   bias: torch.Tensor | None = None, config: DecodeGemmConfig | None = None,
-                  apart: BaseApart | None = None, shrink: ShrinkTiles | None = None,
-                  own_shrink: bool = False) -> torch.Tensor:
+                  apart: BaseApart | None = None, shrink: ShrinkTiles | None = None) -> torch.Tensor:
     """x: [T, K] (T <= 64) -> the layer output [T, N]: x @ W.T + each token's own LoRA update
     from pool rows [0, rows) (semantics of stacked_gemm then reference.stacked_expand), one
     launch. B has the LoRA scaling folded in; tokens with slot -1 get the base output. With
     ``apart`` (a buffer of A rows only), W is its weight: an e4m3 one's product is
     fp8_decode_gemm's (W8A8 on the rounded activations, or weight-only). shrink: the shrink
-    tiles' K loop (default: shrink_tiles'). With rows 0 the launch has base tiles only. own_shrink:
-    no shrink tiles, each base tile computes its slice's shrink of every pool row in use in its own
-    K loop (one dtype only: a weight in the activations' dtype), then adds its tokens' updates with
-    no wait; it reads the A rows once per output tile, so it is meant for few rows."""
+    tiles' K loop (default: shrink_tiles'). With rows 0 the launch has base tiles only."""
     m, k = x.shape
     n_slices, offs, n_out = lora.num_slices, lora.out_offsets, stacked.n_out
     _check(x, stacked, lora, rows, bias)
@@ -290,9 +215,7 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
     config = config or DecodeGemmConfig()
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     a_width = rows * n_slices
-    if own_shrink and (rows == 0 or weight.dtype != x.dtype):
-        raise ValueError("stacked_fused: own_shrink needs pool rows in use and a weight in the activations' dtype")
-    a_tiles = 0 if own_shrink else triton.cdiv(a_width, config.block_n)
+    a_tiles = triton.cdiv(a_width, config.block_n)
     b_tiles = sum(triton.cdiv(offs[s + 1] - offs[s], config.block_n) for s in range(n_slices))
     split = split_for(n_out + a_width, k, config, sms_of(x.device))
     if a_tiles + b_tiles + STEP_COUNTERS > COUNTERS:
@@ -302,12 +225,8 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
     c = list(offs[1:]) + [0] * (MAX_SLICES - n_slices)
     a_rows = stacked.a_rows()
     block_m = row_tile(m)
-    rows_pad = max(CHUNK, triton.next_power_of_2(rows))
     if rows == 0:  # base tiles only
         shrink, partials_a = ShrinkTiles(0, 0, 1), s  # no program reads partials_a
-    elif own_shrink:  # the base tiles' shrink partials, beside their output partials
-        shrink = ShrinkTiles(0, 0, 1)
-        partials_a = torch.empty(split, b_tiles, m, rows_pad, dtype=torch.float32, device=x.device) if split > 1 else s
     else:
         shrink = shrink or shrink_tiles(config, block_m, split, k, x.element_size(), base_x.element_size(),
                                         weight.element_size(), shared_memory_of(x.device))
@@ -325,10 +244,17 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
         SPLIT_K=split, NUM_STAGES=config.num_stages, CHUNK_ROWS=CHUNK, HAS_LORA=rows > 0,
         ALIGNED=all(o % 16 == 0 for o in offs), SPLIT_A=shrink.split, A_BLOCK_K=shrink.block_k, A_STAGES=shrink.stages,
         BASE_IEEE=base_x.dtype == torch.float32, X_SCALED=int(x_scale is not None),
-        W_SCALED=int(weight_scale is not None), OWN_SHRINK=int(own_shrink), ROWS_PAD=rows_pad if own_shrink else CHUNK,
-        num_warps=config.num_warps,
+        W_SCALED=int(weight_scale is not None), num_warps=config.num_warps,
         **pdl_args(x))
     return y
+
+
+def finer_split(split: int, factor: int, k: int, block_k: int) -> int:
+    """split times factor, halved until each split has at least two K chunks (never below split)."""
+    finer = split * factor
+    while finer > split and k < block_k * finer * 2:
+        finer //= 2
+    return finer
 
 
 SHRINK_SPLIT_PER_BYTE_RATIO = 2  # K splits of a shrink tile per (its bytes per K column / a base tile's)
@@ -349,9 +275,7 @@ def shrink_tiles(config: DecodeGemmConfig, block_m: int, split: int, k: int, x_s
     block_k = max(16, config.block_k * weight_size // x_size)
     shrink_bytes = (block_m + config.block_n) * x_size  # per K column
     base_bytes = block_m * base_x_size + config.block_n * weight_size
-    split_a = split * SHRINK_SPLIT_PER_BYTE_RATIO * -(-shrink_bytes // base_bytes)
-    while split_a > split and k < block_k * split_a * 2:  # at least two chunks a split
-        split_a //= 2
+    split_a = finer_split(split, SHRINK_SPLIT_PER_BYTE_RATIO * -(-shrink_bytes // base_bytes), k, block_k)
     stages, base_buffers = min(config.num_stages, SHRINK_MAX_STAGES), config.num_stages * config.block_k * base_bytes
     while stages > 1 and base_buffers + stages * block_k * shrink_bytes > shared_memory:
         stages -= 1

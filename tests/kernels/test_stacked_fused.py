@@ -39,14 +39,12 @@ def _on(device: str, x, stacked, lora, bias, slots):
     return x.to(device), stacked, lora_dev, None if bias is None else bias.to(device), meta
 
 
-def _run(case, dtype, device, config, own_shrink=False):
+def _run(case, dtype, device, config):
     gen, seed = fresh_generator()
     x, stacked, lora, bias, slots, rows = _stacked_case(case, dtype, gen)
     ref = _oracle(x, stacked, lora, bias, slots)
     x_dev, stacked, lora_dev, bias_dev, meta = _on(device, x, stacked, lora, bias, slots)
-    if own_shrink and rows == 0:
-        pytest.skip("no pool row in use: own_shrink refuses a launch without rows")
-    y = stacked_fused(x_dev, stacked, lora_dev, meta, rows, bias_dev, config, own_shrink=own_shrink).cpu()
+    y = stacked_fused(x_dev, stacked, lora_dev, meta, rows, bias_dev, config).cpu()
     check_close(y, ref, dtype, seed, f"fused {case}")
     touched = expand_touched(lora, slots)
     base32 = F.linear(x.float(), stacked.weight().float().cpu(), None if bias is None else bias.float())
@@ -61,15 +59,6 @@ def _run(case, dtype, device, config, own_shrink=False):
 @pytest.mark.parametrize("case", CPU_FUSED, ids=str)
 def test_fused_interpreted(case, dtype, split):
     _run(case, dtype, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=split))
-
-
-@interpreted
-@pytest.mark.parametrize("split", [1, 3], ids=["whole-k", "split-k"])
-@pytest.mark.parametrize("case", CPU_FUSED, ids=str)
-def test_fused_with_each_tile_s_own_shrink_interpreted(case, split):
-    """own_shrink: no shrink tiles, each output tile's shrink in its own K loop; every stacked case
-    (pool rows up to 64: ROWS_PAD past 16), split K summing both partials."""
-    _run(case, torch.float32, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=split), own_shrink=True)
 
 
 @interpreted
@@ -98,9 +87,8 @@ def test_fused_refuses_what_it_cannot_take():
                          ids=["default", "n64-split4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", GPU_FUSED, ids=str)
-@pytest.mark.parametrize("own_shrink", [False, True], ids=["shrink-tiles", "own-shrink"])
-def test_fused_gpu(case, dtype, config, own_shrink):
-    _run(case, dtype, "cuda", config, own_shrink)
+def test_fused_gpu(case, dtype, config):
+    _run(case, dtype, "cuda", config)
 
 
 @gpu_pdl_modes

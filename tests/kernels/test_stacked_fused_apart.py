@@ -23,7 +23,7 @@ from adapterserve.kernels.fp8 import quantize_rows_reference
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import build_adapter_meta
 from adapterserve.kernels.stacked import RowsInUse, stack_apart
-from adapterserve.kernels.stacked_fused import BaseApart, ShrinkTiles, shrink_tiles, stacked_fused
+from adapterserve.kernels.stacked_fused import BaseApart, ShrinkTiles, finer_split, shrink_tiles, stacked_fused
 from adapterserve.models.fp8 import dequantize, quantize_per_channel
 
 from .cases import (
@@ -81,15 +81,12 @@ def _to(device, x, apart, weight, scale, lora, bias, slots):
             None if bias is None else bias.to(device), meta)
 
 
-def _run(case, dtype, mode, device, config, own_shrink=False):
+def _run(case, dtype, mode, device, config):
     gen, seed = fresh_generator()
     x, apart, weight, scale, lora, bias, slots, rows = _apart_case(case, dtype, gen, mode)
     ref = _oracle(x, weight, scale, lora, bias, slots, mode)
     x_d, apart, w_d, scale_d, lora_d, bias_d, meta = _to(device, x, apart, weight, scale, lora, bias, slots)
-    if own_shrink and rows == 0:
-        pytest.skip("no pool row in use: own_shrink refuses a launch without rows")
-    y = stacked_fused(x_d, apart, lora_d, meta, rows, bias_d, config, _base(x_d, w_d, scale_d, mode),
-                      own_shrink=own_shrink).cpu()
+    y = stacked_fused(x_d, apart, lora_d, meta, rows, bias_d, config, _base(x_d, w_d, scale_d, mode)).cpu()
     check_close(y, ref, dtype, seed, f"fused apart {mode} {case}")
 
 
@@ -104,13 +101,6 @@ FORMS = [(torch.float32, 1, m) for m in MODES] + [(torch.float16, 2, "plain")]
 @pytest.mark.parametrize("case", CPU_FUSED, ids=str)
 def test_fused_apart_interpreted(case, dtype, split, mode):
     _run(case, dtype, mode, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=split))
-
-
-@interpreted
-@pytest.mark.parametrize("case", CPU_FUSED, ids=str)
-def test_fused_apart_with_each_tile_s_own_shrink_interpreted(case):
-    """own_shrink with the weight kept apart (the engine's bf16 fused linear), split K."""
-    _run(case, torch.float32, "plain", "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=2), own_shrink=True)
 
 
 @interpreted
@@ -169,10 +159,6 @@ def test_fused_apart_refuses_what_it_cannot_take():
     meta = build_adapter_meta(slots, lora.rank.shape[1])
     with pytest.raises(ValueError, match="A rows only"):
         stacked_fused(x, apart, lora, meta, rows)
-    with pytest.raises(ValueError, match="own_shrink needs"):
-        stacked_fused(x, apart, lora, meta, rows, apart=BaseApart(q, scale), own_shrink=True)
-    with pytest.raises(ValueError, match="own_shrink needs"):
-        stacked_fused(x, apart, lora, meta, 0, apart=BaseApart(q.float()), own_shrink=True)
     with pytest.raises(ValueError, match="must be torch.float32 or torch.float8_e4m3fn"):
         stacked_fused(x, apart, lora, meta, rows, apart=BaseApart(q.half()))
     with pytest.raises(ValueError, match="with an e4m3 weight only"):
@@ -210,14 +196,6 @@ def test_fused_apart_gpu(case, mode):
     _run(case, torch.bfloat16, mode, "cuda", decode_config(n, k) if mode == "plain" else fp8_decode_config(n, k))
 
 
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("case", GPU_FUSED, ids=str)
-def test_fused_apart_with_each_tile_s_own_shrink_gpu(case):
-    n, k = sum(case[4]), case[3]
-    _run(case, torch.bfloat16, "plain", "cuda", decode_config(n, k), own_shrink=True)
-
-
 @gpu_pdl_modes
 def test_fused_apart_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
     """Two FP8 fused linears back to back, replayed: PDL on gives PDL off's bits, every replay."""
@@ -232,3 +210,9 @@ def test_fused_apart_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
 
     outs = pdl_replays(lambda: linear(torch.relu(linear(x))), ("off", mode))
     assert torch.equal(outs["off"], outs[mode]), f"seed {seed}"
+
+
+def test_a_finer_split_keeps_two_k_chunks_a_split():
+    assert finer_split(2, 4, 4096, 128) == 8  # 4096 / 128 = 32 chunks: 4 a split
+    assert finer_split(2, 4, 1024, 128) == 4  # 8 chunks: halved once, 2 a split
+    assert finer_split(3, 8, 128, 128) == 3  # never below the split it started from

@@ -1,0 +1,108 @@
+"""Where the fused LoRA linear's one-adapter tax goes: the kernel with one part of its LoRA path
+taken out at a time, projection by projection (kernels/stacked_fused.py; a diagnostic, the parts
+taken out give wrong outputs).
+
+    PYTHONPATH=. python benchmarks/fused_ablation.py           # H100/H200: about a minute
+    PYTHONPATH=. python benchmarks/fused_ablation.py --smoke   # CPU, interpreter, tiny shapes
+
+fused_linear_projections.py's stack and timing (bf16, B=64, 16 layers of the 8B, PDL early), us
+per projection and the tax over the plain decode GEMM. Each variant is a copy of the kernel's
+module with its source edited (ABLATIONS), loaded from a file of its own:
+  fused 0 / fused 1   the kernel as on main, no adapter / one adapter
+  no wait             one adapter; output tiles do not wait for the shrink tiles
+  no expand           one adapter; output tiles neither wait nor add the update (shrink tiles run)
+  no shrink tiles     one adapter; no shrink tiles launched; output tiles add the update
+  prologue only       one adapter; no shrink tiles, no wait, no update: the tokens' rows and the
+                      first B chunk loaded, the counters kept
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import os
+import sys
+import tempfile
+from types import ModuleType
+
+import torch
+
+if "--smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' @triton.jit runs
+
+from adapterserve.kernels import stacked_fused as fused_module
+from adapterserve.kernels.stacked import row_bucket
+from benchmarks.fp8_lora_fused import RANK, Stack
+from benchmarks.fused_linear_projections import KINDS, projection_stack
+from benchmarks.fused_update import print_table, step_meta, time_ms
+
+NO_WAIT = ("_wait_for(step, a_tiles)", "pass")
+NO_EXPAND = ("if HAS_LORA:\n                _wait_for(step, a_tiles)", "if HAS_LORA * 0:\n                _wait_for(step, a_tiles)")
+NO_SHRINK_TILES = ("a_tiles = triton.cdiv(a_width, config.block_n)", "a_tiles = 0")
+ABLATIONS = {  # name: the source edits of the copy
+    "no wait": (NO_WAIT,),
+    "no expand": (NO_EXPAND,),
+    "no shrink tiles": (NO_SHRINK_TILES,),
+    "prologue only": (NO_SHRINK_TILES, NO_EXPAND),
+}
+
+
+def ablated(name: str, edits: tuple[tuple[str, str], ...], folder: str) -> ModuleType:
+    """A copy of kernels/stacked_fused.py with ``edits`` made (each must match once), imported from
+    a file in ``folder`` (Triton reads a kernel's source from its file)."""
+    source = inspect.getsource(fused_module)
+    for old, new in edits:
+        if source.count(old) != 1:
+            raise ValueError(f"{name}: {old!r} matches {source.count(old)} times in stacked_fused.py")
+        source = source.replace(old, new)
+    path = os.path.join(folder, f"stacked_fused_{name.replace(' ', '_')}.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(f"_ablated_{name.replace(' ', '_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def table(stack: Stack, tokens: int, slots: int, device: str, layers: int, folder: str) -> list[list[str]]:
+    modules = {"fused 0": fused_module, "fused 1": fused_module,
+               **{name: ablated(name, edits, folder) for name, edits in ABLATIONS.items()}}
+    metas = {n: step_meta(tokens, max(n, 1), slots, device) for n in (0, 1)}
+    metas[0].token_slots.fill_(-1)
+    out = []
+    for i, kind in enumerate(KINDS):
+        projections = stack.projections[i::len(KINDS)]
+        base = time_ms(lambda: stack.run("bf16 base", metas[0], 0, projections), device)
+        cells = [f"{base * 1e3 / layers:.1f}"]
+        for name, module in modules.items():
+            adapters = 0 if name == "fused 0" else 1
+            meta, rows = metas[adapters], row_bucket(adapters * RANK, slots * RANK)
+
+            def run(module=module, meta=meta, rows=rows):
+                y = None
+                for p in projections:
+                    y = module.stacked_fused(stack.x[p.k], p.apart, p.lora_apart, meta, rows, config=p.bf16_config,
+                                             apart=module.BaseApart(p.weight))
+                return y
+            ms = time_ms(run, device)
+            cells.append(f"{ms * 1e3 / layers:.1f} ({(ms / base - 1) * 100:+.0f}%)")
+        out.append([kind, *cells])
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code runs, figures mean nothing")
+    args = p.parse_args()
+    stack, (device, shape, layers, tokens, slots, name) = projection_stack(args.smoke, args.layers)
+    with tempfile.TemporaryDirectory() as folder:
+        rows = table(stack, tokens, slots, device, layers, folder)
+    print(f"\n{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, bf16, one rank-{RANK} "
+          "adapter; us per projection (tax over base):")
+    print_table(["projection", "base us", "fused 0", "fused 1", *ABLATIONS], rows)
+
+
+if __name__ == "__main__":
+    main()
