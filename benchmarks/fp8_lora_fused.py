@@ -95,6 +95,7 @@ class Stack:
         # fp8 fused's swept loops: (shrink K chunk, shrink stages, shrink split factor, most base stages)
         self.shrink: tuple[int, int, int, int] | None = None
         self.shrink_factor = 1  # both dtypes' fused: the kernel's own shrink split times this
+        self.fma_expand = False  # both dtypes' fused: the update on the CUDA cores (pool rows in one chunk)
 
     def run(self, variant: str, meta, rows: int, projections: list[Projection] | None = None) -> torch.Tensor:
         """The variant over every projection of the stack (or over `projections`); the last output."""
@@ -107,10 +108,11 @@ class Stack:
         x, (xq, xs) = self.x[p.k], self.rounded[p.k]
         if variant == "fp8 fused":
             return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=self._fp8_config(p),
-                                 apart=BaseApart(p.q, p.scale, (xq, xs)), shrink=self._shrink(p, x, rows, True))
+                                 apart=BaseApart(p.q, p.scale, (xq, xs)), shrink=self._shrink(p, x, rows, True),
+                                 fma_expand=self.fma_expand)
         if variant == "bf16 fused":
             return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=p.bf16_config, apart=BaseApart(p.weight),
-                                 shrink=self._shrink(p, x, rows, False))
+                                 shrink=self._shrink(p, x, rows, False), fma_expand=self.fma_expand)
         bf16 = variant.startswith("bf16")
         if variant.endswith("base") or not rows:
             return self._base(p, bf16)

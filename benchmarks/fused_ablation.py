@@ -3,6 +3,7 @@ taken out at a time, projection by projection (kernels/stacked_fused.py; a diagn
 taken out give wrong outputs).
 
     PYTHONPATH=. python benchmarks/fused_ablation.py           # H100/H200: about a minute
+    PYTHONPATH=. python benchmarks/fused_ablation.py --fma     # every variant with fma_expand
     PYTHONPATH=. python benchmarks/fused_ablation.py --smoke   # CPU, interpreter, tiny shapes
 
 fused_linear_projections.py's stack and timing (bf16, B=64, 16 layers of the 8B, PDL early), us
@@ -10,6 +11,9 @@ per projection and the tax over the plain decode GEMM. Each variant is a copy of
 module with its source edited (ABLATIONS), loaded from a file of its own:
   fused 0 / fused 1   the kernel as on main, no adapter / one adapter
   no wait             one adapter; output tiles do not wait for the shrink tiles
+  no count            one adapter; output tiles do not count themselves past their wait, so the step
+                      counters are never reset (after the first call no tile waits: a graph replay
+                      times one atomic read in place of the wait)
   no expand           one adapter; output tiles neither wait nor add the update (shrink tiles run)
   no shrink tiles     one adapter; no shrink tiles launched; output tiles add the update
   prologue only       one adapter; no shrink tiles, no wait, no update: the tokens' rows and the
@@ -31,6 +35,7 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' @triton.jit runs
 
 from adapterserve.kernels import stacked_fused as fused_module
+from adapterserve.kernels.split_counters import split_counters
 from adapterserve.kernels.stacked import row_bucket
 from benchmarks.fp8_lora_fused import RANK, Stack
 from benchmarks.fused_linear_projections import KINDS, projection_stack
@@ -38,9 +43,11 @@ from benchmarks.fused_update import print_table, step_meta, time_ms
 
 NO_WAIT = ("_wait_for(step, a_tiles)", "pass")
 NO_EXPAND = ("if HAS_LORA:\n                _wait_for(step, a_tiles)", "if HAS_LORA * 0:\n                _wait_for(step, a_tiles)")
+NO_COUNT = ('if tl.atomic_add(step + 1, 1, sem="relaxed") == b_tiles - 1:', "if tl.program_id(0) < 0:")
 NO_SHRINK_TILES = ("a_tiles = triton.cdiv(a_width, config.block_n)", "a_tiles = 0")
 ABLATIONS = {  # name: the source edits of the copy
     "no wait": (NO_WAIT,),
+    "no count": (NO_COUNT,),
     "no expand": (NO_EXPAND,),
     "no shrink tiles": (NO_SHRINK_TILES,),
     "prologue only": (NO_SHRINK_TILES, NO_EXPAND),
@@ -65,7 +72,8 @@ def ablated(name: str, edits: tuple[tuple[str, str], ...], folder: str) -> Modul
     return module
 
 
-def table(stack: Stack, tokens: int, slots: int, device: str, layers: int, folder: str) -> list[list[str]]:
+def table(stack: Stack, tokens: int, slots: int, device: str, layers: int, folder: str,
+          fma: bool) -> list[list[str]]:
     modules = {"fused 0": fused_module, "fused 1": fused_module,
                **{name: ablated(name, edits, folder) for name, edits in ABLATIONS.items()}}
     metas = {n: step_meta(tokens, max(n, 1), slots, device) for n in (0, 1)}
@@ -83,9 +91,12 @@ def table(stack: Stack, tokens: int, slots: int, device: str, layers: int, folde
                 y = None
                 for p in projections:
                     y = module.stacked_fused(stack.x[p.k], p.apart, p.lora_apart, meta, rows, config=p.bf16_config,
-                                             apart=module.BaseApart(p.weight))
+                                             apart=module.BaseApart(p.weight), fma_expand=fma and rows > 0)
                 return y
             ms = time_ms(run, device)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            split_counters(torch.device(device)).zero_()  # "no count" leaves its step counters set
             cells.append(f"{ms * 1e3 / layers:.1f} ({(ms / base - 1) * 100:+.0f}%)")
         out.append([kind, *cells])
     return out
@@ -94,13 +105,14 @@ def table(stack: Stack, tokens: int, slots: int, device: str, layers: int, folde
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--fma", action="store_true", help="the update on the CUDA cores in every variant (fma_expand)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code runs, figures mean nothing")
     args = p.parse_args()
     stack, (device, shape, layers, tokens, slots, name) = projection_stack(args.smoke, args.layers)
     with tempfile.TemporaryDirectory() as folder:
-        rows = table(stack, tokens, slots, device, layers, folder)
+        rows = table(stack, tokens, slots, device, layers, folder, args.fma)
     print(f"\n{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, bf16, one rank-{RANK} "
-          "adapter; us per projection (tax over base):")
+          f"adapter{', fma_expand' if args.fma else ''}; us per projection (tax over base):")
     print_table(["projection", "base us", "fused 0", "fused 1", *ABLATIONS], rows)
 
 

@@ -12,7 +12,9 @@ projection, with its tax over the plain decode GEMM of the same dtype. Variants:
                   tiles, every output tile waiting for them
   fused 1 sF      one adapter with the shrink tiles' K split F times the kernel's own choice: shorter
                   shrink programs, done sooner, so output tiles wait less
-Each fused 1 sF is checked against fused 1's output before it is timed.
+  fused 1 fma     one adapter, its update added as rank-one products on the CUDA cores
+                  (``fma_expand``: no tensor-core dot, no B chunk loaded before the K loop)
+Each fused 1 sF and fused 1 fma is checked against fused 1's output before it is timed.
 """
 from __future__ import annotations
 
@@ -35,29 +37,34 @@ from benchmarks.fp8_lora_fused import RANK, Stack
 from benchmarks.fused_update import print_table, step_meta, time_ms
 
 KINDS = ("q|k|v", "o", "gate|up", "down")  # Stack's projection order within a layer
-VARIANTS = {"fused 0": (0, 1), "fused 1": (1, 1), "fused 2": (2, 1)}  # name: (adapters, shrink split factor)
+# name: (adapters, shrink split factor, fma_expand)
+VARIANTS = {"fused 0": (0, 1, False), "fused 1": (1, 1, False), "fused 1 fma": (1, 1, True), "fused 2": (2, 1, False)}
 SPLIT_TOL = 2e-2  # a finer shrink split against the kernel's own: the shrink summed in another order
 
 
-def _checked(stack: Stack, dtype: str, factor: int, meta, rows: int, projections: list) -> None:
-    """A finer shrink split's output against the kernel's own choice's, before it is timed."""
-    if factor == 1:
+def _set(stack: Stack, factor: int, fma: bool) -> None:
+    stack.shrink_factor, stack.fma_expand = factor, fma
+
+
+def _checked(stack: Stack, dtype: str, factor: int, fma: bool, meta, rows: int, projections: list) -> None:
+    """A variant's output against the kernel's own choices', before it is timed."""
+    if factor == 1 and not fma:
         return
-    stack.shrink_factor = 1
+    _set(stack, 1, False)
     want = stack.run(f"{dtype} fused", meta, rows, projections).float()
-    stack.shrink_factor = factor
+    _set(stack, factor, fma)
     err = float((stack.run(f"{dtype} fused", meta, rows, projections).float() - want).norm() / want.norm())
     if err > SPLIT_TOL:
-        raise AssertionError(f"{dtype} fused with the shrink split x{factor} differs: {err:.2e}")
+        raise AssertionError(f"{dtype} fused with the shrink split x{factor}, fma {fma} differs: {err:.2e}")
 
 
-def variants(factors: list[int]) -> dict[str, tuple[int, int]]:
+def variants(factors: list[int]) -> dict[str, tuple[int, int, bool]]:
     """VARIANTS, then one adapter with the shrink split times each factor."""
-    return {**VARIANTS, **{f"fused 1 s{f}": (1, f) for f in factors}}
+    return {**VARIANTS, **{f"fused 1 s{f}": (1, f, False) for f in factors}}
 
 
 def table(stack: Stack, tokens: int, slots: int, device: str, layers: int,
-          named: dict[str, tuple[int, int]]) -> list[list[str]]:
+          named: dict[str, tuple[int, int, bool]]) -> list[list[str]]:
     metas = {n: step_meta(tokens, max(n, 1), slots, device) for n in (0, 1, 2)}
     metas[0].token_slots.fill_(-1)
     rows_of = {n: row_bucket(n * RANK, slots * RANK) for n in (0, 1, 2)}
@@ -67,10 +74,10 @@ def table(stack: Stack, tokens: int, slots: int, device: str, layers: int,
             projections = stack.projections[i::len(KINDS)]
             base = time_ms(lambda: stack.run(f"{dtype} base", metas[0], 0, projections), device)
             cells = [f"{base * 1e3 / layers:.1f}"]
-            for adapters, factor in named.values():
+            for adapters, factor, fma in named.values():
                 meta, rows = metas[adapters], rows_of[adapters]
-                _checked(stack, dtype, factor, meta, rows, projections)
-                stack.shrink_factor = factor
+                _checked(stack, dtype, factor, fma, meta, rows, projections)
+                _set(stack, factor, fma)
                 ms = time_ms(lambda: stack.run(f"{dtype} fused", meta, rows, projections), device)
                 cells.append(f"{ms * 1e3 / layers:.1f} ({(ms / base - 1) * 100:+.0f}%)")
             out.append([dtype, kind, *cells])

@@ -175,11 +175,14 @@ for stage in "$@"; do
       test_files 120 "" tests/models/test_fp8_fused.py tests/models/test_fp8_kernels.py tests/kernels/test_pdl.py
       timeout ${BENCH_S:-120} python3 benchmarks/fp8_row_ops.py 2>&1 | tail -10
       PDL=off DTYPES=fp8 PROFILE_WORKLOADS=base TOP=12 bash "$0" profile ;;
-    taxsplit)  # 1 GPU: the fused linear projection by projection (SPLITS: shrink split factors to sweep), its
-      # compiled forms (TAIL=40 shows them), where its tax goes; then the engine's GPU tests (then: taxengine)
+    taxsplit)  # 1 GPU: the fused linear's GPU tests (-k TEST_K), then projection by projection (SPLITS: shrink
+      # split factors to sweep; TAIL=40 shows the compiled forms), where its tax goes (the ablation, with and
+      # without fma_expand); ENGINE_TESTS: engine GPU test files to run after (then: taxengine)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_stacked_fused.py \
+        tests/kernels/test_stacked_fused_apart.py -k "${TEST_K:-cuda_cores or fma}" --tb=line -rfE 2>&1 | tail -4
       timeout ${BENCH_S:-200} python3 benchmarks/fused_linear_projections.py --splits "${SPLITS:-}" 2>&1 | tail -${TAIL:-12}
-      timeout ${BENCH_S:-200} python3 benchmarks/fused_ablation.py 2>&1 | tail -7
-      test_files 200 "-m gpu" ${ENGINE_TESTS:-tests/engine/test_gpu.py tests/engine/test_warmup_gpu.py tests/engine/test_mixed_graphs_gpu.py} ;;
+      for fma in "" --fma; do timeout ${BENCH_S:-200} python3 benchmarks/fused_ablation.py $fma 2>&1 | tail -7; done
+      [ -n "${ENGINE_TESTS:-}" ] && test_files 200 "-m gpu" $ENGINE_TESTS ;;
     taxengine)  # 1 GPU: the bf16 8B's one-adapter tax taken apart: base on cuBLAS, base on our decode GEMM (the
       # fused linear's base product), one adapter (fused)
       timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --hf-models '' \

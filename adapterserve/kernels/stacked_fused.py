@@ -107,6 +107,23 @@ def _expand(acc, s_rows, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl, stride
 
 
 @triton.jit
+def _expand_fma(acc, s_rows, b_ptr, row0, end, lo, n, nmask, sl, stride_br, stride_bn, NUM_SLICES: tl.constexpr,
+                CHUNK_ROWS: tl.constexpr):
+    """acc + each token's update when the launch's pool rows fit in one chunk: a rank-one product
+    per row on the CUDA cores, in acc's own layout (no tensor-core operand staged in shared
+    memory). s_rows: [BLOCK_M] pointers to the tokens' shrink values."""
+    for i in tl.static_range(CHUNK_ROWS):
+        r = lo + i
+        used = (r >= row0) & (r < end)
+        # a row no token uses is not read (it may be being written); a vector, as the interpreter masks
+        b_mask = nmask & (tl.zeros_like(n) + tl.max(used.to(tl.int32), axis=0) > 0)
+        s = tl.load(s_rows + r * NUM_SLICES + sl, mask=used, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + r.to(tl.int64) * stride_br + n * stride_bn, mask=b_mask, other=0.0).to(tl.float32)
+        acc += s[:, None] * b[None, :]
+    return acc
+
+
+@triton.jit
 def _columns(pid, a_tiles, a_width, c1, c2, c3, c4, NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr,
              SPLIT_K: tl.constexpr, SPLIT_A: tl.constexpr, ALIGNED: tl.constexpr):
     """Program pid's tile: whether it is a shrink tile (the first a_tiles * SPLIT_A programs),
@@ -138,7 +155,7 @@ def _stacked_fused_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, HAS_LORA: tl.constexpr, ALIGNED: tl.constexpr, SPLIT_A: tl.constexpr = 1,
     A_BLOCK_K: tl.constexpr = 0, A_STAGES: tl.constexpr = 0, BASE_IEEE: tl.constexpr = 0, X_SCALED: tl.constexpr = 0,
-    W_SCALED: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
+    W_SCALED: tl.constexpr = 0, USE_PDL: tl.constexpr = 0, EXPAND_FMA: tl.constexpr = 0,
 ):
     a_width = rows * NUM_SLICES
     is_shrink, tile, pid_k, sl, cols, n_mask = _columns(
@@ -151,8 +168,9 @@ def _stacked_fused_kernel(
         row0, end, lo, hi = token_rows(rank_ptr, row_start_ptr, slots_ptr, rm, rm < M, sl, rows, max_rank,
                                         stride_rs, stride_rslot)
         hi = tl.where(is_shrink, lo, hi)  # a shrink tile's columns are no B columns: it reads none
-        rr, uses, row_used = _chunk_rows(lo, row0, end, CHUNK_ROWS)
-        b_first = _b_rows(b_ptr, rr, row_used & (rr < hi), cols, n_mask, stride_br, stride_bn)
+        if not EXPAND_FMA:
+            rr, uses, row_used = _chunk_rows(lo, row0, end, CHUNK_ROWS)
+            b_first = _b_rows(b_ptr, rr, row_used & (rr < hi), cols, n_mask, stride_br, stride_bn)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if not HAS_LORA:  # no shrink tiles: the (rounded) activations against the weight
@@ -185,8 +203,12 @@ def _stacked_fused_kernel(
             total = scaled(total, xs_ptr, ws_ptr, rm, cols, n_mask, M, X_SCALED, W_SCALED)
             if HAS_LORA:
                 _wait_for(step, a_tiles)
-                total = _expand(total, s_ptr + rm[:, None] * stride_sm, b_ptr, b_first, row0, end, lo, hi, cols,
-                                n_mask, sl, stride_br, stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS)
+                if EXPAND_FMA:
+                    total = _expand_fma(total, s_ptr + rm * stride_sm, b_ptr, row0, end, lo, cols, n_mask, sl,
+                                        stride_br, stride_bn, NUM_SLICES, CHUNK_ROWS)
+                else:
+                    total = _expand(total, s_ptr + rm[:, None] * stride_sm, b_ptr, b_first, row0, end, lo, hi, cols,
+                                    n_mask, sl, stride_br, stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS)
             if HAS_BIAS:
                 total += tl.load(bias_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + rm[:, None] * stride_ym + cols[None, :], total.to(y_ptr.dtype.element_ty),
@@ -201,13 +223,16 @@ def _stacked_fused_kernel(
 
 def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, meta: AdapterBatchMeta, rows: int,
                   bias: torch.Tensor | None = None, config: DecodeGemmConfig | None = None,
-                  apart: BaseApart | None = None, shrink: ShrinkTiles | None = None) -> torch.Tensor:
+                  apart: BaseApart | None = None, shrink: ShrinkTiles | None = None,
+                  fma_expand: bool = False) -> torch.Tensor:
     """x: [T, K] (T <= 64) -> the layer output [T, N]: x @ W.T + each token's own LoRA update
     from pool rows [0, rows) (semantics of stacked_gemm then reference.stacked_expand), one
     launch. B has the LoRA scaling folded in; tokens with slot -1 get the base output. With
     ``apart`` (a buffer of A rows only), W is its weight: an e4m3 one's product is
     fp8_decode_gemm's (W8A8 on the rounded activations, or weight-only). shrink: the shrink
-    tiles' K loop (default: shrink_tiles'). With rows 0 the launch has base tiles only."""
+    tiles' K loop (default: shrink_tiles'). With rows 0 the launch has base tiles only.
+    fma_expand (rows <= 16, one chunk of pool rows): the update added as rank-one products on the
+    CUDA cores, its B rows read after the wait, not as a tensor-core dot."""
     m, k = x.shape
     n_slices, offs, n_out = lora.num_slices, lora.out_offsets, stacked.n_out
     _check(x, stacked, lora, rows, bias)
@@ -215,6 +240,8 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
     config = config or DecodeGemmConfig()
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     a_width = rows * n_slices
+    if fma_expand and rows > CHUNK:
+        raise ValueError(f"stacked_fused: fma_expand takes at most {CHUNK} pool rows, got {rows}")
     a_tiles = triton.cdiv(a_width, config.block_n)
     b_tiles = sum(triton.cdiv(offs[s + 1] - offs[s], config.block_n) for s in range(n_slices))
     split = split_for(n_out + a_width, k, config, sms_of(x.device))
@@ -244,7 +271,7 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
         SPLIT_K=split, NUM_STAGES=config.num_stages, CHUNK_ROWS=CHUNK, HAS_LORA=rows > 0,
         ALIGNED=all(o % 16 == 0 for o in offs), SPLIT_A=shrink.split, A_BLOCK_K=shrink.block_k, A_STAGES=shrink.stages,
         BASE_IEEE=base_x.dtype == torch.float32, X_SCALED=int(x_scale is not None),
-        W_SCALED=int(weight_scale is not None), num_warps=config.num_warps,
+        W_SCALED=int(weight_scale is not None), EXPAND_FMA=int(fma_expand and rows > 0), num_warps=config.num_warps,
         **pdl_args(x))
     return y
 

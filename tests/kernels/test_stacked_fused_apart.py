@@ -38,7 +38,7 @@ from .cases import (
 )
 from .fused_apart_ptx import PROJECTIONS_8B, SHARED_MEMORY
 from .test_stacked import _stacked_case, add_update_oracle
-from .test_stacked_fused import CPU_FUSED, GPU_FUSED
+from .test_stacked_fused import CPU_FUSED, CPU_ONE_CHUNK, GPU_FUSED, GPU_ONE_CHUNK
 
 MODES = ("plain", "w8a8", "weight_only")  # plain: the weight in the activations' dtype
 E4M3 = torch.float8_e4m3fn
@@ -81,12 +81,13 @@ def _to(device, x, apart, weight, scale, lora, bias, slots):
             None if bias is None else bias.to(device), meta)
 
 
-def _run(case, dtype, mode, device, config):
+def _run(case, dtype, mode, device, config, fma_expand=False):
     gen, seed = fresh_generator()
     x, apart, weight, scale, lora, bias, slots, rows = _apart_case(case, dtype, gen, mode)
     ref = _oracle(x, weight, scale, lora, bias, slots, mode)
     x_d, apart, w_d, scale_d, lora_d, bias_d, meta = _to(device, x, apart, weight, scale, lora, bias, slots)
-    y = stacked_fused(x_d, apart, lora_d, meta, rows, bias_d, config, _base(x_d, w_d, scale_d, mode)).cpu()
+    y = stacked_fused(x_d, apart, lora_d, meta, rows, bias_d, config, _base(x_d, w_d, scale_d, mode),
+                      fma_expand=fma_expand).cpu()
     check_close(y, ref, dtype, seed, f"fused apart {mode} {case}")
 
 
@@ -101,6 +102,14 @@ FORMS = [(torch.float32, 1, m) for m in MODES] + [(torch.float16, 2, "plain")]
 @pytest.mark.parametrize("case", CPU_FUSED, ids=str)
 def test_fused_apart_interpreted(case, dtype, split, mode):
     _run(case, dtype, mode, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=split))
+
+
+@interpreted
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CPU_ONE_CHUNK[:2], ids=str)
+def test_fused_apart_with_the_update_on_cuda_cores_interpreted(case, mode):
+    """fma_expand after each form's base product and scales, split K."""
+    _run(case, torch.float32, mode, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=2), fma_expand=True)
 
 
 @interpreted
@@ -188,12 +197,16 @@ def test_the_fused_linear_compiles_for_sm_89_and_sm_90():
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", GPU_FUSED, ids=str)
-def test_fused_apart_gpu(case, mode):
+@pytest.mark.parametrize("case,fma_expand", [(c, False) for c in GPU_FUSED] + [(c, True) for c in GPU_ONE_CHUNK],
+                         ids=lambda v: "fma" if v is True else "" if v is False else str(v))
+def test_fused_apart_gpu(case, fma_expand, mode):
+    """Every form on the 8B's shapes; fma_expand (the update on the CUDA cores) where the pool rows
+    fit in one chunk."""
     if mode == "w8a8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("e4m3 dots need sm_89")
     n, k = sum(case[4]), case[3]
-    _run(case, torch.bfloat16, mode, "cuda", decode_config(n, k) if mode == "plain" else fp8_decode_config(n, k))
+    config = decode_config(n, k) if mode == "plain" else fp8_decode_config(n, k)
+    _run(case, torch.bfloat16, mode, "cuda", config, fma_expand)
 
 
 @gpu_pdl_modes
