@@ -109,9 +109,9 @@ def _expand(acc, s_rows, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl, stride
 @triton.jit
 def _expand_fma(acc, s_rows, b_ptr, row0, end, lo, n, nmask, sl, stride_br, stride_bn, NUM_SLICES: tl.constexpr,
                 CHUNK_ROWS: tl.constexpr):
-    """acc + each token's update when the launch's pool rows fit in one chunk: a rank-one product
-    per row on the CUDA cores, in acc's own layout (no tensor-core operand staged in shared
-    memory). s_rows: [BLOCK_M] pointers to the tokens' shrink values."""
+    """acc + each token's update when the tile's tokens' pool rows fit in one chunk from lo: a
+    rank-one product per row on the CUDA cores, in acc's own layout (no tensor-core operand
+    staged in shared memory). s_rows: [BLOCK_M] pointers to the tokens' shrink values."""
     for i in tl.static_range(CHUNK_ROWS):
         r = lo + i
         used = (r >= row0) & (r < end)
@@ -120,6 +120,24 @@ def _expand_fma(acc, s_rows, b_ptr, row0, end, lo, n, nmask, sl, stride_br, stri
         s = tl.load(s_rows + r * NUM_SLICES + sl, mask=used, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + r.to(tl.int64) * stride_br + n * stride_bn, mask=b_mask, other=0.0).to(tl.float32)
         acc += s[:, None] * b[None, :]
+    return acc
+
+
+@triton.jit
+def _update(acc, s_ptr, rm, stride_sm, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl, stride_br, stride_bn,
+            NUM_SLICES: tl.constexpr, IEEE: tl.constexpr, CHUNK_ROWS: tl.constexpr, EXPAND_FMA: tl.constexpr):
+    """acc + the tile's tokens' updates: on the CUDA cores where EXPAND_FMA and their rows fit in
+    one chunk, else a tensor-core dot per chunk (b_first: the first chunk's B rows)."""
+    if EXPAND_FMA:
+        if hi - lo <= CHUNK_ROWS:
+            acc = _expand_fma(acc, s_ptr + rm * stride_sm, b_ptr, row0, end, lo, n, nmask, sl, stride_br, stride_bn,
+                              NUM_SLICES, CHUNK_ROWS)
+        else:
+            acc = _expand(acc, s_ptr + rm[:, None] * stride_sm, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl,
+                          stride_br, stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS)
+    else:
+        acc = _expand(acc, s_ptr + rm[:, None] * stride_sm, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl,
+                      stride_br, stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS)
     return acc
 
 
@@ -168,9 +186,11 @@ def _stacked_fused_kernel(
         row0, end, lo, hi = token_rows(rank_ptr, row_start_ptr, slots_ptr, rm, rm < M, sl, rows, max_rank,
                                         stride_rs, stride_rslot)
         hi = tl.where(is_shrink, lo, hi)  # a shrink tile's columns are no B columns: it reads none
-        if not EXPAND_FMA:
-            rr, uses, row_used = _chunk_rows(lo, row0, end, CHUNK_ROWS)
-            b_first = _b_rows(b_ptr, rr, row_used & (rr < hi), cols, n_mask, stride_br, stride_bn)
+        rr, uses, row_used = _chunk_rows(lo, row0, end, CHUNK_ROWS)
+        b_now = row_used & (rr < hi)
+        if EXPAND_FMA:  # a tile whose tokens' rows fit in one chunk reads its B rows after the wait
+            b_now = b_now & (tl.zeros_like(rr) + (hi - lo) > CHUNK_ROWS)
+        b_first = _b_rows(b_ptr, rr, b_now, cols, n_mask, stride_br, stride_bn)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if not HAS_LORA:  # no shrink tiles: the (rounded) activations against the weight
@@ -203,12 +223,8 @@ def _stacked_fused_kernel(
             total = scaled(total, xs_ptr, ws_ptr, rm, cols, n_mask, M, X_SCALED, W_SCALED)
             if HAS_LORA:
                 _wait_for(step, a_tiles)
-                if EXPAND_FMA:
-                    total = _expand_fma(total, s_ptr + rm * stride_sm, b_ptr, row0, end, lo, cols, n_mask, sl,
-                                        stride_br, stride_bn, NUM_SLICES, CHUNK_ROWS)
-                else:
-                    total = _expand(total, s_ptr + rm[:, None] * stride_sm, b_ptr, b_first, row0, end, lo, hi, cols,
-                                    n_mask, sl, stride_br, stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS)
+                total = _update(total, s_ptr, rm, stride_sm, b_ptr, b_first, row0, end, lo, hi, cols, n_mask, sl,
+                                stride_br, stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS, EXPAND_FMA)
             if HAS_BIAS:
                 total += tl.load(bias_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + rm[:, None] * stride_ym + cols[None, :], total.to(y_ptr.dtype.element_ty),
@@ -231,8 +247,9 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
     ``apart`` (a buffer of A rows only), W is its weight: an e4m3 one's product is
     fp8_decode_gemm's (W8A8 on the rounded activations, or weight-only). shrink: the shrink
     tiles' K loop (default: shrink_tiles'). With rows 0 the launch has base tiles only.
-    fma_expand (rows <= 16, one chunk of pool rows): the update added as rank-one products on the
-    CUDA cores, its B rows read after the wait, not as a tensor-core dot."""
+    fma_expand: an output tile whose tokens' pool rows fit in one chunk (16 rows) adds their
+    update as rank-one products on the CUDA cores, its B rows read after the wait; the others
+    as without it (a tensor-core dot per chunk, the first chunk's B rows read before the K loop)."""
     m, k = x.shape
     n_slices, offs, n_out = lora.num_slices, lora.out_offsets, stacked.n_out
     _check(x, stacked, lora, rows, bias)
@@ -240,8 +257,6 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
     config = config or DecodeGemmConfig()
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     a_width = rows * n_slices
-    if fma_expand and rows > CHUNK:
-        raise ValueError(f"stacked_fused: fma_expand takes at most {CHUNK} pool rows, got {rows}")
     a_tiles = triton.cdiv(a_width, config.block_n)
     b_tiles = sum(triton.cdiv(offs[s + 1] - offs[s], config.block_n) for s in range(n_slices))
     split = split_for(n_out + a_width, k, config, sms_of(x.device))

@@ -81,6 +81,14 @@ def test_fused_with_the_update_on_cuda_cores_interpreted(case, dtype, split):
 
 
 @interpreted
+@pytest.mark.parametrize("case", CPU_FUSED, ids=str)
+def test_fused_with_fma_expand_keeps_the_dot_for_tiles_over_more_rows_interpreted(case):
+    """fma_expand with every stacked case: a tile whose tokens' rows span more than a chunk takes
+    the tensor-core walk (its first B chunk still read before the K loop), the others the CUDA cores."""
+    _run(case, torch.float32, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=1), fma_expand=True)
+
+
+@interpreted
 def test_fused_twice_resets_its_counters():
     case = CPU_FUSED[0]
     for _ in range(2):
@@ -95,8 +103,6 @@ def test_fused_refuses_what_it_cannot_take():
         stacked_fused(torch.zeros(65, x.shape[1]), stacked, lora, meta, rows)
     with pytest.raises(ValueError, match="rows must be"):
         stacked_fused(x, stacked, lora, meta, stacked.pool_rows + 1)
-    with pytest.raises(ValueError, match="fma_expand takes at most 16 pool rows"):
-        stacked_fused(x, stacked, lora, meta, 17, fma_expand=True)
     with pytest.raises(ValueError, match="share a dtype"):
         stacked_fused(x, stacked, LoraSlices(lora.a, lora.b.half(), lora.row_start, lora.rank, lora.out_offsets,
                                              lora.max_rank), meta, rows)
@@ -115,7 +121,7 @@ def test_fused_gpu(case, dtype, config):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("case", GPU_ONE_CHUNK, ids=str)
+@pytest.mark.parametrize("case", GPU_ONE_CHUNK + GPU_FUSED[:1] + GPU_FUSED[-3:], ids=str)
 def test_fused_with_the_update_on_cuda_cores_gpu(case, dtype):
     n, k = sum(case[4]), case[3]
     _run(case, dtype, "cuda", decode_config(n, k), fma_expand=True)
