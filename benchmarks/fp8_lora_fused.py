@@ -96,6 +96,7 @@ class Stack:
         self.shrink: tuple[int, int, int, int] | None = None
         self.shrink_factor = 1  # both dtypes' fused: the kernel's own shrink split times this
         self.fma_expand = False  # both dtypes' fused: the update on the CUDA cores (pool rows in one chunk)
+        self.count_group = 0  # both dtypes' fused: output tiles count past their wait in groups of this many
 
     def run(self, variant: str, meta, rows: int, projections: list[Projection] | None = None) -> torch.Tensor:
         """The variant over every projection of the stack (or over `projections`); the last output."""
@@ -109,10 +110,11 @@ class Stack:
         if variant == "fp8 fused":
             return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=self._fp8_config(p),
                                  apart=BaseApart(p.q, p.scale, (xq, xs)), shrink=self._shrink(p, x, rows, True),
-                                 fma_expand=self.fma_expand)
+                                 fma_expand=self.fma_expand, count_group=self.count_group)
         if variant == "bf16 fused":
             return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=p.bf16_config, apart=BaseApart(p.weight),
-                                 shrink=self._shrink(p, x, rows, False), fma_expand=self.fma_expand)
+                                 shrink=self._shrink(p, x, rows, False), fma_expand=self.fma_expand,
+                                 count_group=self.count_group)
         bf16 = variant.startswith("bf16")
         if variant.endswith("base") or not rows:
             return self._base(p, bf16)

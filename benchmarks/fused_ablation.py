@@ -43,7 +43,7 @@ from benchmarks.fused_update import print_table, step_meta, time_ms
 
 NO_WAIT = ("_wait_for(step, a_tiles)", "pass")
 NO_EXPAND = ("if HAS_LORA:\n                _wait_for(step, a_tiles)", "if HAS_LORA * 0:\n                _wait_for(step, a_tiles)")
-NO_COUNT = ('if tl.atomic_add(step + 1, 1, sem="relaxed") == b_tiles - 1:', "if tl.program_id(0) < 0:")
+NO_COUNT = ('last = tl.atomic_add(step + 1, 1, sem="relaxed") == b_tiles - 1', "last = tile < 0")
 NO_SHRINK_TILES = ("a_tiles = triton.cdiv(a_width, config.block_n)", "a_tiles = 0")
 ABLATIONS = {  # name: the source edits of the copy
     "no wait": (NO_WAIT,),

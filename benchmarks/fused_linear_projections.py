@@ -1,5 +1,4 @@
-"""The fused LoRA linear projection by projection: how finely its shrink tiles split K
-(kernels/stacked_fused.py).
+"""The fused LoRA linear projection by projection, and its launch choices (kernels/stacked_fused.py).
 
     PYTHONPATH=. python benchmarks/fused_linear_projections.py           # H100/H200: about a minute
     PYTHONPATH=. python benchmarks/fused_linear_projections.py --smoke   # CPU, interpreter, tiny shapes
@@ -14,7 +13,8 @@ projection, with its tax over the plain decode GEMM of the same dtype. Variants:
                   shrink programs, done sooner, so output tiles wait less
   fused 1 fma     one adapter, its update added as rank-one products on the CUDA cores
                   (``fma_expand``: no tensor-core dot, no B chunk loaded before the K loop)
-Each fused 1 sF and fused 1 fma is checked against fused 1's output before it is timed.
+  fused 1 g16     one adapter, output tiles counting past their wait in groups of 16 (``count_group``)
+Every variant but fused N is checked against fused N's output before it is timed.
 """
 from __future__ import annotations
 
@@ -37,34 +37,42 @@ from benchmarks.fp8_lora_fused import RANK, Stack
 from benchmarks.fused_update import print_table, step_meta, time_ms
 
 KINDS = ("q|k|v", "o", "gate|up", "down")  # Stack's projection order within a layer
-# name: (adapters, shrink split factor, fma_expand)
-VARIANTS = {"fused 0": (0, 1, False), "fused 1": (1, 1, False), "fused 1 fma": (1, 1, True), "fused 2": (2, 1, False)}
-SPLIT_TOL = 2e-2  # a finer shrink split against the kernel's own: the shrink summed in another order
+DEFAULTS = {"shrink_factor": 1, "fma_expand": False, "count_group": 0}  # Stack's launch choices, the kernel's own
+VARIANTS = {  # name: (adapters, launch choices other than DEFAULTS)
+    "fused 0": (0, {}),
+    "fused 1": (1, {}),
+    "fused 1 fma": (1, {"fma_expand": True}),
+    "fused 1 g16": (1, {"count_group": 16}),
+    "fused 1 fma g16": (1, {"fma_expand": True, "count_group": 16}),
+    "fused 2": (2, {}),
+}
+CHOICE_TOL = 2e-2  # a launch choice against the kernel's own: bf16 outputs summed in another order
 
 
-def _set(stack: Stack, factor: int, fma: bool) -> None:
-    stack.shrink_factor, stack.fma_expand = factor, fma
+def _set(stack: Stack, choices: dict) -> None:
+    for name, value in {**DEFAULTS, **choices}.items():
+        setattr(stack, name, value)
 
 
-def _checked(stack: Stack, dtype: str, factor: int, fma: bool, meta, rows: int, projections: list) -> None:
+def _checked(stack: Stack, dtype: str, choices: dict, meta, rows: int, projections: list) -> None:
     """A variant's output against the kernel's own choices', before it is timed."""
-    if factor == 1 and not fma:
+    if not choices:
         return
-    _set(stack, 1, False)
+    _set(stack, {})
     want = stack.run(f"{dtype} fused", meta, rows, projections).float()
-    _set(stack, factor, fma)
+    _set(stack, choices)
     err = float((stack.run(f"{dtype} fused", meta, rows, projections).float() - want).norm() / want.norm())
-    if err > SPLIT_TOL:
-        raise AssertionError(f"{dtype} fused with the shrink split x{factor}, fma {fma} differs: {err:.2e}")
+    if err > CHOICE_TOL:
+        raise AssertionError(f"{dtype} fused with {choices} differs: {err:.2e}")
 
 
-def variants(factors: list[int]) -> dict[str, tuple[int, int, bool]]:
+def variants(factors: list[int]) -> dict[str, tuple[int, dict]]:
     """VARIANTS, then one adapter with the shrink split times each factor."""
-    return {**VARIANTS, **{f"fused 1 s{f}": (1, f, False) for f in factors}}
+    return {**VARIANTS, **{f"fused 1 s{f}": (1, {"shrink_factor": f}) for f in factors}}
 
 
 def table(stack: Stack, tokens: int, slots: int, device: str, layers: int,
-          named: dict[str, tuple[int, int, bool]]) -> list[list[str]]:
+          named: dict[str, tuple[int, dict]]) -> list[list[str]]:
     metas = {n: step_meta(tokens, max(n, 1), slots, device) for n in (0, 1, 2)}
     metas[0].token_slots.fill_(-1)
     rows_of = {n: row_bucket(n * RANK, slots * RANK) for n in (0, 1, 2)}
@@ -74,10 +82,10 @@ def table(stack: Stack, tokens: int, slots: int, device: str, layers: int,
             projections = stack.projections[i::len(KINDS)]
             base = time_ms(lambda: stack.run(f"{dtype} base", metas[0], 0, projections), device)
             cells = [f"{base * 1e3 / layers:.1f}"]
-            for adapters, factor, fma in named.values():
+            for adapters, choices in named.values():
                 meta, rows = metas[adapters], rows_of[adapters]
-                _checked(stack, dtype, factor, fma, meta, rows, projections)
-                _set(stack, factor, fma)
+                _checked(stack, dtype, choices, meta, rows, projections)
+                _set(stack, choices)
                 ms = time_ms(lambda: stack.run(f"{dtype} fused", meta, rows, projections), device)
                 cells.append(f"{ms * 1e3 / layers:.1f} ({(ms / base - 1) * 100:+.0f}%)")
             out.append([dtype, kind, *cells])

@@ -179,7 +179,7 @@ for stage in "$@"; do
       # split factors to sweep; TAIL=40 shows the compiled forms), where its tax goes (the ablation, with and
       # without fma_expand); ENGINE_TESTS: engine GPU test files to run after (then: taxengine)
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_stacked_fused.py \
-        tests/kernels/test_stacked_fused_apart.py -k "${TEST_K:-cuda_cores or fma}" --tb=line -rfE 2>&1 | tail -4
+        tests/kernels/test_stacked_fused_apart.py -k "${TEST_K:-cuda_cores or fma or grouped}" --tb=line -rfE 2>&1 | tail -4
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_fused_expand_gpu.py --tb=short 2>&1 | tail -3
       timeout ${BENCH_S:-200} python3 benchmarks/fused_linear_projections.py --splits "${SPLITS:-}" 2>&1 | tail -${TAIL:-12}
       for fma in "" --fma; do timeout ${BENCH_S:-200} python3 benchmarks/fused_ablation.py $fma 2>&1 | tail -7; done

@@ -91,6 +91,26 @@ def _wait_for(flag_ptr, target):
 
 
 @triton.jit
+def _count_past_wait(step, tile, b_tiles, COUNT_GROUP: tl.constexpr):
+    """A base tile counts itself past its wait; the last one resets the step counters (relaxed: the
+    count follows the wait it depends on, and the next call starts after this one ends). With
+    COUNT_GROUP the tiles count in groups of that many (a counter each, after the two step
+    counters), the last of a group counting the group: fewer programs on one address at once."""
+    if COUNT_GROUP == 0:
+        last = tl.atomic_add(step + 1, 1, sem="relaxed") == b_tiles - 1
+    else:
+        group = step + 2 + tile // COUNT_GROUP
+        in_group = tl.minimum(b_tiles - tile // COUNT_GROUP * COUNT_GROUP, COUNT_GROUP)
+        last = tile < 0  # false, of the comparison's type
+        if tl.atomic_add(group, 1, sem="relaxed") == in_group - 1:
+            tl.atomic_xchg(group, 0, sem="relaxed")
+            last = tl.atomic_add(step + 1, 1, sem="relaxed") == tl.cdiv(b_tiles, COUNT_GROUP) - 1
+    if last:
+        tl.atomic_xchg(step, 0, sem="relaxed")
+        tl.atomic_xchg(step + 1, 0, sem="relaxed")
+
+
+@triton.jit
 def _expand(acc, s_rows, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl, stride_br, stride_bn,
             NUM_SLICES: tl.constexpr, IEEE: tl.constexpr, CHUNK_ROWS: tl.constexpr):
     """acc + each token's update on columns n of slice sl (the tiled expand's walk); b_first:
@@ -174,6 +194,7 @@ def _stacked_fused_kernel(
     CHUNK_ROWS: tl.constexpr, HAS_LORA: tl.constexpr, ALIGNED: tl.constexpr, SPLIT_A: tl.constexpr = 1,
     A_BLOCK_K: tl.constexpr = 0, A_STAGES: tl.constexpr = 0, BASE_IEEE: tl.constexpr = 0, X_SCALED: tl.constexpr = 0,
     W_SCALED: tl.constexpr = 0, USE_PDL: tl.constexpr = 0, EXPAND_FMA: tl.constexpr = 0,
+    COUNT_GROUP: tl.constexpr = 0,
 ):
     a_width = rows * NUM_SLICES
     is_shrink, tile, pid_k, sl, cols, n_mask = _columns(
@@ -230,17 +251,13 @@ def _stacked_fused_kernel(
             tl.store(y_ptr + rm[:, None] * stride_ym + cols[None, :], total.to(y_ptr.dtype.element_ty),
                      mask=out_mask)
             if HAS_LORA:
-                # a base tile counts itself past its wait; the last one resets both counters (relaxed:
-                # the count follows the wait it depends on, and the next call starts after this one ends)
-                if tl.atomic_add(step + 1, 1, sem="relaxed") == b_tiles - 1:
-                    tl.atomic_xchg(step, 0, sem="relaxed")
-                    tl.atomic_xchg(step + 1, 0, sem="relaxed")
+                _count_past_wait(step, tile, b_tiles, COUNT_GROUP)
 
 
 def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, meta: AdapterBatchMeta, rows: int,
                   bias: torch.Tensor | None = None, config: DecodeGemmConfig | None = None,
                   apart: BaseApart | None = None, shrink: ShrinkTiles | None = None,
-                  fma_expand: bool = False) -> torch.Tensor:
+                  fma_expand: bool = False, count_group: int = 0) -> torch.Tensor:
     """x: [T, K] (T <= 64) -> the layer output [T, N]: x @ W.T + each token's own LoRA update
     from pool rows [0, rows) (semantics of stacked_gemm then reference.stacked_expand), one
     launch. B has the LoRA scaling folded in; tokens with slot -1 get the base output. With
@@ -249,7 +266,8 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
     tiles' K loop (default: shrink_tiles'). With rows 0 the launch has base tiles only.
     fma_expand: an output tile whose tokens' pool rows fit in one chunk (16 rows) adds their
     update as rank-one products on the CUDA cores, its B rows read after the wait; the others
-    as without it (a tensor-core dot per chunk, the first chunk's B rows read before the K loop)."""
+    as without it (a tensor-core dot per chunk, the first chunk's B rows read before the K loop).
+    count_group > 0: output tiles count themselves past their wait in groups of that many."""
     m, k = x.shape
     n_slices, offs, n_out = lora.num_slices, lora.out_offsets, stacked.n_out
     _check(x, stacked, lora, rows, bias)
@@ -260,7 +278,10 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
     a_tiles = triton.cdiv(a_width, config.block_n)
     b_tiles = sum(triton.cdiv(offs[s + 1] - offs[s], config.block_n) for s in range(n_slices))
     split = split_for(n_out + a_width, k, config, sms_of(x.device))
-    if a_tiles + b_tiles + STEP_COUNTERS > COUNTERS:
+    if count_group < 0:
+        raise ValueError(f"stacked_fused: count_group must be >= 0, got {count_group}")
+    groups = triton.cdiv(b_tiles, count_group) if count_group else 0
+    if a_tiles + b_tiles + STEP_COUNTERS + groups > COUNTERS:
         raise ValueError(f"stacked_fused: {a_tiles + b_tiles} tiles exceed the counters; use wider tiles")
     s = torch.empty(m, max(a_width, 1), dtype=x.dtype, device=x.device)
     partials = torch.empty(split, m, n_out, dtype=torch.float32, device=x.device) if split > 1 else y
@@ -286,7 +307,8 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
         SPLIT_K=split, NUM_STAGES=config.num_stages, CHUNK_ROWS=CHUNK, HAS_LORA=rows > 0,
         ALIGNED=all(o % 16 == 0 for o in offs), SPLIT_A=shrink.split, A_BLOCK_K=shrink.block_k, A_STAGES=shrink.stages,
         BASE_IEEE=base_x.dtype == torch.float32, X_SCALED=int(x_scale is not None),
-        W_SCALED=int(weight_scale is not None), EXPAND_FMA=int(fma_expand and rows > 0), num_warps=config.num_warps,
+        W_SCALED=int(weight_scale is not None), EXPAND_FMA=int(fma_expand and rows > 0), COUNT_GROUP=count_group,
+        num_warps=config.num_warps,
         **pdl_args(x))
     return y
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from adapterserve.kernels.decode_gemm import DecodeGemmConfig, decode_config
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import build_adapter_meta
+from adapterserve.kernels.split_counters import split_counters
 from adapterserve.kernels.stacked_fused import stacked_fused
 
 from .cases import (
@@ -50,12 +51,13 @@ def _on(device: str, x, stacked, lora, bias, slots):
     return x.to(device), stacked, lora_dev, None if bias is None else bias.to(device), meta
 
 
-def _run(case, dtype, device, config, fma_expand=False):
+def _run(case, dtype, device, config, fma_expand=False, count_group=0):
     gen, seed = fresh_generator()
     x, stacked, lora, bias, slots, rows = _stacked_case(case, dtype, gen)
     ref = _oracle(x, stacked, lora, bias, slots)
     x_dev, stacked, lora_dev, bias_dev, meta = _on(device, x, stacked, lora, bias, slots)
-    y = stacked_fused(x_dev, stacked, lora_dev, meta, rows, bias_dev, config, fma_expand=fma_expand).cpu()
+    y = stacked_fused(x_dev, stacked, lora_dev, meta, rows, bias_dev, config, fma_expand=fma_expand,
+                      count_group=count_group).cpu()
     check_close(y, ref, dtype, seed, f"fused {case}")
     touched = expand_touched(lora, slots)
     base32 = F.linear(x.float(), stacked.weight().float().cpu(), None if bias is None else bias.float())
@@ -89,10 +91,14 @@ def test_fused_with_fma_expand_keeps_the_dot_for_tiles_over_more_rows_interprete
 
 
 @interpreted
-def test_fused_twice_resets_its_counters():
+@pytest.mark.parametrize("count_group", [0, 2, 3], ids=["one-counter", "groups-of-2", "groups-of-3"])
+def test_fused_twice_resets_its_counters(count_group):
+    """Every counter back at zero after a launch (groups of 3: a last group short of tiles), so a
+    second launch waits for its own shrink tiles."""
     case = CPU_FUSED[0]
     for _ in range(2):
-        _run(case, torch.float32, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=3))
+        _run(case, torch.float32, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=3), count_group=count_group)
+        assert not split_counters(torch.device("cpu")).any()
 
 
 def test_fused_refuses_what_it_cannot_take():
@@ -103,6 +109,8 @@ def test_fused_refuses_what_it_cannot_take():
         stacked_fused(torch.zeros(65, x.shape[1]), stacked, lora, meta, rows)
     with pytest.raises(ValueError, match="rows must be"):
         stacked_fused(x, stacked, lora, meta, stacked.pool_rows + 1)
+    with pytest.raises(ValueError, match="count_group must be"):
+        stacked_fused(x, stacked, lora, meta, rows, count_group=-1)
     with pytest.raises(ValueError, match="share a dtype"):
         stacked_fused(x, stacked, LoraSlices(lora.a, lora.b.half(), lora.row_start, lora.rank, lora.out_offsets,
                                              lora.max_rank), meta, rows)
@@ -116,6 +124,17 @@ def test_fused_refuses_what_it_cannot_take():
 @pytest.mark.parametrize("case", GPU_FUSED, ids=str)
 def test_fused_gpu(case, dtype, config):
     _run(case, dtype, "cuda", config)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("case", GPU_FUSED[:1] + GPU_FUSED[-3:], ids=str)
+def test_fused_with_grouped_counts_gpu(case):
+    """count_group: the 8B's tile counts (hundreds of tiles, a short last group), twice, counters reset."""
+    n, k = sum(case[4]), case[3]
+    for _ in range(2):
+        _run(case, torch.bfloat16, "cuda", decode_config(n, k), count_group=16)
+        assert not split_counters(torch.device("cuda")).any()
 
 
 @gpu
