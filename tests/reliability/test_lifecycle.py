@@ -120,8 +120,17 @@ def test_a_second_signal_stops_at_once(spare):
     served.popen.send_signal(signal.SIGINT)  # Ctrl-C
     served.wait_for("draining", 60)
     served.popen.send_signal(signal.SIGINT)
+    second_at = time.monotonic()
     assert served.popen.wait(GRACE_S / 2) == 1, "it does not wait for the running streams"
-    assert all(isinstance(t, ClientError) and t.code is grpc.StatusCode.UNAVAILABLE for t in streams.join())
+    outcomes = streams.join()
+    # a stream still running at the second signal is cut (UNAVAILABLE); one that had ended by then
+    # (a loaded host drains slowly) had all its tokens
+    cut = [isinstance(t, ClientError) and t.code is grpc.StatusCode.UNAVAILABLE for t in outcomes]
+    done = [isinstance(t, list) and len(t) == MAX_TOKENS and end < second_at
+            for t, end in zip(outcomes, streams.ended_at)]
+    described = [f"{type(t).__name__} {getattr(t, 'code', '')}" if isinstance(t, BaseException) else f"{len(t)} tokens"
+                 for t in outcomes]
+    assert all(c or d for c, d in zip(cut, done)) and any(cut), described
     assert served.left_running(30.0) == set()
 
 
