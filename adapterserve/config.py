@@ -212,6 +212,11 @@ class EngineConfig:
         return self.kv_cache_dtype == FP8
 
     @property
+    def fused_expand_used(self) -> str:
+        """fused_expand with "auto" resolved ("dot")."""
+        return "fma" if self.fused_expand == "fma" else "dot"
+
+    @property
     def lora_decode_used(self) -> str:
         """lora_decode with "auto" resolved for this config's device."""
         if self.lora_decode != "auto":

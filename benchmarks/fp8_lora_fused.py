@@ -97,6 +97,7 @@ class Stack:
         self.shrink_factor = 1  # both dtypes' fused: the kernel's own shrink split times this
         self.fma_expand = False  # both dtypes' fused: the update on the CUDA cores (pool rows in one chunk)
         self.count_group = 0  # both dtypes' fused: output tiles count past their wait in groups of this many
+        self.fused = stacked_fused  # the fused linear both dtypes' fused run (fused_ablation.py: an edited copy)
 
     def run(self, variant: str, meta, rows: int, projections: list[Projection] | None = None) -> torch.Tensor:
         """The variant over every projection of the stack (or over `projections`); the last output."""
@@ -108,11 +109,11 @@ class Stack:
     def _projection(self, p: Projection, variant: str, meta, rows: int) -> torch.Tensor:
         x, (xq, xs) = self.x[p.k], self.rounded[p.k]
         if variant == "fp8 fused":
-            return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=self._fp8_config(p),
+            return self.fused(x, p.apart, p.lora_apart, meta, rows, config=self._fp8_config(p),
                                  apart=BaseApart(p.q, p.scale, (xq, xs)), shrink=self._shrink(p, x, rows, True),
                                  fma_expand=self.fma_expand, count_group=self.count_group)
         if variant == "bf16 fused":
-            return stacked_fused(x, p.apart, p.lora_apart, meta, rows, config=p.bf16_config, apart=BaseApart(p.weight),
+            return self.fused(x, p.apart, p.lora_apart, meta, rows, config=p.bf16_config, apart=BaseApart(p.weight),
                                  shrink=self._shrink(p, x, rows, False), fma_expand=self.fma_expand,
                                  count_group=self.count_group)
         bf16 = variant.startswith("bf16")
@@ -197,22 +198,28 @@ def sweep(stack: Stack, tokens: int, slots: int, device: str) -> list[list[str]]
     return table
 
 
+def stack_for(smoke: bool, layers: int) -> tuple[Stack, tuple]:
+    """The stack to time and (device, dtype, shape, layers, tokens, slots, card name): the 8B's on
+    a GPU with PDL early, or a tiny one layer deep for --smoke (float32: the interpreter's bf16
+    arithmetic is wrong)."""
+    if smoke:
+        device, dtype, shape, layers, tokens, slots, name = "cpu", torch.float32, SHAPES["tiny"], 1, 8, 8, "CPU (smoke)"
+    else:
+        device, dtype, shape, tokens, slots = "cuda", torch.bfloat16, SHAPES["8b"], 64, 8
+        name = torch.cuda.get_device_name()
+        set_pdl("early")
+    torch.manual_seed(0)
+    return Stack(shape, layers, tokens, slots, device, dtype), (device, dtype, shape, layers, tokens, slots, name)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code runs, figures mean nothing")
     p.add_argument("--sweep", action="store_true", help="also: fp8 fused's shrink loops, one adapter")
     args = p.parse_args()
-    if args.smoke:
-        device, dtype, shape, layers, tokens, slots = "cpu", torch.float32, SHAPES["tiny"], 1, 8, 8
-        name = "CPU (smoke)"  # float32: the interpreter's bf16 arithmetic is wrong
-    else:
-        device, dtype, shape, layers, tokens, slots = "cuda", torch.bfloat16, SHAPES["8b"], args.layers, 64, 8
-        name = torch.cuda.get_device_name()
-        set_pdl("early")
-    torch.manual_seed(0)
+    stack, (device, dtype, shape, layers, tokens, slots, name) = stack_for(args.smoke, args.layers)
     bw = bandwidth(device)
-    stack = Stack(shape, layers, tokens, slots, device, dtype)
     rows = [measure(stack, n, tokens, slots, device, bw) for n in ADAPTERS]
     print(f"\n{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, {dtype}, rank-{RANK} "
           "adapters; "

@@ -39,8 +39,8 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
 from adapterserve.kernels import stacked_fused as fused_module
 from adapterserve.kernels.split_counters import split_counters
 from adapterserve.kernels.stacked import row_bucket
-from benchmarks.fp8_lora_fused import RANK, Stack
-from benchmarks.fused_linear_projections import KINDS, projection_stack
+from benchmarks.fp8_lora_fused import RANK, Stack, stack_for
+from benchmarks.fused_linear_projections import KINDS
 from benchmarks.fused_update import print_table, step_meta, time_ms
 
 NO_WAIT = ("_wait_for(step, a_tiles)", "pass")
@@ -92,14 +92,8 @@ def table(stack: Stack, tokens: int, slots: int, device: str, layers: int, folde
         for name, module in modules.items():
             adapters = 0 if name == "fused 0" else 1
             meta, rows = metas[adapters], row_bucket(adapters * RANK, slots * RANK)
-
-            def run(module=module, meta=meta, rows=rows):
-                y = None
-                for p in projections:
-                    y = module.stacked_fused(stack.x[p.k], p.apart, p.lora_apart, meta, rows, config=p.bf16_config,
-                                             apart=module.BaseApart(p.weight), fma_expand=fma and rows > 0)
-                return y
-            ms = time_ms(run, device)
+            stack.fused, stack.fma_expand = module.stacked_fused, fma
+            ms = time_ms(lambda: stack.run("bf16 fused", meta, rows, projections), device)
             if device == "cuda":
                 torch.cuda.synchronize()
             split_counters(torch.device(device)).zero_()  # "no count" leaves its step counters set
@@ -114,7 +108,7 @@ def main() -> None:
     p.add_argument("--fma", action="store_true", help="the update on the CUDA cores in every variant (fma_expand)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code runs, figures mean nothing")
     args = p.parse_args()
-    stack, (device, shape, layers, tokens, slots, name) = projection_stack(args.smoke, args.layers)
+    stack, (device, _, shape, layers, tokens, slots, name) = stack_for(args.smoke, args.layers)
     with tempfile.TemporaryDirectory() as folder:
         rows = table(stack, tokens, slots, device, layers, folder, args.fma)
     print(f"\n{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, bf16, one rank-{RANK} "

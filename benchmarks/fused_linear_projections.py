@@ -27,13 +27,11 @@ import torch
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' @triton.jit runs
 
-from adapterserve.kernels.pdl import set_pdl
 from adapterserve.kernels.stacked import row_bucket
 from adapterserve.kernels.decode_gemm import _decode_gemm_kernel
 from adapterserve.kernels.stacked_fused import _stacked_fused_kernel
-from benchmarks.checkpoints import SHAPES
 from benchmarks.compiled_forms import forms_table
-from benchmarks.fp8_lora_fused import RANK, Stack
+from benchmarks.fp8_lora_fused import RANK, Stack, stack_for
 from benchmarks.fused_update import print_table, step_meta, time_ms
 
 KINDS = ("q|k|v", "o", "gate|up", "down")  # Stack's projection order within a layer
@@ -92,27 +90,13 @@ def table(stack: Stack, tokens: int, slots: int, device: str, layers: int,
     return out
 
 
-def projection_stack(smoke: bool, layers: int) -> tuple[Stack, tuple]:
-    """The stack to time and (device, shape, layers, tokens, slots, card name): the 8B's on a GPU
-    with PDL early, or a tiny float32 one layer deep for --smoke."""
-    if smoke:
-        device, dtype, shape, layers, tokens, slots, name = "cpu", torch.float32, SHAPES["tiny"], 1, 8, 8, "CPU (smoke)"
-    else:
-        device, dtype, shape, tokens, slots = "cuda", torch.bfloat16, SHAPES["8b"], 64, 8
-        name = torch.cuda.get_device_name()
-        set_pdl("early")
-    torch.manual_seed(0)
-    return Stack(shape, layers, tokens, slots, device, dtype), (device, shape, layers, tokens, slots, name)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--splits", default="", help="comma-separated shrink split factors to add (e.g. 2,4,8)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code runs, figures mean nothing")
     args = p.parse_args()
-    stack, run = projection_stack(args.smoke, args.layers)
-    device, shape, layers, tokens, slots, name = run
+    stack, (device, _, shape, layers, tokens, slots, name) = stack_for(args.smoke, args.layers)
     named = variants([int(f) for f in args.splits.split(",") if f])
     rows = table(stack, tokens, slots, device, layers, named)
     print(f"\n{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, rank-{RANK} adapters; "

@@ -62,9 +62,9 @@ def use_attention_dots(model: DecoderModel, dots: str) -> None:
 
 
 def use_fused_expand(model: DecoderModel, expand: str) -> None:
-    """Every linear's fused LoRA update as EngineConfig.fused_expand says ("auto": "dot")."""
+    """Every linear's fused LoRA update as EngineConfig.fused_expand_used says."""
     for _, linear in model.adapter_linears():
-        linear.fused_expand = "fma" if expand == "fma" else "dot"
+        linear.fused_expand = expand
 
 
 def use_fp8_gemm(model: DecoderModel, kernel: str) -> None:
@@ -81,7 +81,7 @@ def use_kernel_options(model: DecoderModel, config: EngineConfig) -> None:
     process's PDL mode."""
     use_decode_gemm(model, config.decode_gemm, config.device)
     use_fp8_gemm(model, config.fp8_gemm)
-    use_fused_expand(model, config.fused_expand)
+    use_fused_expand(model, config.fused_expand_used)
     use_attention_dots(model, config.decode_attention_dots)
     apply_pdl(config)
 

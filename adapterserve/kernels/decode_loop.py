@@ -1,7 +1,6 @@
 """The device functions of our decode GEMMs (kernels/decode_gemm.py, kernels/stacked_fused.py):
 the software-pipelined K loop of one output tile, the sum of a tile's K splits by the last of
-its programs to finish (split_total; arrive_last and sum_splits for a tile with more partials than
-one), and the finished tile's scales and store."""
+its programs to finish, and the finished tile's scales and store."""
 from __future__ import annotations
 
 import triton
@@ -39,29 +38,14 @@ def split_total(acc, part_ptr, counter, pid_k, rm, cols, out_mask, M, width, SPL
     else:
         tile = rm[:, None] * width + cols[None, :]
         tl.store(part_ptr + pid_k * M * width + tile, acc, mask=out_mask)
-        last = arrive_last(counter, SPLIT_K)
+        tl.debug_barrier()
+        last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1
         total = tl.zeros_like(acc)
         if last:
-            total = sum_splits(total, part_ptr, tile, out_mask, M * width, SPLIT_K)
+            for split in range(SPLIT_K):
+                total += tl.load(part_ptr + split * M * width + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(counter, 0)  # ready for the next call (and graph replay)
     return total, last
-
-
-@triton.jit
-def arrive_last(counter, SPLIT_K: tl.constexpr):
-    """Count this split in once its partials are stored: whether it is the tile's last (which then
-    sums the partials and resets the counter)."""
-    tl.debug_barrier()
-    return tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1
-
-
-@triton.jit
-def sum_splits(total, part_ptr, tile, mask, split_size, SPLIT_K: tl.constexpr):
-    """total + the tile's float32 partials (``tile``: its offsets in one split's ``split_size``
-    values), in split order."""
-    for split in range(SPLIT_K):
-        total += tl.load(part_ptr + split * split_size + tile, mask=mask, other=0.0, cache_modifier=".cg")
-    return total
 
 
 @triton.jit

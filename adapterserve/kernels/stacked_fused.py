@@ -99,8 +99,9 @@ def _count_past_wait(step, tile, b_tiles, COUNT_GROUP: tl.constexpr):
     if COUNT_GROUP == 0:
         last = tl.atomic_add(step + 1, 1, sem="relaxed") == b_tiles - 1
     else:
-        group = step + 2 + tile // COUNT_GROUP
-        in_group = tl.minimum(b_tiles - tile // COUNT_GROUP * COUNT_GROUP, COUNT_GROUP)
+        index = tile // COUNT_GROUP
+        group = step + 2 + index
+        in_group = tl.minimum(b_tiles - index * COUNT_GROUP, COUNT_GROUP)
         last = tile < 0  # false, of the comparison's type
         if tl.atomic_add(group, 1, sem="relaxed") == in_group - 1:
             tl.atomic_xchg(group, 0, sem="relaxed")
@@ -152,13 +153,9 @@ def _update(acc, s_ptr, rm, stride_sm, b_ptr, b_first, row0, end, lo, hi, n, nma
         if hi - lo <= CHUNK_ROWS:
             acc = _expand_fma(acc, s_ptr + rm * stride_sm, b_ptr, row0, end, lo, n, nmask, sl, stride_br, stride_bn,
                               NUM_SLICES, CHUNK_ROWS)
-        else:
-            acc = _expand(acc, s_ptr + rm[:, None] * stride_sm, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl,
-                          stride_br, stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS)
-    else:
-        acc = _expand(acc, s_ptr + rm[:, None] * stride_sm, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl,
-                      stride_br, stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS)
-    return acc
+            hi = lo  # every row added: nothing left for the walk below
+    return _expand(acc, s_ptr + rm[:, None] * stride_sm, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl, stride_br,
+                   stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS)
 
 
 @triton.jit
