@@ -22,7 +22,6 @@ DECODE_GEMMS = ("cublas", "triton", "auto")  # EngineConfig.decode_gemm (layers.
 PDL_MODES = ("auto", "off", "early", "exit")  # EngineConfig.pdl (kernels/pdl.py)
 KV_CACHE_DTYPES = ("auto", "fp8")  # EngineConfig.kv_cache_dtype (kernels/kv_fp8.py)
 ATTENTION_DOTS = ("auto", "float32", "input")  # EngineConfig.decode_attention_dots (kernels/attention.py)
-FUSED_EXPANDS = ("auto", "dot", "fma")  # EngineConfig.fused_expand (kernels/stacked_fused.py)
 TP_LAUNCHES = ("auto", "ray", "local")  # EngineConfig.tensor_parallel_launch
 TP_ALL_REDUCES = ("auto", "nccl")  # EngineConfig.tensor_parallel_all_reduce
 
@@ -82,11 +81,6 @@ class EngineConfig:
                       flash attention does), "float32" (keys, values and weights widened first), or
                       "auto" (the default): "input" for whole and split contexts alike, so a graph
                       step and the same eager step (which split differently) agree; float32 sums
-    fused_expand:     how the fused linear (lora_decode "fused") adds a tile's LoRA update: "dot"
-                      (a tensor-core product per 16 pool rows, the first 16 rows' B read before
-                      the K loop), "fma" (where the tile's tokens' rows fit in 16: rank-one
-                      products on the CUDA cores after the K loop, no B read before it; "dot"
-                      for the others) or "auto" ("dot": "fma" is not yet measured on a GPU)
     pdl:              programmatic dependent launch of the decode step's Triton kernels (sm_90+,
                       process-wide: the engine built last sets it; kernels/pdl.py): "off",
                       "early", "exit", or "auto": ADAPTERSERVE_PDL when that is set, else "early"
@@ -134,7 +128,6 @@ class EngineConfig:
     pdl: str = "auto"
     kv_cache_dtype: str = "auto"
     decode_attention_dots: str = "auto"
-    fused_expand: str = "auto"
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     tensor_parallel_launch: str = "auto"
@@ -160,8 +153,6 @@ class EngineConfig:
         if self.decode_attention_dots not in ATTENTION_DOTS:
             raise ValueError(f"decode_attention_dots must be one of {list(ATTENTION_DOTS)}, "
                              f"got {self.decode_attention_dots!r}")
-        if self.fused_expand not in FUSED_EXPANDS:
-            raise ValueError(f"fused_expand must be one of {list(FUSED_EXPANDS)}, got {self.fused_expand!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         for name in ("max_loras", "max_lora_rank", "block_size", "num_kv_blocks", "max_num_seqs",
@@ -210,11 +201,6 @@ class EngineConfig:
     def kv_fp8(self) -> bool:
         """Whether the KV cache is in e4m3 (kv_cache_dtype="fp8")."""
         return self.kv_cache_dtype == FP8
-
-    @property
-    def fused_expand_used(self) -> str:
-        """fused_expand with "auto" resolved ("dot")."""
-        return "fma" if self.fused_expand == "fma" else "dot"
 
     @property
     def lora_decode_used(self) -> str:

@@ -36,6 +36,7 @@ from adapterserve.kernels.decode_gemm import (
     decode_config,
     decode_gemm,
     fp8_decode_config,
+    fp8_fused_config,
     fp8_decode_gemm,
     row_tile,
     split_for,
@@ -74,7 +75,8 @@ class Projection:
         rank = torch.full((len(widths), slots), RANK, device=device, dtype=torch.int32)
         self.lora_apart = LoraSlices(self.apart.lora_a(), b, row_start, rank, offsets, RANK)
         self.lora_kernels = LoraSlices(a.contiguous(), b, row_start, rank, offsets, RANK)
-        self.fp8_config, self.bf16_config = fp8_decode_config(n, k), decode_config(n, k)
+        self.fp8_config, self.bf16_config = fp8_decode_config(n, k), decode_config(n, k)  # the base GEMM's tiles
+        self.fused_tiles = {"bf16": self.bf16_config, "fp8": fp8_fused_config(n, k)}  # the engine's fused linear's
         self.k, self.n, self.n_slices = k, n, len(widths)
 
     def floor_bytes(self, adapters: int) -> int:
@@ -95,8 +97,6 @@ class Stack:
         # fp8 fused's swept loops: (shrink K chunk, shrink stages, shrink split factor, most base stages)
         self.shrink: tuple[int, int, int, int] | None = None
         self.shrink_factor = 1  # both dtypes' fused: the kernel's own shrink split times this
-        self.fma_expand = False  # both dtypes' fused: the update on the CUDA cores (pool rows in one chunk)
-        self.count_group = 0  # both dtypes' fused: output tiles count past their wait in groups of this many
         self.fused = stacked_fused  # the fused linear both dtypes' fused run (fused_ablation.py: an edited copy)
 
     def run(self, variant: str, meta, rows: int, projections: list[Projection] | None = None) -> torch.Tensor:
@@ -110,12 +110,10 @@ class Stack:
         x, (xq, xs) = self.x[p.k], self.rounded[p.k]
         if variant == "fp8 fused":
             return self.fused(x, p.apart, p.lora_apart, meta, rows, config=self._fp8_config(p),
-                                 apart=BaseApart(p.q, p.scale, (xq, xs)), shrink=self._shrink(p, x, rows, True),
-                                 fma_expand=self.fma_expand, count_group=self.count_group)
+                              apart=BaseApart(p.q, p.scale, (xq, xs)), shrink=self._shrink(p, x, rows, True))
         if variant == "bf16 fused":
-            return self.fused(x, p.apart, p.lora_apart, meta, rows, config=p.bf16_config, apart=BaseApart(p.weight),
-                                 shrink=self._shrink(p, x, rows, False), fma_expand=self.fma_expand,
-                                 count_group=self.count_group)
+            return self.fused(x, p.apart, p.lora_apart, meta, rows, config=p.fused_tiles["bf16"],
+                              apart=BaseApart(p.weight), shrink=self._shrink(p, x, rows, False))
         bf16 = variant.startswith("bf16")
         if variant.endswith("base") or not rows:
             return self._base(p, bf16)
@@ -136,7 +134,7 @@ class Stack:
     def _shrink(self, p: Projection, x: torch.Tensor, rows: int, fp8: bool) -> ShrinkTiles | None:
         """The shrink loop of this projection: fp8's swept one, or the kernel's own with its split
         times shrink_factor (None: the kernel's own choice)."""
-        config = p.fp8_config if fp8 else p.bf16_config
+        config = p.fused_tiles["fp8" if fp8 else "bf16"]
         split = split_for(p.n + rows * p.n_slices, p.k, config, sms_of(x.device))
         if fp8 and self.shrink is not None:
             block_k, stages, factor, _ = self.shrink
@@ -150,9 +148,10 @@ class Stack:
     def _fp8_config(self, p: Projection) -> DecodeGemmConfig:
         """fp8 fused's base tiles: the projection's, their stages capped by the sweep's if any (fewer
         stages: room in shared memory for two programs a multiprocessor beside the shrink loop)."""
+        tiles = p.fused_tiles["fp8"]
         if self.shrink is None:
-            return p.fp8_config
-        return replace(p.fp8_config, num_stages=min(p.fp8_config.num_stages, self.shrink[3]))
+            return tiles
+        return replace(tiles, num_stages=min(tiles.num_stages, self.shrink[3]))
 
     def _base(self, p: Projection, bf16: bool) -> torch.Tensor:
         """The base product on our decode GEMM: bf16, or W8A8 on the rounded activations."""

@@ -3,7 +3,6 @@ taken out at a time, projection by projection (kernels/stacked_fused.py; a diagn
 taken out give wrong outputs).
 
     PYTHONPATH=. python benchmarks/fused_ablation.py           # H100/H200: about a minute
-    PYTHONPATH=. python benchmarks/fused_ablation.py --fma     # every variant with fma_expand
     PYTHONPATH=. python benchmarks/fused_ablation.py --smoke   # CPU, interpreter, tiny shapes
 
 fused_linear_projections.py's stack and timing (bf16, B=64, 16 layers of the 8B, PDL early), us
@@ -45,7 +44,7 @@ from benchmarks.fused_update import print_table, step_meta, time_ms
 
 NO_WAIT = ("_wait_for(step, a_tiles)", "pass")
 NO_EXPAND = ("if HAS_LORA:\n                _wait_for(step, a_tiles)", "if HAS_LORA * 0:\n                _wait_for(step, a_tiles)")
-NO_COUNT = ('last = tl.atomic_add(step + 1, 1, sem="relaxed") == b_tiles - 1', "last = tile < 0")
+NO_COUNT = ('if tl.atomic_add(step + 1, 1, sem="relaxed") == b_tiles - 1:', "if tile < 0:")
 ROWS_KNOWN = ("""row0, end, lo, hi = token_rows(rank_ptr, row_start_ptr, slots_ptr, rm, rm < M, sl, rows, max_rank,
                                         stride_rs, stride_rslot)""",
               "row0 = rm * 0\n        end = row0 + 16\n        lo = tl.min(row0, axis=0)\n        hi = tl.max(end, axis=0)")
@@ -78,8 +77,7 @@ def ablated(name: str, edits: tuple[tuple[str, str], ...], folder: str) -> Modul
     return module
 
 
-def table(stack: Stack, tokens: int, slots: int, device: str, layers: int, folder: str,
-          fma: bool) -> list[list[str]]:
+def table(stack: Stack, tokens: int, slots: int, device: str, layers: int, folder: str) -> list[list[str]]:
     modules = {"fused 0": fused_module, "fused 1": fused_module,
                **{name: ablated(name, edits, folder) for name, edits in ABLATIONS.items()}}
     metas = {n: step_meta(tokens, max(n, 1), slots, device) for n in (0, 1)}
@@ -92,7 +90,7 @@ def table(stack: Stack, tokens: int, slots: int, device: str, layers: int, folde
         for name, module in modules.items():
             adapters = 0 if name == "fused 0" else 1
             meta, rows = metas[adapters], row_bucket(adapters * RANK, slots * RANK)
-            stack.fused, stack.fma_expand = module.stacked_fused, fma
+            stack.fused = module.stacked_fused
             ms = time_ms(lambda: stack.run("bf16 fused", meta, rows, projections), device)
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -105,14 +103,13 @@ def table(stack: Stack, tokens: int, slots: int, device: str, layers: int, folde
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--fma", action="store_true", help="the update on the CUDA cores in every variant (fma_expand)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code runs, figures mean nothing")
     args = p.parse_args()
     stack, (device, _, shape, layers, tokens, slots, name) = stack_for(args.smoke, args.layers)
     with tempfile.TemporaryDirectory() as folder:
-        rows = table(stack, tokens, slots, device, layers, folder, args.fma)
+        rows = table(stack, tokens, slots, device, layers, folder)
     print(f"\n{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, bf16, one rank-{RANK} "
-          f"adapter{', fma_expand' if args.fma else ''}; us per projection (tax over base):")
+          "adapter; us per projection (tax over base):")
     print_table(["projection", "base us", "fused 0", "fused 1", *ABLATIONS], rows)
 
 

@@ -11,9 +11,6 @@ projection, with its tax over the plain decode GEMM of the same dtype. Variants:
                   tiles, every output tile waiting for them
   fused 1 sF      one adapter with the shrink tiles' K split F times the kernel's own choice: shorter
                   shrink programs, done sooner, so output tiles wait less
-  fused 1 fma     one adapter, its update added as rank-one products on the CUDA cores
-                  (``fma_expand``: no tensor-core dot, no B chunk loaded before the K loop)
-  fused 1 g16     one adapter, output tiles counting past their wait in groups of 16 (``count_group``)
 Every variant but fused N is checked against fused N's output before it is timed.
 """
 from __future__ import annotations
@@ -35,13 +32,10 @@ from benchmarks.fp8_lora_fused import RANK, Stack, stack_for
 from benchmarks.fused_update import print_table, step_meta, time_ms
 
 KINDS = ("q|k|v", "o", "gate|up", "down")  # Stack's projection order within a layer
-DEFAULTS = {"shrink_factor": 1, "fma_expand": False, "count_group": 0}  # Stack's launch choices, the kernel's own
+DEFAULTS = {"shrink_factor": 1}  # Stack's launch choices, the kernel's own
 VARIANTS = {  # name: (adapters, launch choices other than DEFAULTS)
     "fused 0": (0, {}),
     "fused 1": (1, {}),
-    "fused 1 fma": (1, {"fma_expand": True}),
-    "fused 1 g16": (1, {"count_group": 16}),
-    "fused 1 fma g16": (1, {"fma_expand": True, "count_group": 16}),
     "fused 2": (2, {}),
 }
 CHOICE_TOL = 2e-2  # a launch choice against the kernel's own: bf16 outputs summed in another order

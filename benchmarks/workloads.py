@@ -31,14 +31,12 @@ WORKLOADS = ("base", "one", "uniform8", "distinct", "zipf", "ranks", "families")
 # "kernels" (the default, "auto", is "fused" on sm_90 and later);
 # +dg / +dgt: decode_gemm "auto" / "triton"; with --dtype fp8, +d8 / +dw: fp8_gemm "decode_w8a8" /
 # "decode_weight_only"; +pe / +po: pdl "early" / "off" (the engine's default, "auto", is early for an
-# FP8 backbone on our decode GEMM); +kv8: kv_cache_dtype "fp8"; +ad / +fd: decode_attention_dots "input" / "float32" (the default, "auto": input);
-# +fma: fused_expand "fma" (the fused linear's update on the CUDA cores where a tile's rows fit in 16));
+# FP8 backbone on our decode GEMM); +kv8: kv_cache_dtype "fp8"; +ad / +fd: decode_attention_dots "input" / "float32" (the default, "auto": input));
 VARIANTS = {"+1s": {"lora_side_stream": False}, "+r64": {"max_lora_rank": 64}, "+st": {"lora_decode": "stacked"},
             "+fu": {"lora_decode": "fused"}, "+ke": {"lora_decode": "kernels"}, "+dg": {"decode_gemm": "auto"}, "+dgt": {"decode_gemm": "triton"},
             "+d8": {"fp8_gemm": "decode_w8a8"}, "+dw": {"fp8_gemm": "decode_weight_only"},
             "+pe": {"pdl": "early"}, "+po": {"pdl": "off"}, "+kv8": {"kv_cache_dtype": "fp8"},
-            "+ad": {"decode_attention_dots": "input"}, "+fd": {"decode_attention_dots": "float32"},
-            "+fma": {"fused_expand": "fma"}}
+            "+ad": {"decode_attention_dots": "input"}, "+fd": {"decode_attention_dots": "float32"}}
 PEFT_ID = "peft-file"
 
 

@@ -176,18 +176,21 @@ for stage in "$@"; do
       timeout ${BENCH_S:-120} python3 benchmarks/fp8_row_ops.py 2>&1 | tail -10
       PDL=off DTYPES=fp8 PROFILE_WORKLOADS=base TOP=12 bash "$0" profile ;;
     taxsplit)  # 1 GPU: the fused linear's GPU tests (-k TEST_K), then projection by projection (SPLITS: shrink
-      # split factors to sweep; TAIL=40 shows the compiled forms), where its tax goes (the ablation, with and
-      # without fma_expand); ENGINE_TESTS: engine GPU test files to run after (then: taxengine)
+      # split factors to sweep; TAIL=40 shows the compiled forms), where its tax goes (the ablation); ENGINE_TESTS:
+      # engine GPU test files to run after (then: taxengine)
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_stacked_fused.py \
-        tests/kernels/test_stacked_fused_apart.py -k "${TEST_K:-cuda_cores or fma or grouped}" --tb=line -rfE 2>&1 | tail -4
-      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_fused_expand_gpu.py --tb=short 2>&1 | tail -3
-      timeout ${BENCH_S:-200} python3 benchmarks/fused_linear_projections.py --splits "${SPLITS:-}" 2>&1 | tail -${TAIL:-12}
-      for fma in "" --fma; do timeout ${BENCH_S:-200} python3 benchmarks/fused_ablation.py $fma 2>&1 | tail -7; done
+        tests/kernels/test_stacked_fused_apart.py -k "${TEST_K:-fused}" --tb=line -rfE 2>&1 | tail -4
+      timeout ${BENCH_S:-200} python3 benchmarks/fused_linear_projections.py --splits "${SPLITS:-}" 2>&1 \
+        | sed -n '/us per projection/,$p' | head -${TAIL:-12}
+      timeout ${BENCH_S:-200} python3 benchmarks/fused_ablation.py 2>&1 | tail -7
       [ -n "${ENGINE_TESTS:-}" ] && test_files 200 "-m gpu" $ENGINE_TESTS ;;
-    taxengine)  # 1 GPU: the bf16 8B's one-adapter tax: base, one adapter with the fused linear's update as a
-      # tensor-core dot and on the CUDA cores (+fma); TAX_WORKLOADS=base,base+dgt,one splits it as in BENCHMARKS
+    tiles)  # 1 GPU: the fused linear's tiles swept per projection, one adapter (TILE_DTYPES, TILE_KINDS)
+      timeout ${BENCH_S:-300} python3 benchmarks/fused_tiles.py --dtypes ${TILE_DTYPES:-bf16,fp8} \
+        --kinds "${TILE_KINDS:-q|k|v,o,gate|up,down}" 2>&1 | grep "|" ;;
+    taxengine)  # 1 GPU: the bf16 8B's one-adapter tax: base, one adapter (the fused linear);
+      # TAX_WORKLOADS=base,base+dgt,one splits it as in BENCHMARKS (our decode GEMM against cuBLAS)
       timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --hf-models '' \
-        --budget-s ${BUDGET_S:-270} --workloads ${TAX_WORKLOADS:-base,one,one+fma} --max-tokens ${MAX_TOKENS:-64} \
+        --budget-s ${BUDGET_S:-270} --workloads ${TAX_WORKLOADS:-base,one} --max-tokens ${MAX_TOKENS:-64} \
         --out "$OUT/et8b_taxsplit.md" > "$OUT/taxsplit.log" 2>&1; grep -E "B=64 .*: 8b" "$OUT/taxsplit.log" | tail -6 ;;
     metaprof)  # 1 GPU: the one-launch adapter metadata's GPU tests, then (if they passed) the bf16 8B's traced
       # decode step with the metadata from the torch ops and from one launch

@@ -61,12 +61,6 @@ def use_attention_dots(model: DecoderModel, dots: str) -> None:
         attn.decode_dots = dots
 
 
-def use_fused_expand(model: DecoderModel, expand: str) -> None:
-    """Every linear's fused LoRA update as EngineConfig.fused_expand_used says."""
-    for _, linear in model.adapter_linears():
-        linear.fused_expand = expand
-
-
 def use_fp8_gemm(model: DecoderModel, kernel: str) -> None:
     """Every FP8 linear's base product through ``kernel`` (EngineConfig.fp8_gemm), whatever
     the model was loaded with."""
@@ -77,11 +71,9 @@ def use_fp8_gemm(model: DecoderModel, kernel: str) -> None:
 
 def use_kernel_options(model: DecoderModel, config: EngineConfig) -> None:
     """The kernels a rank's decode steps run, as the config says: the base products
-    (decode_gemm, fp8_gemm), the fused linear's update, decode attention's products and this
-    process's PDL mode."""
+    (decode_gemm, fp8_gemm), decode attention's products and this process's PDL mode."""
     use_decode_gemm(model, config.decode_gemm, config.device)
     use_fp8_gemm(model, config.fp8_gemm)
-    use_fused_expand(model, config.fused_expand_used)
     use_attention_dots(model, config.decode_attention_dots)
     apply_pdl(config)
 

@@ -66,6 +66,15 @@ def fp8_decode_config(n: int, k: int) -> DecodeGemmConfig:
     return DecodeGemmConfig(block_n=32, block_k=256, num_stages=4)
 
 
+def fp8_fused_config(n: int, k: int) -> DecodeGemmConfig:
+    """Tiles for the fused LoRA linear on e4m3 weights (kernels/stacked_fused.py): the decode
+    product's, but 128 columns, K chunks of 128 and 8 warps for wide outputs (gate|up), where
+    64-column tiles' LoRA epilogue costs more than their K loop saves (benchmarks/fused_tiles.py)."""
+    if n >= WIDE:
+        return DecodeGemmConfig(block_n=128, block_k=128, num_stages=3, num_warps=8)
+    return fp8_decode_config(n, k)
+
+
 def split_for(n: int, k: int, config: DecodeGemmConfig, sms: int) -> int:
     """config.split_k, or the split that brings the grid nearest `waves` programs per
     multiprocessor while each split keeps at least two K chunks."""

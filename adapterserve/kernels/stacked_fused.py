@@ -91,27 +91,6 @@ def _wait_for(flag_ptr, target):
 
 
 @triton.jit
-def _count_past_wait(step, tile, b_tiles, COUNT_GROUP: tl.constexpr):
-    """A base tile counts itself past its wait; the last one resets the step counters (relaxed: the
-    count follows the wait it depends on, and the next call starts after this one ends). With
-    COUNT_GROUP the tiles count in groups of that many (a counter each, after the two step
-    counters), the last of a group counting the group: fewer programs on one address at once."""
-    if COUNT_GROUP == 0:
-        last = tl.atomic_add(step + 1, 1, sem="relaxed") == b_tiles - 1
-    else:
-        index = tile // COUNT_GROUP
-        group = step + 2 + index
-        in_group = tl.minimum(b_tiles - index * COUNT_GROUP, COUNT_GROUP)
-        last = tile < 0  # false, of the comparison's type
-        if tl.atomic_add(group, 1, sem="relaxed") == in_group - 1:
-            tl.atomic_xchg(group, 0, sem="relaxed")
-            last = tl.atomic_add(step + 1, 1, sem="relaxed") == tl.cdiv(b_tiles, COUNT_GROUP) - 1
-    if last:
-        tl.atomic_xchg(step, 0, sem="relaxed")
-        tl.atomic_xchg(step + 1, 0, sem="relaxed")
-
-
-@triton.jit
 def _expand(acc, s_rows, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl, stride_br, stride_bn,
             NUM_SLICES: tl.constexpr, IEEE: tl.constexpr, CHUNK_ROWS: tl.constexpr):
     """acc + each token's update on columns n of slice sl (the tiled expand's walk); b_first:
@@ -125,37 +104,6 @@ def _expand(acc, s_rows, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl, stride
             acc = _chunk_dot(acc, s_rows, b_ptr, rr, uses, row_used, n, nmask, 0, sl,
                              1, stride_br, stride_bn, NUM_SLICES, IEEE)
     return acc
-
-
-@triton.jit
-def _expand_fma(acc, s_rows, b_ptr, row0, end, lo, n, nmask, sl, stride_br, stride_bn, NUM_SLICES: tl.constexpr,
-                CHUNK_ROWS: tl.constexpr):
-    """acc + each token's update when the tile's tokens' pool rows fit in one chunk from lo: a
-    rank-one product per row on the CUDA cores, in acc's own layout (no tensor-core operand
-    staged in shared memory). s_rows: [BLOCK_M] pointers to the tokens' shrink values."""
-    for i in tl.static_range(CHUNK_ROWS):
-        r = lo + i
-        used = (r >= row0) & (r < end)
-        # a row no token uses is not read (it may be being written); a vector, as the interpreter masks
-        b_mask = nmask & (tl.zeros_like(n) + tl.max(used.to(tl.int32), axis=0) > 0)
-        s = tl.load(s_rows + r * NUM_SLICES + sl, mask=used, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + r.to(tl.int64) * stride_br + n * stride_bn, mask=b_mask, other=0.0).to(tl.float32)
-        acc += s[:, None] * b[None, :]
-    return acc
-
-
-@triton.jit
-def _update(acc, s_ptr, rm, stride_sm, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl, stride_br, stride_bn,
-            NUM_SLICES: tl.constexpr, IEEE: tl.constexpr, CHUNK_ROWS: tl.constexpr, EXPAND_FMA: tl.constexpr):
-    """acc + the tile's tokens' updates: on the CUDA cores where EXPAND_FMA and their rows fit in
-    one chunk, else a tensor-core dot per chunk (b_first: the first chunk's B rows)."""
-    if EXPAND_FMA:
-        if hi - lo <= CHUNK_ROWS:
-            acc = _expand_fma(acc, s_ptr + rm * stride_sm, b_ptr, row0, end, lo, n, nmask, sl, stride_br, stride_bn,
-                              NUM_SLICES, CHUNK_ROWS)
-            hi = lo  # every row added: nothing left for the walk below
-    return _expand(acc, s_ptr + rm[:, None] * stride_sm, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl, stride_br,
-                   stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS)
 
 
 @triton.jit
@@ -190,8 +138,7 @@ def _stacked_fused_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     CHUNK_ROWS: tl.constexpr, HAS_LORA: tl.constexpr, ALIGNED: tl.constexpr, SPLIT_A: tl.constexpr = 1,
     A_BLOCK_K: tl.constexpr = 0, A_STAGES: tl.constexpr = 0, BASE_IEEE: tl.constexpr = 0, X_SCALED: tl.constexpr = 0,
-    W_SCALED: tl.constexpr = 0, USE_PDL: tl.constexpr = 0, EXPAND_FMA: tl.constexpr = 0,
-    COUNT_GROUP: tl.constexpr = 0,
+    W_SCALED: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
 ):
     a_width = rows * NUM_SLICES
     is_shrink, tile, pid_k, sl, cols, n_mask = _columns(
@@ -205,10 +152,7 @@ def _stacked_fused_kernel(
                                         stride_rs, stride_rslot)
         hi = tl.where(is_shrink, lo, hi)  # a shrink tile's columns are no B columns: it reads none
         rr, uses, row_used = _chunk_rows(lo, row0, end, CHUNK_ROWS)
-        b_now = row_used & (rr < hi)
-        if EXPAND_FMA:  # a tile whose tokens' rows fit in one chunk reads its B rows after the wait
-            b_now = b_now & (tl.zeros_like(rr) + (hi - lo) > CHUNK_ROWS)
-        b_first = _b_rows(b_ptr, rr, b_now, cols, n_mask, stride_br, stride_bn)
+        b_first = _b_rows(b_ptr, rr, row_used & (rr < hi), cols, n_mask, stride_br, stride_bn)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if not HAS_LORA:  # no shrink tiles: the (rounded) activations against the weight
@@ -241,30 +185,29 @@ def _stacked_fused_kernel(
             total = scaled(total, xs_ptr, ws_ptr, rm, cols, n_mask, M, X_SCALED, W_SCALED)
             if HAS_LORA:
                 _wait_for(step, a_tiles)
-                total = _update(total, s_ptr, rm, stride_sm, b_ptr, b_first, row0, end, lo, hi, cols, n_mask, sl,
-                                stride_br, stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS, EXPAND_FMA)
+                total = _expand(total, s_ptr + rm[:, None] * stride_sm, b_ptr, b_first, row0, end, lo, hi, cols,
+                                n_mask, sl, stride_br, stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS)
             if HAS_BIAS:
                 total += tl.load(bias_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + rm[:, None] * stride_ym + cols[None, :], total.to(y_ptr.dtype.element_ty),
                      mask=out_mask)
             if HAS_LORA:
-                _count_past_wait(step, tile, b_tiles, COUNT_GROUP)
+                # a base tile counts itself past its wait; the last one resets both counters (relaxed:
+                # the count follows the wait it depends on, and the next call starts after this one ends)
+                if tl.atomic_add(step + 1, 1, sem="relaxed") == b_tiles - 1:
+                    tl.atomic_xchg(step, 0, sem="relaxed")
+                    tl.atomic_xchg(step + 1, 0, sem="relaxed")
 
 
 def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, meta: AdapterBatchMeta, rows: int,
                   bias: torch.Tensor | None = None, config: DecodeGemmConfig | None = None,
-                  apart: BaseApart | None = None, shrink: ShrinkTiles | None = None,
-                  fma_expand: bool = False, count_group: int = 0) -> torch.Tensor:
+                  apart: BaseApart | None = None, shrink: ShrinkTiles | None = None) -> torch.Tensor:
     """x: [T, K] (T <= 64) -> the layer output [T, N]: x @ W.T + each token's own LoRA update
     from pool rows [0, rows) (semantics of stacked_gemm then reference.stacked_expand), one
     launch. B has the LoRA scaling folded in; tokens with slot -1 get the base output. With
     ``apart`` (a buffer of A rows only), W is its weight: an e4m3 one's product is
     fp8_decode_gemm's (W8A8 on the rounded activations, or weight-only). shrink: the shrink
-    tiles' K loop (default: shrink_tiles'). With rows 0 the launch has base tiles only.
-    fma_expand: an output tile whose tokens' pool rows fit in one chunk (16 rows) adds their
-    update as rank-one products on the CUDA cores, its B rows read after the wait; the others
-    as without it (a tensor-core dot per chunk, the first chunk's B rows read before the K loop).
-    count_group > 0: output tiles count themselves past their wait in groups of that many."""
+    tiles' K loop (default: shrink_tiles'). With rows 0 the launch has base tiles only."""
     m, k = x.shape
     n_slices, offs, n_out = lora.num_slices, lora.out_offsets, stacked.n_out
     _check(x, stacked, lora, rows, bias)
@@ -275,10 +218,7 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
     a_tiles = triton.cdiv(a_width, config.block_n)
     b_tiles = sum(triton.cdiv(offs[s + 1] - offs[s], config.block_n) for s in range(n_slices))
     split = split_for(n_out + a_width, k, config, sms_of(x.device))
-    if count_group < 0:
-        raise ValueError(f"stacked_fused: count_group must be >= 0, got {count_group}")
-    groups = triton.cdiv(b_tiles, count_group) if count_group else 0
-    if a_tiles + b_tiles + STEP_COUNTERS + groups > COUNTERS:
+    if a_tiles + b_tiles + STEP_COUNTERS > COUNTERS:
         raise ValueError(f"stacked_fused: {a_tiles + b_tiles} tiles exceed the counters; use wider tiles")
     s = torch.empty(m, max(a_width, 1), dtype=x.dtype, device=x.device)
     partials = torch.empty(split, m, n_out, dtype=torch.float32, device=x.device) if split > 1 else y
@@ -304,8 +244,7 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
         SPLIT_K=split, NUM_STAGES=config.num_stages, CHUNK_ROWS=CHUNK, HAS_LORA=rows > 0,
         ALIGNED=all(o % 16 == 0 for o in offs), SPLIT_A=shrink.split, A_BLOCK_K=shrink.block_k, A_STAGES=shrink.stages,
         BASE_IEEE=base_x.dtype == torch.float32, X_SCALED=int(x_scale is not None),
-        W_SCALED=int(weight_scale is not None), EXPAND_FMA=int(fma_expand and rows > 0), COUNT_GROUP=count_group,
-        num_warps=config.num_warps,
+        W_SCALED=int(weight_scale is not None), num_warps=config.num_warps,
         **pdl_args(x))
     return y
 

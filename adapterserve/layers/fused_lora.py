@@ -29,25 +29,22 @@ from adapterserve.layers.base_gemm import (
 
 def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
                       stacked: StackedWeight, lora: LoraSlices, meta: AdapterBatchMeta, rows: int,
-                      bias: torch.Tensor | None, fp8_gemm: str, quantized: QuantizedRows | None = None,
-                      expand: str = "dot") -> torch.Tensor:
+                      bias: torch.Tensor | None, fp8_gemm: str, quantized: QuantizedRows | None = None
+                      ) -> torch.Tensor:
     """x: [T, K] (T <= 64) -> x W^T (+ bias) + each token's LoRA update from pool rows [0, rows).
     weight: [N, K] in x's dtype, or e4m3 with weight_scale [N]; stacked: its A rows kept apart;
-    quantized: x's per-token e4m3 rounding when the op before made it; expand: the kernel's
-    update, "dot" or "fma" (EngineConfig.fused_expand; the twin has one)."""
+    quantized: x's per-token e4m3 rounding when the op before made it."""
     if x.is_cuda and weight.shape[0] * weight.stride(0) < INDEX_LIMIT:
-        from adapterserve.kernels.decode_gemm import decode_config, fp8_decode_config
+        from adapterserve.kernels.decode_gemm import decode_config, fp8_fused_config
         from adapterserve.kernels.stacked_fused import BaseApart, stacked_fused
 
-        fma = expand == "fma"
         if weight_scale is None:
-            return stacked_fused(x, stacked, lora, meta, rows, bias, decode_config(*weight.shape), BaseApart(weight),
-                                 fma_expand=fma)
+            return stacked_fused(x, stacked, lora, meta, rows, bias, decode_config(*weight.shape), BaseApart(weight))
         kernel = resolve_fp8_gemm(fp8_gemm, x.device, x.shape[0])
         if kernel != "reference":
             rounded = quantized_rows(x, quantized) if kernel in ACTIVATION_QUANTIZING else None
-            return stacked_fused(x, stacked, lora, meta, rows, bias, fp8_decode_config(*weight.shape),
-                                 BaseApart(weight, weight_scale, rounded), fma_expand=fma)
+            return stacked_fused(x, stacked, lora, meta, rows, bias, fp8_fused_config(*weight.shape),
+                                 BaseApart(weight, weight_scale, rounded))
     base = base_linear(x, weight, weight_scale, None, fp8_gemm, quantized)
     shrink = F.linear(x, stacked.a_rows()[: rows * stacked.n_slices])
     y = torch.empty_like(base)

@@ -95,7 +95,6 @@ class AdapterLinear(torch.nn.Module):
         )
         self.fp8_gemm = "auto"  # which FP8 kernel runs the base product (layers.base_gemm)
         self.decode_gemm = "cublas"  # which kernel runs a decode batch's bf16/fp16 base product (base_gemm)
-        self.fused_expand = "dot"  # how the fused linear adds its update (EngineConfig.fused_expand)
         self.fuse_input_quant = True  # FP8: may take its input quantized by the op that made it
         self.bias = (
             torch.nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
@@ -157,8 +156,7 @@ class AdapterLinear(torch.nn.Module):
                 return self._stacked_lora(x, ctx)
             if ctx.lora.stacked_expand == "fused":  # A rows kept apart; steps of more adapters take the kernels
                 return fused_lora_linear(x, self.weight, self.weight_scale, self.stacked, self.lora, ctx.lora,
-                                         self.stacked.rows_in_use.rows, self._local_bias(), self.fp8_gemm, quantized,
-                                         self.fused_expand)
+                                         self.stacked.rows_in_use.rows, self._local_bias(), self.fp8_gemm, quantized)
         workspace = ctx.lora_workspace[: self.lora.num_slices, : x.shape[0]]
         # the side stream only in decode steps (CUDA graphs: free at replay); an eager step with
         # prefills is bound by the host's launches, which the stream switches would add to

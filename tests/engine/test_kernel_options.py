@@ -1,7 +1,6 @@
 """Kernel options an engine applies: EngineConfig.pdl (which PDL mode an engine sets for its
-process, and that it sets it; bit-identical outputs with PDL on: test_pdl_engine_gpu.py),
-decode_attention_dots (set on every attention layer; its GPU numerics: test_attention_dots_gpu.py)
-and fused_expand (set on every adapter linear; the kernel's: tests/kernels/test_stacked_fused.py)."""
+process, and that it sets it; bit-identical outputs with PDL on: test_pdl_engine_gpu.py) and
+decode_attention_dots (set on every attention layer; its GPU numerics: test_attention_dots_gpu.py)."""
 import pytest
 
 from adapterserve import Engine
@@ -55,10 +54,3 @@ def test_the_engine_sets_its_attention_layers_dots(llama_dir):
     assert {attn.decode_dots for attn in engine.model.attention_layers()} == {"float32"}
     plain = Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1)
     assert {attn.decode_dots for attn in plain.model.attention_layers()} == {"auto"}
-
-
-def test_the_engine_sets_its_linears_fused_expand(llama_dir):
-    engine = Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1, fused_expand="fma")
-    assert {linear.fused_expand for _, linear in engine.model.adapter_linears()} == {"fma"}
-    plain = Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1)  # auto: the dot
-    assert {linear.fused_expand for _, linear in plain.model.adapter_linears()} == {"dot"}

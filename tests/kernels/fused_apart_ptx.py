@@ -16,7 +16,7 @@ import json
 import sys
 from itertools import product
 
-from adapterserve.kernels.decode_gemm import DecodeGemmConfig, decode_config, fp8_decode_config
+from adapterserve.kernels.decode_gemm import DecodeGemmConfig, decode_config, fp8_fused_config
 from adapterserve.kernels.stacked_fused import CHUNK, _stacked_fused_kernel, shrink_tiles
 from tests.kernels.ptx import TARGETS, compile_ptx, mma_count, signature, with_defaults
 
@@ -56,11 +56,11 @@ PROJECTIONS_8B = {"q|k|v": (3, 6144, 4096), "o": (1, 4096, 4096), "gate|up": (2,
 
 def engine_8b_forms() -> dict[str, tuple[dict, dict[str, str], int]]:
     """Every apart form an 8B engine's decode steps launch: per projection, row tile, with and
-    without rows in use, plain / W8A8 / weight-only, the tiles decode_config and fp8_decode_config pick."""
+    without rows in use, plain / W8A8 / weight-only, the tiles decode_config and fp8_fused_config pick."""
     forms = {}
     for (name, (slices, n, k)), block_m, has_lora, form in product(
             PROJECTIONS_8B.items(), (16, 32, 64), (True, False), ("plain", "w8a8", "weight_only")):
-        config = decode_config(n, k) if form == "plain" else fp8_decode_config(n, k)
+        config = decode_config(n, k) if form == "plain" else fp8_fused_config(n, k)
         consts = {**TILES, "NUM_SLICES": slices, "BLOCK_M": block_m, "BLOCK_N": config.block_n,
                   "BLOCK_K": config.block_k, "NUM_STAGES": config.num_stages, "SPLIT_K": 4, "HAS_LORA": has_lora,
                   "X_SCALED": int(form == "w8a8"), "W_SCALED": int(form != "plain")}

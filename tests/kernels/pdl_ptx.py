@@ -51,11 +51,6 @@ KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
     "decode_gemm_w8a8": (decode_gemm._decode_gemm_kernel, {**GEMM, "X_SCALED": 1, "W_SCALED": 1}),
     "stacked_fused": (stacked_fused._stacked_fused_kernel,
                       {**SLICES, **GEMM, "CHUNK_ROWS": 16, "HAS_LORA": True, "ALIGNED": True}),
-    "stacked_fused_fma": (stacked_fused._stacked_fused_kernel,
-                          {**SLICES, **GEMM, "CHUNK_ROWS": 16, "HAS_LORA": True, "ALIGNED": True, "EXPAND_FMA": 1}),
-    "stacked_fused_count_groups": (stacked_fused._stacked_fused_kernel,
-                                   {**SLICES, **GEMM, "CHUNK_ROWS": 16, "HAS_LORA": True, "ALIGNED": True,
-                                    "COUNT_GROUP": 16}),
 }
 E4M3 = "*fp8e4nv"
 QUANT = {"q_ptr": E4M3, "s_ptr": "*fp32"}

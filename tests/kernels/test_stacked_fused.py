@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from adapterserve.kernels.decode_gemm import DecodeGemmConfig, decode_config
+from adapterserve.kernels.decode_gemm import DecodeGemmConfig
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import build_adapter_meta
 from adapterserve.kernels.split_counters import split_counters
@@ -28,18 +28,8 @@ from .cases import (
 from .test_stacked import CPU_CASES, GPU_CASES, _oracle, _stacked_case
 
 CPU_FUSED = [c for c in CPU_CASES if c[1] <= 64]
-GPU_FUSED = [c for c in GPU_CASES if c[1] <= 64]
-# pools of at most 16 rows whatever the draw (ranks + 4 gap rows a slot + 1: tests.kernels.cases.make_lora)
-CPU_ONE_CHUNK = [
-    ("identical", 24, 1, 70, (40, 24, 24), 11, 0.2, True, "bucket"),
-    ("uniform", 20, 2, 33, (48, 20), 3, 0.3, False, "all"),  # two adapters' rows in one chunk
-    ("zipf", 64, 2, 45, (24, 17, 17, 9), 1, 0.0, True, "bucket"),
-]
-GPU_ONE_CHUNK = [
-    ("identical", 64, 1, 4096, (4096, 1024, 1024), 11, 0.1, False, "bucket"),
-    ("uniform", 64, 2, 4096, (14336, 14336), 3, 0.1, True, "bucket"),
-    ("zipf", 33, 2, 14336, (4096,), 3, 0.2, False, "all"),
-]
+# at most 64 tokens, and gate|up at decode size (wide outputs take other tiles: decode_config, fp8_fused_config)
+GPU_FUSED = [c for c in GPU_CASES if c[1] <= 64] + [("uniform", 64, 64, 4096, (14336, 14336), 16, 0.1, False, "bucket")]
 SMALL = DecodeGemmConfig(block_n=16, block_k=32, split_k=1)
 
 
@@ -51,13 +41,12 @@ def _on(device: str, x, stacked, lora, bias, slots):
     return x.to(device), stacked, lora_dev, None if bias is None else bias.to(device), meta
 
 
-def _run(case, dtype, device, config, fma_expand=False, count_group=0):
+def _run(case, dtype, device, config):
     gen, seed = fresh_generator()
     x, stacked, lora, bias, slots, rows = _stacked_case(case, dtype, gen)
     ref = _oracle(x, stacked, lora, bias, slots)
     x_dev, stacked, lora_dev, bias_dev, meta = _on(device, x, stacked, lora, bias, slots)
-    y = stacked_fused(x_dev, stacked, lora_dev, meta, rows, bias_dev, config, fma_expand=fma_expand,
-                      count_group=count_group).cpu()
+    y = stacked_fused(x_dev, stacked, lora_dev, meta, rows, bias_dev, config).cpu()
     check_close(y, ref, dtype, seed, f"fused {case}")
     touched = expand_touched(lora, slots)
     base32 = F.linear(x.float(), stacked.weight().float().cpu(), None if bias is None else bias.float())
@@ -75,29 +64,11 @@ def test_fused_interpreted(case, dtype, split):
 
 
 @interpreted
-@pytest.mark.parametrize("dtype,split", [(torch.float32, 1), (torch.float16, 2)], ids=["f32-whole-k", "f16-split-k"])
-@pytest.mark.parametrize("case", CPU_ONE_CHUNK, ids=str)
-def test_fused_with_the_update_on_cuda_cores_interpreted(case, dtype, split):
-    """fma_expand: pool rows in one chunk, the update as rank-one products after the wait."""
-    _run(case, dtype, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=split), fma_expand=True)
-
-
-@interpreted
-@pytest.mark.parametrize("case", CPU_FUSED, ids=str)
-def test_fused_with_fma_expand_keeps_the_dot_for_tiles_over_more_rows_interpreted(case):
-    """fma_expand with every stacked case: a tile whose tokens' rows span more than a chunk takes
-    the tensor-core walk (its first B chunk still read before the K loop), the others the CUDA cores."""
-    _run(case, torch.float32, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=1), fma_expand=True)
-
-
-@interpreted
-@pytest.mark.parametrize("count_group", [0, 2, 3], ids=["one-counter", "groups-of-2", "groups-of-3"])
-def test_fused_twice_resets_its_counters(count_group):
-    """Every counter back at zero after a launch (groups of 3: a last group short of tiles), so a
-    second launch waits for its own shrink tiles."""
+def test_fused_twice_resets_its_counters():
+    """Every counter back at zero after a launch, so a second launch waits for its own shrink tiles."""
     case = CPU_FUSED[0]
     for _ in range(2):
-        _run(case, torch.float32, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=3), count_group=count_group)
+        _run(case, torch.float32, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=3))
         assert not split_counters(torch.device("cpu")).any()
 
 
@@ -109,8 +80,6 @@ def test_fused_refuses_what_it_cannot_take():
         stacked_fused(torch.zeros(65, x.shape[1]), stacked, lora, meta, rows)
     with pytest.raises(ValueError, match="rows must be"):
         stacked_fused(x, stacked, lora, meta, stacked.pool_rows + 1)
-    with pytest.raises(ValueError, match="count_group must be"):
-        stacked_fused(x, stacked, lora, meta, rows, count_group=-1)
     with pytest.raises(ValueError, match="share a dtype"):
         stacked_fused(x, stacked, LoraSlices(lora.a, lora.b.half(), lora.row_start, lora.rank, lora.out_offsets,
                                              lora.max_rank), meta, rows)
@@ -124,26 +93,6 @@ def test_fused_refuses_what_it_cannot_take():
 @pytest.mark.parametrize("case", GPU_FUSED, ids=str)
 def test_fused_gpu(case, dtype, config):
     _run(case, dtype, "cuda", config)
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("case", GPU_FUSED[:1] + GPU_FUSED[-3:], ids=str)
-def test_fused_with_grouped_counts_gpu(case):
-    """count_group: the 8B's tile counts (hundreds of tiles, a short last group), twice, counters reset."""
-    n, k = sum(case[4]), case[3]
-    for _ in range(2):
-        _run(case, torch.bfloat16, "cuda", decode_config(n, k), count_group=16)
-        assert not split_counters(torch.device("cuda")).any()
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("case", GPU_ONE_CHUNK + GPU_FUSED[:1] + GPU_FUSED[-3:], ids=str)
-def test_fused_with_the_update_on_cuda_cores_gpu(case, dtype):
-    n, k = sum(case[4]), case[3]
-    _run(case, dtype, "cuda", decode_config(n, k), fma_expand=True)
 
 
 @gpu_pdl_modes

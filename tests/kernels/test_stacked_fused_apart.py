@@ -17,6 +17,7 @@ from adapterserve.kernels.decode_gemm import (
     decode_config,
     decode_gemm,
     fp8_decode_config,
+    fp8_fused_config,
     fp8_decode_gemm,
 )
 from adapterserve.kernels.fp8 import quantize_rows_reference
@@ -38,7 +39,7 @@ from .cases import (
 )
 from .fused_apart_ptx import PROJECTIONS_8B, SHARED_MEMORY
 from .test_stacked import _stacked_case, add_update_oracle
-from .test_stacked_fused import CPU_FUSED, CPU_ONE_CHUNK, GPU_FUSED, GPU_ONE_CHUNK
+from .test_stacked_fused import CPU_FUSED, GPU_FUSED
 
 MODES = ("plain", "w8a8", "weight_only")  # plain: the weight in the activations' dtype
 E4M3 = torch.float8_e4m3fn
@@ -81,13 +82,12 @@ def _to(device, x, apart, weight, scale, lora, bias, slots):
             None if bias is None else bias.to(device), meta)
 
 
-def _run(case, dtype, mode, device, config, fma_expand=False):
+def _run(case, dtype, mode, device, config):
     gen, seed = fresh_generator()
     x, apart, weight, scale, lora, bias, slots, rows = _apart_case(case, dtype, gen, mode)
     ref = _oracle(x, weight, scale, lora, bias, slots, mode)
     x_d, apart, w_d, scale_d, lora_d, bias_d, meta = _to(device, x, apart, weight, scale, lora, bias, slots)
-    y = stacked_fused(x_d, apart, lora_d, meta, rows, bias_d, config, _base(x_d, w_d, scale_d, mode),
-                      fma_expand=fma_expand).cpu()
+    y = stacked_fused(x_d, apart, lora_d, meta, rows, bias_d, config, _base(x_d, w_d, scale_d, mode)).cpu()
     check_close(y, ref, dtype, seed, f"fused apart {mode} {case}")
 
 
@@ -102,14 +102,6 @@ FORMS = [(torch.float32, 1, m) for m in MODES] + [(torch.float16, 2, "plain")]
 @pytest.mark.parametrize("case", CPU_FUSED, ids=str)
 def test_fused_apart_interpreted(case, dtype, split, mode):
     _run(case, dtype, mode, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=split))
-
-
-@interpreted
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", CPU_ONE_CHUNK[:2], ids=str)
-def test_fused_apart_with_the_update_on_cuda_cores_interpreted(case, mode):
-    """fma_expand after each form's base product and scales, split K."""
-    _run(case, torch.float32, mode, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=2), fma_expand=True)
 
 
 @interpreted
@@ -143,7 +135,7 @@ def test_the_shrink_loop_fits_beside_the_base_loop(projection, block_m):
     shrink split a multiple of the base's; one loop for a bf16 weight."""
     _, n, k = PROJECTIONS_8B[projection]
     for name, (x_size, base_size, w_size) in {"w8a8": (2, 1, 1), "weight_only": (2, 2, 1)}.items():
-        config = fp8_decode_config(n, k)
+        config = fp8_fused_config(n, k)
         for split in (1, 2, 4):
             tiles = shrink_tiles(config, block_m, split, k, x_size, base_size, w_size, HOPPER_SHARED)
             base_bytes = config.num_stages * config.block_k * (block_m * base_size + config.block_n * w_size)
@@ -158,8 +150,19 @@ def test_the_shrink_loop_fits_beside_the_base_loop(projection, block_m):
 def test_w8a8_shrink_tiles_are_the_swept_best():
     """The loop benchmarks/fp8_lora_fused.py --sweep timed fastest on an H200 (8B, 64 tokens, one
     adapter): 128-column chunks, three stages, four times the base's K splits."""
-    config = fp8_decode_config(6144, 4096)
+    config = fp8_fused_config(6144, 4096)
     assert shrink_tiles(config, 64, 2, 4096, 2, 1, 1, HOPPER_SHARED) == ShrinkTiles(128, 3, 8)
+
+
+def test_wide_fp8_outputs_take_the_fused_linear_s_own_tiles():
+    """gate|up: 128 columns, K chunks of 128, 8 warps (the fastest one-adapter tiles of
+    benchmarks/fused_tiles.py on an H200: half the output tiles, each paying the LoRA epilogue
+    once); narrower outputs the plain product's tiles."""
+    wide = fp8_fused_config(28672, 4096)
+    assert (wide.block_n, wide.block_k, wide.num_stages, wide.num_warps) == (128, 128, 3, 8)
+    assert wide != fp8_decode_config(28672, 4096)
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):
+        assert fp8_fused_config(n, k) == fp8_decode_config(n, k)
 
 
 def test_fused_apart_refuses_what_it_cannot_take():
@@ -197,16 +200,12 @@ def test_the_fused_linear_compiles_for_sm_89_and_sm_90():
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case,fma_expand", [(c, False) for c in GPU_FUSED] + [(c, True) for c in GPU_ONE_CHUNK],
-                         ids=lambda v: "fma" if v is True else "" if v is False else str(v))
-def test_fused_apart_gpu(case, fma_expand, mode):
-    """Every form on the 8B's shapes; fma_expand (the update on the CUDA cores) where the pool rows
-    fit in one chunk."""
+@pytest.mark.parametrize("case", GPU_FUSED, ids=str)
+def test_fused_apart_gpu(case, mode):
     if mode == "w8a8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("e4m3 dots need sm_89")
     n, k = sum(case[4]), case[3]
-    config = decode_config(n, k) if mode == "plain" else fp8_decode_config(n, k)
-    _run(case, torch.bfloat16, mode, "cuda", config, fma_expand)
+    _run(case, torch.bfloat16, mode, "cuda", decode_config(n, k) if mode == "plain" else fp8_fused_config(n, k))
 
 
 @gpu_pdl_modes
@@ -216,7 +215,7 @@ def test_fused_apart_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
     case = ("uniform", 64, 8, 4096, (4096,), 16, 0.1, False, "bucket")
     x, apart, q, scale, lora, _, slots, rows = _apart_case(case, torch.bfloat16, gen, "weight_only")
     x, apart, q, scale, lora, _, meta = _to("cuda", x, apart, q, scale, lora, None, slots)
-    config = fp8_decode_config(4096, 4096)
+    config = fp8_fused_config(4096, 4096)
 
     def linear(h):
         return stacked_fused(h, apart, lora, meta, rows, None, config, BaseApart(q, scale))

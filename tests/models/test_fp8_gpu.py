@@ -84,8 +84,11 @@ def test_each_base_product_of_the_fp8_engine_is_its_kernels_twin(setup, kernel):
         pytest.skip("row-wise scaled_mm and e4m3 tl.dot need sm_90")
     float_dir, _, lora, prompts = setup
     # every step eager (graph replays call no Python), so each prefill and decode product is seen:
-    # the decode kernels take the decode steps, scaled_mm the prefills above 64 tokens
-    engine = _engine(float_dir, lora, device="cuda", dtype="fp8", fp8_gemm=kernel, cuda_graphs=False)
+    # the decode kernels take the decode steps, scaled_mm the prefills above 64 tokens. The separate
+    # LoRA kernels: the fused linear (lora_decode's default on sm_90) computes its decode steps' base
+    # products inside its own launch (checked against this twin in test_fp8_lora_fused_gpu.py)
+    engine = _engine(float_dir, lora, device="cuda", dtype="fp8", fp8_gemm=kernel, cuda_graphs=False,
+                     lora_decode="kernels")
     records = _record_base_products(engine)
     _generate(engine, prompts)
     assert len(records) >= 4 * 4 * 4  # four projections in each of four layers, prefill and 3 decode steps
