@@ -3,9 +3,10 @@ taken out at a time, projection by projection (kernels/stacked_fused.py; a diagn
 taken out give wrong outputs).
 
     PYTHONPATH=. python benchmarks/fused_ablation.py           # H100/H200: about a minute
+    PYTHONPATH=. python benchmarks/fused_ablation.py --dtype fp8
     PYTHONPATH=. python benchmarks/fused_ablation.py --smoke   # CPU, interpreter, tiny shapes
 
-fused_linear_projections.py's stack and timing (bf16, B=64, 16 layers of the 8B, PDL early), us
+fused_linear_projections.py's stack and timing (bf16 or fp8, B=64, 16 layers of the 8B, PDL early), us
 per projection and the tax over the plain decode GEMM. Each variant is a copy of the kernel's
 module with its source edited (ABLATIONS), loaded from a file of its own:
   fused 0 / fused 1   the kernel as on main, no adapter / one adapter
@@ -77,7 +78,8 @@ def ablated(name: str, edits: tuple[tuple[str, str], ...], folder: str) -> Modul
     return module
 
 
-def table(stack: Stack, tokens: int, slots: int, device: str, layers: int, folder: str) -> list[list[str]]:
+def table(stack: Stack, tokens: int, slots: int, device: str, layers: int, folder: str,
+          dtype: str) -> list[list[str]]:
     modules = {"fused 0": fused_module, "fused 1": fused_module,
                **{name: ablated(name, edits, folder) for name, edits in ABLATIONS.items()}}
     metas = {n: step_meta(tokens, max(n, 1), slots, device) for n in (0, 1)}
@@ -85,13 +87,13 @@ def table(stack: Stack, tokens: int, slots: int, device: str, layers: int, folde
     out = []
     for i, kind in enumerate(KINDS):
         projections = stack.projections[i::len(KINDS)]
-        base = time_ms(lambda: stack.run("bf16 base", metas[0], 0, projections), device)
+        base = time_ms(lambda: stack.run(f"{dtype} base", metas[0], 0, projections), device)
         cells = [f"{base * 1e3 / layers:.1f}"]
         for name, module in modules.items():
             adapters = 0 if name == "fused 0" else 1
             meta, rows = metas[adapters], row_bucket(adapters * RANK, slots * RANK)
             stack.fused = module.stacked_fused
-            ms = time_ms(lambda: stack.run("bf16 fused", meta, rows, projections), device)
+            ms = time_ms(lambda: stack.run(f"{dtype} fused", meta, rows, projections), device)
             if device == "cuda":
                 torch.cuda.synchronize()
             split_counters(torch.device(device)).zero_()  # "no count" leaves its step counters set
@@ -103,13 +105,15 @@ def table(stack: Stack, tokens: int, slots: int, device: str, layers: int, folde
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="the weights: bf16, or e4m3 (W8A8 base tiles, the shrink tiles' loop of their own)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code runs, figures mean nothing")
     args = p.parse_args()
     stack, (device, _, shape, layers, tokens, slots, name) = stack_for(args.smoke, args.layers)
     with tempfile.TemporaryDirectory() as folder:
-        rows = table(stack, tokens, slots, device, layers, folder)
-    print(f"\n{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, bf16, one rank-{RANK} "
-          "adapter; us per projection (tax over base):")
+        rows = table(stack, tokens, slots, device, layers, folder, args.dtype)
+    print(f"\n{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, {args.dtype}, "
+          f"one rank-{RANK} adapter; us per projection (tax over base):")
     print_table(["projection", "base us", "fused 0", "fused 1", *ABLATIONS], rows)
 
 

@@ -176,14 +176,18 @@ for stage in "$@"; do
       timeout ${BENCH_S:-120} python3 benchmarks/fp8_row_ops.py 2>&1 | tail -10
       PDL=off DTYPES=fp8 PROFILE_WORKLOADS=base TOP=12 bash "$0" profile ;;
     taxsplit)  # 1 GPU: the fused linear's GPU tests (-k TEST_K), then projection by projection (SPLITS: shrink
-      # split factors to sweep; TAIL=40 shows the compiled forms), where its tax goes (the ablation); ENGINE_TESTS:
+      # split factors to sweep; TAIL=40 shows the compiled forms), where its tax goes (the ablation, both dtypes); ENGINE_TESTS:
       # engine GPU test files to run after (then: taxengine)
       timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_stacked_fused.py \
         tests/kernels/test_stacked_fused_apart.py -k "${TEST_K:-fused}" --tb=line -rfE 2>&1 | tail -4
       timeout ${BENCH_S:-200} python3 benchmarks/fused_linear_projections.py --splits "${SPLITS:-}" 2>&1 \
         | sed -n '/us per projection/,$p' | head -${TAIL:-12}
-      timeout ${BENCH_S:-200} python3 benchmarks/fused_ablation.py 2>&1 | tail -7
+      for dtype in bf16 fp8; do timeout ${BENCH_S:-200} python3 benchmarks/fused_ablation.py --dtype $dtype 2>&1 | tail -7; done
       [ -n "${ENGINE_TESTS:-}" ] && test_files 200 "-m gpu" $ENGINE_TESTS ;;
+    fusedtests)  # 1 GPU: the fused linear's kernel GPU tests and the FP8 engine's (FUSED_TESTS: other files), a log
+      # per file in $OUT, each file at most FILE_S seconds (default 280)
+      test_files 280 "-m gpu" ${FUSED_TESTS:-tests/kernels/test_stacked_fused.py tests/kernels/test_stacked_fused_apart.py \
+        tests/models/test_fp8_lora_fused_gpu.py tests/models/test_fp8_gpu.py} ;;
     tiles)  # 1 GPU: the fused linear's tiles swept per projection, one adapter (TILE_DTYPES, TILE_KINDS)
       timeout ${BENCH_S:-300} python3 benchmarks/fused_tiles.py --dtypes ${TILE_DTYPES:-bf16,fp8} \
         --kinds "${TILE_KINDS:-q|k|v,o,gate|up,down}" 2>&1 | grep "|" ;;
