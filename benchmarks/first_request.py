@@ -35,6 +35,7 @@ def measure_first_request(backbone: Backbone, factory: AdapterFactory, s: Settin
         engine = backbone.engine(config)
         start_s = time.perf_counter() - started
         warmup_s = engine.warmup.seconds if engine.warmup is not None else None
+        warmup = engine.warmup.summary() if engine.warmup is not None else None
         for i in range(n):
             engine.add_adapter(f"a{i}", factory.lora(i))
         costs: list[dict] = []
@@ -43,7 +44,8 @@ def measure_first_request(backbone: Backbone, factory: AdapterFactory, s: Settin
         engine = None
         backbone.reset()
     steady = statistics.median(ttfts[1:])
-    return {"start_s": start_s, "warmup_s": warmup_s, "first_ms": 1e3 * ttfts[0], "steady_ms": 1e3 * steady,
+    return {"start_s": start_s, "warmup_s": warmup_s, "warmup": warmup, "first_ms": 1e3 * ttfts[0],
+            "steady_ms": 1e3 * steady,
             "first_x": ttfts[0] / steady, "prompt": len(prompts[0]), "first_costs": costs[0], "second_costs": costs[1]}
 
 
@@ -83,8 +85,8 @@ def _device_allocs(device: str) -> int:
 
 
 def cold_cost_lines(row: dict) -> list[str]:
-    """What the first and second requests paid, for the log."""
-    lines = []
+    """Where the warm-up went, and what the first and second requests paid, for the log."""
+    lines = [f"  {row['warmup']}"] if row.get("warmup") else []
     for which in ("first", "second"):
         cost = row.get(f"{which}_costs")
         if cost:

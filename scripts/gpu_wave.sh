@@ -161,7 +161,7 @@ for stage in "$@"; do
         tests/engine/test_gpu.py tests/engine/test_warmup_gpu.py} ;;
     firstreq)  # 1 GPU: the 8B's first request after ready against steady state, and what the first two paid
       timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --first-request \
-        --workloads base --budget-s 120 --out "$OUT/firstreq.md" 2>&1 | grep -E "first request|request:|^    |start-up" | head -40 ;;
+        --workloads base --budget-s 120 --out "$OUT/firstreq.md" 2>&1 | grep -E "first request|request:|^    |start-up|warm-up:" | head -40 ;;
     profile)  # 1 GPU: each kernel's time in the 8B's decode step (B=64), graph replays traced, per dtype (DTYPES);
       # PDL=off: each kernel's own time (with PDL a kernel's time includes its wait for the one before)
       for dtype in ${DTYPES:-bfloat16 fp8}; do

@@ -19,7 +19,8 @@ Afterwards no request, adapter, KV block, prefix-cache entry or slot of the warm
 remains, and the engine's counters (stats, prefix-cache hits, slot loads) start from zero.
 
     engine = Engine(model, tokenizer, EngineConfig(device="cuda"))   # warms up (config.warmup)
-    engine.warmup.summary()   # "warm-up: 37 kernel variants and 84 graphs (48 for steps with prefills) in 41.2 s"
+    engine.warmup.summary()   # "warm-up: 37 kernel variants and 84 graphs (48 for steps with prefills) in 41.2 s;
+                              #  slowest: graphs lora, decode buckets 1..64 12.0 s, ..."
 """
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ log = logging.getLogger("adapterserve.engine")
 GRAPH_ACTIVATIONS = ("relu", "silu")
 SCRATCH = "\0warmup:"  # id prefix of the warm-up's adapters and requests
 SCRATCH_RANK = 8
+SLOWEST_SHOWN = 5  # warm-up tasks the summary names, slowest first
 
 
 def should_warm_up(config: EngineConfig) -> bool:
@@ -94,10 +96,16 @@ class WarmupReport:
     reached: set[Variant] = field(default_factory=set)  # what the warm-up's steps launched
     missing: set[Variant] = field(default_factory=set)  # reachable, not reached (logged as a warning)
     mixed_graphs: int = 0  # of `graphs`, those for steps with prefills
+    task_seconds: dict[str, float] = field(default_factory=dict)  # each task's wall time (compiling included)
+
+    def slowest(self) -> list[tuple[str, float]]:
+        """The SLOWEST_SHOWN tasks that took longest, slowest first."""
+        return sorted(self.task_seconds.items(), key=lambda item: -item[1])[:SLOWEST_SHOWN]
 
     def summary(self) -> str:
+        slowest = ", ".join(f"{label} {seconds:.1f} s" for label, seconds in self.slowest())
         return (f"warm-up: {self.variants} kernel variants and {self.graphs} graphs ({self.mixed_graphs} for steps "
-                f"with prefills) in {self.seconds:.1f} s")
+                f"with prefills) in {self.seconds:.1f} s" + (f"; slowest: {slowest}" if slowest else ""))
 
 
 def warm_up(engine) -> WarmupReport:
@@ -107,14 +115,13 @@ def warm_up(engine) -> WarmupReport:
     wanted = reachable(shape)
     reached: set[Variant] = set()
     tasks = _tasks(engine, shape, reached)
+    task_seconds: dict[str, float] = {}
     hook = engine.model.register_forward_pre_hook(lambda _module, args: reached.update(
         context_variants(shape, get_context(), args[0].shape[0], engine.lora_pool.stacked_rows())))
     try:
         for i, (label, task) in enumerate(tasks, 1):
             log.info("warm-up %d/%d: %s", i, len(tasks), label)
-            task()
-        if torch.device(engine.config.device).type == "cuda":
-            torch.cuda.synchronize()
+            task_seconds[label] = task_seconds.get(label, 0.0) + _timed(task, engine.config.device)
     finally:
         hook.remove()
         _reset_counters(engine)
@@ -122,12 +129,21 @@ def warm_up(engine) -> WarmupReport:
     mixed = engine.runner.mixed_graphs.num_graphs if engine.runner.mixed_graphs is not None else 0
     kernels = {v for v in wanted if v[0] != "graph"}
     report = WarmupReport(len(kernels), graphs + mixed, time.perf_counter() - started, reached, wanted - reached,
-                          mixed)
+                          mixed, task_seconds)
     if report.missing:
         log.warning("warm-up did not reach %d variants (they compile on first use): %s", len(report.missing),
                     sorted(map(str, report.missing))[:8])
     log.info(report.summary())
     return report
+
+
+def _timed(task: Callable[[], None], device: str) -> float:
+    """Seconds the task took, its GPU work finished."""
+    started = time.perf_counter()
+    task()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
 
 
 def _reset_counters(engine) -> None:

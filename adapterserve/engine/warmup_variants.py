@@ -113,7 +113,7 @@ def stacked_class(shape: EngineShape, num_tokens: int, expand: str) -> tuple:
     """The stacked expand's variant for a step of num_tokens: its tiles per linear width."""
     if expand == "grouped":
         return ("stacked", expand, grouped_tiles(shape.lora_rank))
-    if expand == "fused":  # its row tile, and per linear width the tiles decode_config picks
+    if expand == "fused":  # its row tile, and per linear width the tiles decode_config / fp8_fused_config pick
         return ("stacked", expand, row_tile(num_tokens), tuple(sorted(shape.stacked_widths)))
     return ("stacked", expand, tuple(sorted({expand_tiles(num_tokens, n) for n in shape.stacked_widths}, key=repr)))
 

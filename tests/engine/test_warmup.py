@@ -9,7 +9,7 @@ from adapterserve.config import EngineConfig
 from adapterserve.engine.graphs import DecodeGraphs, decode_graph_limits
 from adapterserve.engine.penalties import PenaltyState
 from adapterserve.engine.request import Request
-from adapterserve.engine.warmup import should_warm_up
+from adapterserve.engine.warmup import SLOWEST_SHOWN, should_warm_up
 from adapterserve.engine.warmup_variants import (
     EngineShape,
     context_variants,
@@ -91,6 +91,16 @@ def test_warm_up_reaches_every_variant_the_config_can_reach(warmed):
     assert {v[1] for v in wanted if v[0] == "decode_attention"} == {1, 2}
     assert {v[2] for v in wanted if v[0] == "prefill_attention"} == {"1", "16k", "n"}
     assert report.seconds > 0 and "kernel variants" in report.summary()
+
+
+def test_warm_up_times_each_task_and_names_the_slowest(warmed):
+    report = warmed.warmup
+    seconds = report.task_seconds
+    assert len(seconds) > SLOWEST_SHOWN and all(s > 0 for s in seconds.values())
+    assert sum(seconds.values()) <= report.seconds
+    slowest = report.slowest()
+    assert [s for _, s in slowest] == sorted(seconds.values(), reverse=True)[:SLOWEST_SHOWN]
+    assert all(f"{label} {s:.1f} s" in report.summary() for label, s in slowest)
 
 
 def test_warm_up_leaves_nothing_behind(warmed):
