@@ -91,9 +91,11 @@ def _compare(ref, got) -> dict:
 
 def _engine(path: Path, device: str, dtype: str, adapter_dir: Path, fp8_gemm: str = "auto",
             kv_cache_dtype: str = "auto", dots: str = "float32") -> Engine:
+    # no warm-up: quality is not timed, and an 8B engine's warm-up costs minutes (BENCHMARKS.md); its
+    # kernels compile and its graphs are captured on first use instead
     engine = Engine.from_pretrained(path, device=device, dtype=dtype, fp8_gemm=fp8_gemm, max_loras=1,
                                     max_lora_rank=64, num_kv_blocks=2048, block_size=16, cuda_graphs=device == "cuda",
-                                    kv_cache_dtype=kv_cache_dtype, decode_attention_dots=dots)
+                                    kv_cache_dtype=kv_cache_dtype, decode_attention_dots=dots, warmup=False)
     engine.load_adapter("adapter", adapter_dir)
     return engine
 
