@@ -49,7 +49,8 @@ def setup(tmp_path_factory):
 
 
 def _engine(path, lora, **kwargs) -> Engine:
-    engine = Engine.from_pretrained(path, block_size=16, num_kv_blocks=256, max_loras=2, **kwargs)
+    """No warm-up unless asked (each costs tens of seconds; the test that needs its graphs asks)."""
+    engine = Engine.from_pretrained(path, block_size=16, num_kv_blocks=256, max_loras=2, **{"warmup": False, **kwargs})
     engine.load_adapter("lora", lora)
     return engine
 
@@ -116,8 +117,8 @@ def test_fused_activation_quantization_on_gpu_matches_the_unfused_engine(setup, 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("row-wise scaled_mm and e4m3 tl.dot need sm_90")
     float_dir, _, lora, prompts = setup
-    fused = _engine(float_dir, lora, device="cuda", dtype="fp8", fp8_gemm=kernel)
-    unfused = _engine(float_dir, lora, device="cuda", dtype="fp8", fp8_gemm=kernel, warmup=False)
+    fused = _engine(float_dir, lora, device="cuda", dtype="fp8", fp8_gemm=kernel, warmup=True)
+    unfused = _engine(float_dir, lora, device="cuda", dtype="fp8", fp8_gemm=kernel)
     for _, linear in unfused.model.adapter_linears():
         linear.fuse_input_quant = False
     assert _rel(_generate(fused, prompts), _generate(unfused, prompts)) < FUSED_REL_TOL
