@@ -22,6 +22,7 @@ DECODE_GEMMS = ("cublas", "triton", "auto")  # EngineConfig.decode_gemm (layers.
 PDL_MODES = ("auto", "off", "early", "exit")  # EngineConfig.pdl (kernels/pdl.py)
 KV_CACHE_DTYPES = ("auto", "fp8")  # EngineConfig.kv_cache_dtype (kernels/kv_fp8.py)
 ATTENTION_DOTS = ("auto", "float32", "input")  # EngineConfig.decode_attention_dots (kernels/attention.py)
+MAX_WEIGHT_PREFETCH = 16  # EngineConfig.weight_prefetch's largest (kernels/pdl.py)
 TP_LAUNCHES = ("auto", "ray", "local")  # EngineConfig.tensor_parallel_launch
 TP_ALL_REDUCES = ("auto", "nccl")  # EngineConfig.tensor_parallel_all_reduce
 
@@ -86,6 +87,10 @@ class EngineConfig:
                       "early", "exit", or "auto": ADAPTERSERVE_PDL when that is set, else "early"
                       for an FP8 backbone on CUDA whose decode products run our decode GEMM
                       (fp8_gemm auto, decode_w8a8, decode_weight_only), else "off"
+    weight_prefetch:  K chunks of its weight rows each program of our decode GEMM and fused LoRA
+                      linear asks L2 for before its PDL wait, so they stream while the kernel
+                      before finishes (0 to 16; nothing where PDL is off), or None (the default):
+                      ADAPTERSERVE_PREFETCH, else 0. Process-wide, as pdl
     enable_prefix_caching: reuse the KV blocks of a prompt's prefix computed before under the
                       same KV identity (docs/prefix_caching.md)
     tensor_parallel_size: ranks the backbone is split over, one device each (docs/tensor_parallel.md):
@@ -126,6 +131,7 @@ class EngineConfig:
     lora_decode: str = "auto"
     decode_gemm: str = "cublas"
     pdl: str = "auto"
+    weight_prefetch: int | None = None
     kv_cache_dtype: str = "auto"
     decode_attention_dots: str = "auto"
     enable_prefix_caching: bool = True
@@ -150,6 +156,11 @@ class EngineConfig:
             raise ValueError(f"decode_gemm must be one of {list(DECODE_GEMMS)}, got {self.decode_gemm!r}")
         if self.pdl not in PDL_MODES:
             raise ValueError(f"pdl must be one of {list(PDL_MODES)}, got {self.pdl!r}")
+        chunks = self.weight_prefetch
+        if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int)
+                                   or not 0 <= chunks <= MAX_WEIGHT_PREFETCH):
+            raise ValueError(f"weight_prefetch must be an integer from 0 to {MAX_WEIGHT_PREFETCH}, or null "
+                             f"(ADAPTERSERVE_PREFETCH), got {chunks!r}")
         if self.decode_attention_dots not in ATTENTION_DOTS:
             raise ValueError(f"decode_attention_dots must be one of {list(ATTENTION_DOTS)}, "
                              f"got {self.decode_attention_dots!r}")

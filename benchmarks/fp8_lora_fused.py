@@ -43,7 +43,7 @@ from adapterserve.kernels.decode_gemm import (
 )
 from adapterserve.kernels.fp8 import quantize_rows
 from adapterserve.kernels.lora_slices import LoraSlices
-from adapterserve.kernels.pdl import set_pdl
+from adapterserve.kernels.pdl import set_pdl, set_prefetch
 from adapterserve.kernels.stacked import RowsInUse, row_bucket, stack_apart
 from adapterserve.kernels.split_counters import sms_of
 from adapterserve.kernels.stacked_fused import BaseApart, ShrinkTiles, shared_memory_of, shrink_tiles, stacked_fused
@@ -97,10 +97,12 @@ class Stack:
         # fp8 fused's swept loops: (shrink K chunk, shrink stages, shrink split factor, most base stages)
         self.shrink: tuple[int, int, int, int] | None = None
         self.shrink_factor = 1  # both dtypes' fused: the kernel's own shrink split times this
+        self.prefetch = 0  # K chunks each GEMM program asks L2 for before its PDL wait (kernels/pdl.py)
         self.fused = stacked_fused  # the fused linear both dtypes' fused run (fused_ablation.py: an edited copy)
 
     def run(self, variant: str, meta, rows: int, projections: list[Projection] | None = None) -> torch.Tensor:
         """The variant over every projection of the stack (or over `projections`); the last output."""
+        set_prefetch(self.prefetch)
         y = None
         for p in self.projections if projections is None else projections:
             y = self._projection(p, variant, meta, rows)

@@ -11,7 +11,10 @@ projection, with its tax over the plain decode GEMM of the same dtype. Variants:
                   tiles, every output tile waiting for them
   fused 1 sF      one adapter with the shrink tiles' K split F times the kernel's own choice: shorter
                   shrink programs, done sooner, so output tiles wait less
-Every variant but fused N is checked against fused N's output before it is timed.
+  base pfC        the plain decode GEMM, each program asking L2 for its first C K chunks of weight
+  fused 1 pfC     rows before its PDL wait (kernels/pdl.py set_prefetch), and the fused linear so
+Every variant with launch choices is checked against the same kernel's output without them before it is
+timed.
 """
 from __future__ import annotations
 
@@ -32,11 +35,17 @@ from benchmarks.fp8_lora_fused import RANK, Stack, stack_for
 from benchmarks.fused_update import print_table, step_meta, time_ms
 
 KINDS = ("q|k|v", "o", "gate|up", "down")  # Stack's projection order within a layer
-DEFAULTS = {"shrink_factor": 1}  # Stack's launch choices, the kernel's own
-VARIANTS = {  # name: (adapters, launch choices other than DEFAULTS)
+DEFAULTS = {"shrink_factor": 1, "prefetch": 0}  # Stack's launch choices, the kernel's own
+VARIANTS = {  # name: (adapters, None: the plain decode GEMM; launch choices other than DEFAULTS)
     "fused 0": (0, {}),
     "fused 1": (1, {}),
     "fused 2": (2, {}),
+    "base pf2": (None, {"prefetch": 2}),
+    "base pf4": (None, {"prefetch": 4}),
+    "base pf8": (None, {"prefetch": 8}),
+    "fused 1 pf2": (1, {"prefetch": 2}),
+    "fused 1 pf4": (1, {"prefetch": 4}),
+    "fused 1 pf8": (1, {"prefetch": 8}),
 }
 CHOICE_TOL = 2e-2  # a launch choice against the kernel's own: bf16 outputs summed in another order
 
@@ -46,25 +55,25 @@ def _set(stack: Stack, choices: dict) -> None:
         setattr(stack, name, value)
 
 
-def _checked(stack: Stack, dtype: str, choices: dict, meta, rows: int, projections: list) -> None:
+def _checked(stack: Stack, variant: str, choices: dict, meta, rows: int, projections: list) -> None:
     """A variant's output against the kernel's own choices', before it is timed."""
     if not choices:
         return
     _set(stack, {})
-    want = stack.run(f"{dtype} fused", meta, rows, projections).float()
+    want = stack.run(variant, meta, rows, projections).float()
     _set(stack, choices)
-    err = float((stack.run(f"{dtype} fused", meta, rows, projections).float() - want).norm() / want.norm())
+    err = float((stack.run(variant, meta, rows, projections).float() - want).norm() / want.norm())
     if err > CHOICE_TOL:
-        raise AssertionError(f"{dtype} fused with {choices} differs: {err:.2e}")
+        raise AssertionError(f"{variant} with {choices} differs: {err:.2e}")
 
 
-def variants(factors: list[int]) -> dict[str, tuple[int, dict]]:
+def variants(factors: list[int]) -> dict[str, tuple[int | None, dict]]:
     """VARIANTS, then one adapter with the shrink split times each factor."""
     return {**VARIANTS, **{f"fused 1 s{f}": (1, {"shrink_factor": f}) for f in factors}}
 
 
 def table(stack: Stack, tokens: int, slots: int, device: str, layers: int,
-          named: dict[str, tuple[int, dict]]) -> list[list[str]]:
+          named: dict[str, tuple[int | None, dict]]) -> list[list[str]]:
     metas = {n: step_meta(tokens, max(n, 1), slots, device) for n in (0, 1, 2)}
     metas[0].token_slots.fill_(-1)
     rows_of = {n: row_bucket(n * RANK, slots * RANK) for n in (0, 1, 2)}
@@ -75,10 +84,11 @@ def table(stack: Stack, tokens: int, slots: int, device: str, layers: int,
             base = time_ms(lambda: stack.run(f"{dtype} base", metas[0], 0, projections), device)
             cells = [f"{base * 1e3 / layers:.1f}"]
             for adapters, choices in named.values():
-                meta, rows = metas[adapters], rows_of[adapters]
-                _checked(stack, dtype, choices, meta, rows, projections)
+                variant = f"{dtype} {'base' if adapters is None else 'fused'}"
+                meta, rows = metas[adapters or 0], rows_of[adapters or 0]
+                _checked(stack, variant, choices, meta, rows, projections)
                 _set(stack, choices)
-                ms = time_ms(lambda: stack.run(f"{dtype} fused", meta, rows, projections), device)
+                ms = time_ms(lambda: stack.run(variant, meta, rows, projections), device)
                 cells.append(f"{ms * 1e3 / layers:.1f} ({(ms / base - 1) * 100:+.0f}%)")
             out.append([dtype, kind, *cells])
     return out

@@ -31,12 +31,14 @@ WORKLOADS = ("base", "one", "uniform8", "distinct", "zipf", "ranks", "families")
 # "kernels" (the default, "auto", is "fused" on sm_90 and later);
 # +dg / +dgt: decode_gemm "auto" / "triton"; with --dtype fp8, +d8 / +dw: fp8_gemm "decode_w8a8" /
 # "decode_weight_only"; +pe / +po: pdl "early" / "off" (the engine's default, "auto", is early for an
-# FP8 backbone on our decode GEMM); +kv8: kv_cache_dtype "fp8"; +ad / +fd: decode_attention_dots "input" / "float32" (the default, "auto": input));
+# FP8 backbone on our decode GEMM); +kv8: kv_cache_dtype "fp8"; +ad / +fd: decode_attention_dots "input" / "float32" (the default, "auto": input);
+# +pf4 / +pf8: weight_prefetch 4 / 8 (K chunks of weight rows asked of L2 before the PDL wait; with PDL on));
 VARIANTS = {"+1s": {"lora_side_stream": False}, "+r64": {"max_lora_rank": 64}, "+st": {"lora_decode": "stacked"},
             "+fu": {"lora_decode": "fused"}, "+ke": {"lora_decode": "kernels"}, "+dg": {"decode_gemm": "auto"}, "+dgt": {"decode_gemm": "triton"},
             "+d8": {"fp8_gemm": "decode_w8a8"}, "+dw": {"fp8_gemm": "decode_weight_only"},
             "+pe": {"pdl": "early"}, "+po": {"pdl": "off"}, "+kv8": {"kv_cache_dtype": "fp8"},
-            "+ad": {"decode_attention_dots": "input"}, "+fd": {"decode_attention_dots": "float32"}}
+            "+ad": {"decode_attention_dots": "input"}, "+fd": {"decode_attention_dots": "float32"},
+            "+pf4": {"weight_prefetch": 4}, "+pf8": {"weight_prefetch": 8}}
 PEFT_ID = "peft-file"
 
 

@@ -188,6 +188,19 @@ for stage in "$@"; do
       # per file in $OUT, each file at most FILE_S seconds (default 280)
       test_files 280 "-m gpu" ${FUSED_TESTS:-tests/kernels/test_stacked_fused.py tests/kernels/test_stacked_fused_apart.py \
         tests/models/test_fp8_lora_fused_gpu.py tests/models/test_fp8_gpu.py} ;;
+    prefetch)  # 1 GPU: weight prefetch before the PDL wait: the GEMMs' graph tests (prefetch gives the same bits),
+      # the projection table (base pfC, fused 1 pfC), then the 8B engines (PF_WORKLOADS, FP8_PF_WORKLOADS)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_decode_gemm.py \
+        tests/kernels/test_fp8_decode_gemm.py tests/kernels/test_stacked_fused.py tests/kernels/test_stacked_fused_apart.py \
+        -k "chain_in_a_graph" --tb=short -rfE 2>&1 | tail -4
+      timeout ${BENCH_S:-200} python3 benchmarks/fused_linear_projections.py 2>&1 | sed -n '/us per projection/,/^$/p'
+      timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --hf-models '' \
+        --budget-s 260 --workloads ${PF_WORKLOADS:-base,one+pe,one+pe+pf4,one+pe+pf8} --max-tokens 64 \
+        --out "$OUT/et8b_pf.md" > "$OUT/pf.log" 2>&1; grep -E "B=64 .*: 8b" "$OUT/pf.log" | tail -6 ;;
+    prefetch8)  # 1 GPU: the FP8 8B with and without weight prefetch (PDL is on there by default)
+      timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --dtype fp8 \
+        --hf-models '' --budget-s 260 --workloads ${FP8_PF_WORKLOADS:-base,base+pf4,one,one+pf4} --max-tokens 64 \
+        --out "$OUT/et8b_fp8_pf.md" > "$OUT/pf8.log" 2>&1; grep -E "B=64 .*: 8b" "$OUT/pf8.log" | tail -6 ;;
     tiles)  # 1 GPU: the fused linear's tiles swept per projection, one adapter (TILE_DTYPES, TILE_KINDS)
       timeout ${BENCH_S:-300} python3 benchmarks/fused_tiles.py --dtypes ${TILE_DTYPES:-bf16,fp8} \
         --kinds "${TILE_KINDS:-q|k|v,o,gate|up,down}" 2>&1 | grep "|" ;;

@@ -28,7 +28,7 @@ from adapterserve.engine.attention_meta import (
 from adapterserve.engine.host_copy import to_device
 from adapterserve.kernels import build_adapter_meta
 from adapterserve.kernels.kv_fp8 import copy_rows
-from adapterserve.kernels.pdl import ENV, set_pdl
+from adapterserve.kernels.pdl import ENV, pdl_mode, prefetch_setting, set_pdl, set_prefetch
 from adapterserve.kernels.stacked import expand_for_slots
 from adapterserve.layers.base_gemm import DECODE_FP8
 from adapterserve.layers.context import BatchContext, VirtualTokens, set_context
@@ -91,9 +91,12 @@ def pdl_for(config: EngineConfig) -> str | None:
 
 
 def apply_pdl(config: EngineConfig) -> None:
-    """Set this process's PDL mode as EngineConfig.pdl says (process-wide; the kernels read it
-    at launch, so the graphs captured after it keep it)."""
+    """Set this process's PDL mode and weight prefetch as EngineConfig.pdl and .weight_prefetch
+    say (process-wide; the kernels read them at launch, so the graphs captured after keep them);
+    a bad ADAPTERSERVE_PDL or ADAPTERSERVE_PREFETCH is refused here, before any step."""
     set_pdl(pdl_for(config))
+    set_prefetch(config.weight_prefetch)
+    pdl_mode(), prefetch_setting()
 
 
 def with_sampled_ids(ids: torch.Tensor, sources: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from adapterserve.kernels.decode_loop import k_loop, split_total, store_scaled
-from adapterserve.kernels.pdl import pdl_args, pdl_wait
+from adapterserve.kernels.decode_loop import k_loop, prefetch_rows, split_total, store_scaled
+from adapterserve.kernels.pdl import pdl_args, pdl_wait, prefetch_args
 from adapterserve.kernels.split_counters import INDEX_LIMIT, sms_of, split_counters, split_span
 
 MAX_ROWS = 64  # the largest decode batch a launch takes
@@ -91,17 +91,20 @@ def _decode_gemm_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, xs_ptr, ws_ptr
                         stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr, IEEE: tl.constexpr,
-                        X_SCALED: tl.constexpr = 0, W_SCALED: tl.constexpr = 0, USE_PDL: tl.constexpr = 0):
+                        X_SCALED: tl.constexpr = 0, W_SCALED: tl.constexpr = 0, USE_PDL: tl.constexpr = 0,
+                        PREFETCH: tl.constexpr = 0):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    w_rows = w_ptr + rn[:, None] * stride_wn
+    prefetch_rows(w_rows, w_ptr, n_mask, k_start, k_end, BLOCK_K, PREFETCH)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, w_ptr + rn[:, None] * stride_wn, rm, M, n_mask,
-                 k_start, k_end, BLOCK_K, NUM_STAGES, IEEE)
+    acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, w_rows, rm, M, n_mask, k_start, k_end, BLOCK_K, NUM_STAGES,
+                 IEEE)
     out_mask = (rm[:, None] < M) & n_mask[None, :]
     total, last = split_total(acc, part_ptr, count_ptr + pid_n, pid_k, rm, rn, out_mask, M, N, SPLIT_K)
     if last:
@@ -156,7 +159,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor | None,
                               BLOCK_M=row_tile(m), BLOCK_N=config.block_n,
                               BLOCK_K=config.block_k, SPLIT_K=split, NUM_STAGES=config.num_stages,
                               IEEE=x.dtype == torch.float32, X_SCALED=int(x_scale is not None),
-                              W_SCALED=int(weight_scale is not None), num_warps=config.num_warps, **pdl_args(x))
+                              W_SCALED=int(weight_scale is not None), num_warps=config.num_warps, **pdl_args(x),
+                              **prefetch_args(x))
     return y
 
 

@@ -7,6 +7,24 @@ import triton
 import triton.language as tl
 
 
+# elements between a row's prefetches: a 128-byte line of bf16 (of e4m3: each line asked for twice)
+PREFETCH_STRIDE = tl.constexpr(64)
+
+
+@triton.jit
+def prefetch_rows(w_rows, w_ptr, n_mask, k_start, k_end, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+    """Ask L2 for w[rows, k_start:k_start + PREFETCH * BLOCK_K] (within k_end), one prefetch a
+    line, nothing read: before a PDL wait, the K loop's first chunks stream while the kernel
+    before finishes. Masked rows and columns prefetch w_ptr (a valid address) instead. Nothing
+    when PREFETCH is 0 (the interpreter, which has no inline PTX, never gets more)."""
+    if PREFETCH > 0:
+        k = k_start + tl.arange(0, PREFETCH * BLOCK_K // PREFETCH_STRIDE) * PREFETCH_STRIDE
+        inside = n_mask[:, None] & (k[None, :] < k_end)
+        lines = tl.where(inside, w_rows + k[None, :], w_ptr)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
 @triton.jit
 def k_loop(acc, x_rows, w_rows, rm, M, n_mask, k_start, k_end, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
            IEEE: tl.constexpr):

@@ -17,6 +17,12 @@ Every kernel with a USE_PDL path keeps three rules:
 - every program reaches ``pdl_wait`` before it exits, early exits included, so a kernel
   completes only after the kernel before it (the later kernels' pre-wait loads rely on it);
 - the next kernel is let launch only after the wait (``pdl_wait`` does both).
+
+Weight prefetch (our decode GEMMs, kernels/decode_gemm.py and kernels/stacked_fused.py): with
+PDL on, a program may ask L2 for the first K chunks of its weight rows before its wait, so the
+weight bytes stream while the kernel before finishes (a norm, SiLU-mul, attention's tail). Off
+unless asked: ``set_prefetch(chunks)`` or ADAPTERSERVE_PREFETCH=chunks (0 to MAX_PREFETCH);
+with PDL off for a launch there is no prefetch either.
 """
 from __future__ import annotations
 
@@ -26,10 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
+from adapterserve.config import MAX_WEIGHT_PREFETCH as MAX_PREFETCH  # K chunks a program may prefetch
+
 MODES = {"off": 0, "early": 1, "exit": 2}  # the USE_PDL constexpr of each mode
 ENV = "ADAPTERSERVE_PDL"
+PREFETCH_ENV = "ADAPTERSERVE_PREFETCH"
 
 _mode: str | None = None  # set_pdl's choice; None: the environment's
+_prefetch: int | None = None  # set_prefetch's choice; None: the environment's
 _capable: dict[int, bool] = {}  # device index -> sm_90 or later
 
 
@@ -72,6 +82,38 @@ def pdl_args(t: torch.Tensor) -> dict:
     kernel's default, today's launch), else USE_PDL and launch_pdl."""
     mode = use_pdl(t)
     return {"USE_PDL": mode, "launch_pdl": True} if mode else {}
+
+
+def set_prefetch(chunks: int | None) -> None:
+    """K chunks of its weight rows each program of our decode GEMMs asks L2 for before its
+    PDL wait, for every later launch (0: none; None: as ADAPTERSERVE_PREFETCH says)."""
+    global _prefetch
+    _prefetch = None if chunks is None else _parse_chunks(chunks, "set_prefetch")
+
+
+def prefetch_setting() -> int:
+    """The chunks asked for (set_prefetch, else ADAPTERSERVE_PREFETCH, else 0), device aside."""
+    return _prefetch if _prefetch is not None else _parse_chunks(os.environ.get(PREFETCH_ENV, "0"), PREFETCH_ENV)
+
+
+def prefetch_chunks(t: torch.Tensor) -> int:
+    """The PREFETCH constexpr for a launch on t's device: the chunks asked for, 0 where PDL
+    is off for it (without PDL nothing runs before the kernel starts, so nothing to overlap)."""
+    return prefetch_setting() if use_pdl(t) else 0
+
+
+def prefetch_args(t: torch.Tensor) -> dict:
+    """Launch keywords of a kernel with a PREFETCH constexpr: empty when it prefetches nothing."""
+    chunks = prefetch_chunks(t)
+    return {"PREFETCH": chunks} if chunks else {}
+
+
+def _parse_chunks(chunks: int | str, where: str) -> int:
+    text = chunks.strip() if isinstance(chunks, str) else chunks
+    if isinstance(text, bool) or not (isinstance(text, int) or (isinstance(text, str) and text.isdigit())) \
+            or not 0 <= int(text) <= MAX_PREFETCH:
+        raise ValueError(f"{where}: prefetch chunks must be an integer from 0 to {MAX_PREFETCH}, got {chunks!r}")
+    return int(text)
 
 
 @triton.jit

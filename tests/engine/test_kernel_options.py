@@ -1,5 +1,6 @@
 """Kernel options an engine applies: EngineConfig.pdl (which PDL mode an engine sets for its
-process, and that it sets it; bit-identical outputs with PDL on: test_pdl_engine_gpu.py) and
+process, and that it sets it; bit-identical outputs with PDL on: test_pdl_engine_gpu.py),
+weight_prefetch (the process's prefetch; bit-identical outputs: the GEMMs' PDL graph tests) and
 decode_attention_dots (set on every attention layer; its GPU numerics: test_attention_dots_gpu.py)."""
 import pytest
 
@@ -12,9 +13,12 @@ from adapterserve.kernels import pdl
 @pytest.fixture(autouse=True)
 def _pdl_as_the_environment_says(monkeypatch):
     monkeypatch.delenv(pdl.ENV, raising=False)
+    monkeypatch.delenv(pdl.PREFETCH_ENV, raising=False)
     pdl.set_pdl(None)
+    pdl.set_prefetch(None)
     yield
     pdl.set_pdl(None)
+    pdl.set_prefetch(None)
 
 
 @pytest.mark.parametrize("options, mode", [
@@ -47,6 +51,21 @@ def test_the_engine_sets_its_process_mode(llama_dir):
     assert pdl.pdl_mode() == "exit"
     Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1)  # auto on CPU
     assert pdl.pdl_mode() == "off"
+
+
+def test_the_engine_sets_its_process_prefetch(llama_dir, monkeypatch):
+    Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1, weight_prefetch=4)
+    assert pdl.prefetch_setting() == 4
+    monkeypatch.setenv(pdl.PREFETCH_ENV, "2")
+    Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1)  # None: the environment's
+    assert pdl.prefetch_setting() == 2
+
+
+@pytest.mark.parametrize("env", [pdl.ENV, pdl.PREFETCH_ENV])
+def test_a_bad_environment_variable_stops_the_engine_s_build(llama_dir, monkeypatch, env):
+    monkeypatch.setenv(env, "lots")
+    with pytest.raises(ValueError, match=env):
+        Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1)
 
 
 def test_the_engine_sets_its_attention_layers_dots(llama_dir):

@@ -143,9 +143,10 @@ def check_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, seed: 
     assert err <= TOL[dtype], f"{what}: rel err {err:.2e} > {TOL[dtype]:.0e} ({dtype}); seed={seed}"
 
 
-def pdl_replays(chain, modes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """chain's output per PDL mode: its CUDA graph (captured with that mode) replayed three
-    times, the three outputs equal (asserted); PDL as the environment says afterwards."""
+def pdl_replays(chain, modes: tuple[str, ...], prefetch: int = 0) -> dict[str, torch.Tensor]:
+    """chain's output per PDL mode: its CUDA graph (captured with that mode, and with our GEMMs
+    prefetching `prefetch` K chunks of weight rows before their wait) replayed three times, the
+    three outputs equal (asserted); PDL and prefetch as the environment says afterwards."""
     from adapterserve.kernels import pdl
     from adapterserve.kernels.split_counters import prepare_split_counters
     from benchmarks.measure import capture
@@ -153,6 +154,7 @@ def pdl_replays(chain, modes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     prepare_split_counters("cuda")  # the split-K kernels' counters, before any capture
     outs = {}
     try:
+        pdl.set_prefetch(prefetch)
         for mode in modes:
             pdl.set_pdl(mode)
             graph, out = capture(chain)
@@ -165,6 +167,7 @@ def pdl_replays(chain, modes: tuple[str, ...]) -> dict[str, torch.Tensor]:
             outs[mode] = replays[0]
     finally:
         pdl.set_pdl(None)
+        pdl.set_prefetch(None)
     return outs
 
 

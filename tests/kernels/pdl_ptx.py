@@ -51,7 +51,13 @@ KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
     "decode_gemm_w8a8": (decode_gemm._decode_gemm_kernel, {**GEMM, "X_SCALED": 1, "W_SCALED": 1}),
     "stacked_fused": (stacked_fused._stacked_fused_kernel,
                       {**SLICES, **GEMM, "CHUNK_ROWS": 16, "HAS_LORA": True, "ALIGNED": True}),
+    "decode_gemm_prefetch": (decode_gemm._decode_gemm_kernel, {**GEMM, "PREFETCH": 4}),
+    "decode_gemm_w8a8_prefetch": (decode_gemm._decode_gemm_kernel, {**GEMM, "X_SCALED": 1, "W_SCALED": 1,
+                                                                     "PREFETCH": 4}),
+    "stacked_fused_prefetch": (stacked_fused._stacked_fused_kernel,
+                               {**SLICES, **GEMM, "CHUNK_ROWS": 16, "HAS_LORA": True, "ALIGNED": True, "PREFETCH": 4}),
 }
+PREFETCHING = {name for name, (_, consts) in KERNELS.items() if consts.get("PREFETCH")}
 E4M3 = "*fp8e4nv"
 QUANT = {"q_ptr": E4M3, "s_ptr": "*fp32"}
 POINTER_TYPES = {  # name: the pointers that are not bf16 / int32 / float32 by their names
@@ -59,6 +65,7 @@ POINTER_TYPES = {  # name: the pointers that are not bf16 / int32 / float32 by t
     "silu_mul_quant_one_pass": QUANT, "quantize_rows_one_pass": QUANT,
     "decode_gemm_fp8_weights": {"w_ptr": E4M3},
     "decode_gemm_w8a8": {"x_ptr": E4M3, "w_ptr": E4M3},
+    "decode_gemm_w8a8_prefetch": {"x_ptr": E4M3, "w_ptr": E4M3},
     "rope_and_cache_fp8": {"kc_ptr": E4M3, "vc_ptr": E4M3, "ks_ptr": "*fp32", "vs_ptr": "*fp32"},
 }
 
@@ -70,12 +77,15 @@ def ptx(kernel, constexprs: dict, use_pdl: int, pointers: dict[str, str] | None 
 
 
 def summary(text: str) -> dict:
-    """Counts of the grid dependency ops, and the global memory ops before the first wait."""
-    ops = [m.group(0) for m in re.finditer(r"griddepcontrol\.wait|ld\.global|st\.global|atom\.global", text)]
+    """Counts of the grid dependency ops, and the global memory ops (prefetches apart) before the first wait."""
+    ops = [m.group(0) for m in re.finditer(
+        r"griddepcontrol\.wait|prefetch\.global\.L2|ld\.global|st\.global|atom\.global", text)]
     first_wait = ops.index("griddepcontrol.wait") if "griddepcontrol.wait" in ops else len(ops)
+    before = ops[:first_wait]
     return {"waits": text.count("griddepcontrol.wait"), "launches": text.count("griddepcontrol.launch_dependents"),
-            "stores_before_wait": sum(op != "ld.global" for op in ops[:first_wait]),
-            "loads_before_wait": ops[:first_wait].count("ld.global")}
+            "stores_before_wait": sum(op.startswith(("st.", "atom.")) for op in before),
+            "loads_before_wait": before.count("ld.global"), "prefetches": text.count("prefetch.global.L2"),
+            "prefetches_before_wait": before.count("prefetch.global.L2")}
 
 
 def main() -> None:

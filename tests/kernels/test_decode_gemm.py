@@ -94,5 +94,6 @@ def test_gpu_pdl_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
         return decode_gemm(torch.relu(decode_gemm(x, w1, config)), w2, config)
 
     outs = pdl_replays(chain, ("off", mode))
-    assert torch.equal(outs["off"], outs[mode]), f"seed {seed}"
+    outs["prefetch"] = pdl_replays(chain, (mode,), prefetch=4)[mode]  # weight rows asked for first
+    assert torch.equal(outs["off"], outs[mode]) and torch.equal(outs["off"], outs["prefetch"]), f"seed {seed}"
     assert _rel(outs["off"], torch.relu(x.float() @ w1.float().T).to(torch.bfloat16), w2) < TOL[torch.bfloat16] / 4

@@ -127,5 +127,6 @@ def test_gpu_pdl_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
         return torch.stack([fp8_decode_gemm(aq, q3, s3, a_scale, torch.bfloat16), fp8_decode_gemm(act, q3, s3)])
 
     outs = pdl_replays(chain, ("off", mode))
-    assert torch.equal(outs["off"], outs[mode]), f"seed {seed}"
+    outs["prefetch"] = pdl_replays(chain, (mode,), prefetch=4)[mode]  # weight rows asked for first
+    assert torch.equal(outs["off"], outs[mode]) and torch.equal(outs["off"], outs["prefetch"]), f"seed {seed}"
     assert not outs["off"].isnan().any(), f"seed {seed}"

@@ -3,6 +3,7 @@ with a USE_PDL path (compiled for sm_90 on any machine), and on a Hopper GPU the
 decode chain in a CUDA graph with PDL off and on giving identical outputs."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -44,8 +45,10 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(autouse=True)
 def _pdl_as_the_environment_says():
     pdl.set_pdl(None)  # an engine built earlier in this process set its own mode
+    pdl.set_prefetch(None)
     yield
     pdl.set_pdl(None)
+    pdl.set_prefetch(None)
 
 
 def test_off_unless_asked(monkeypatch):
@@ -74,6 +77,27 @@ def test_always_off_on_cpu_tensors():
         pdl.set_pdl(mode)
         assert pdl.use_pdl(torch.zeros(1)) == 0
         assert pdl.pdl_args(torch.zeros(1)) == {}
+
+
+def test_prefetch_off_unless_asked_and_never_without_pdl(monkeypatch):
+    monkeypatch.delenv(pdl.PREFETCH_ENV, raising=False)
+    assert pdl.prefetch_setting() == 0
+    monkeypatch.setenv(pdl.PREFETCH_ENV, " 4 ")
+    assert pdl.prefetch_setting() == 4
+    pdl.set_prefetch(2)  # set_prefetch wins over the environment
+    assert pdl.prefetch_setting() == 2
+    pdl.set_pdl("early")  # CPU tensors: no PDL, so no prefetch either
+    assert pdl.prefetch_chunks(torch.zeros(1)) == 0 and pdl.prefetch_args(torch.zeros(1)) == {}
+
+
+@pytest.mark.parametrize("value", [-1, pdl.MAX_PREFETCH + 1, True, 2.5, "x", "", "4.0", "-1", [4]], ids=repr)
+def test_a_bad_prefetch_is_refused(value, monkeypatch):
+    with pytest.raises(ValueError, match="set_prefetch: prefetch chunks must be an integer from 0 to 16"):
+        pdl.set_prefetch(value)
+    if isinstance(value, (int, str)) and not isinstance(value, bool):
+        monkeypatch.setenv(pdl.PREFETCH_ENV, str(value))
+        with pytest.raises(ValueError, match="ADAPTERSERVE_PREFETCH: prefetch chunks must be"):
+            pdl.prefetch_setting()
 
 
 @interpreted
@@ -105,6 +129,7 @@ def test_interpreted_kernels_ignore_the_switch():
         assert torch.equal(got, ref), f"seed={seed}"
 
 
+@functools.cache
 def _ptx_summary() -> dict:
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -123,6 +148,24 @@ def test_ptx_waits_before_any_store_and_only_with_pdl():
         assert early["waits"] >= 1 and early["launches"] == early["waits"], name
         assert at_exit["waits"] >= 1 and at_exit["launches"] == 0, name
         assert early["stores_before_wait"] == at_exit["stores_before_wait"] == 0, name
+
+
+def test_ptx_prefetches_before_the_wait_only_where_asked():
+    """A kernel compiled with PREFETCH asks L2 for its weight rows before its first wait (and
+    reads nothing more there than without it); no other kernel prefetches."""
+    from tests.kernels.pdl_ptx import PREFETCHING
+
+    summary = _ptx_summary()
+    assert PREFETCHING and PREFETCHING < set(summary)
+    for name, modes in summary.items():
+        for mode in ("1", "2"):
+            got = modes[mode]
+            if name in PREFETCHING:
+                assert got["prefetches"] > 0 and got["prefetches_before_wait"] == got["prefetches"], (name, mode)
+                plain = summary[name.replace("_prefetch", "")][mode]
+                assert got["loads_before_wait"] == plain["loads_before_wait"], (name, mode)
+            else:
+                assert got["prefetches"] == 0, (name, mode)
 
 
 class Chain:

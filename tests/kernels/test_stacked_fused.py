@@ -107,4 +107,5 @@ def test_fused_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
         return stacked_fused(torch.relu(stacked_fused(x, stacked, lora, meta, rows)), stacked, lora, meta, rows)
 
     outs = pdl_replays(chain, ("off", mode))
-    assert torch.equal(outs["off"], outs[mode]), f"seed {seed}"
+    outs["prefetch"] = pdl_replays(chain, (mode,), prefetch=4)[mode]  # weight rows asked for first
+    assert torch.equal(outs["off"], outs[mode]) and torch.equal(outs["off"], outs["prefetch"]), f"seed {seed}"

@@ -221,7 +221,8 @@ def test_fused_apart_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
         return stacked_fused(h, apart, lora, meta, rows, None, config, BaseApart(q, scale))
 
     outs = pdl_replays(lambda: linear(torch.relu(linear(x))), ("off", mode))
-    assert torch.equal(outs["off"], outs[mode]), f"seed {seed}"
+    outs["prefetch"] = pdl_replays(lambda: linear(torch.relu(linear(x))), (mode,), prefetch=4)[mode]  # rows asked first
+    assert torch.equal(outs["off"], outs[mode]) and torch.equal(outs["off"], outs["prefetch"]), f"seed {seed}"
 
 
 def test_a_finer_split_keeps_two_k_chunks_a_split():

@@ -1,5 +1,5 @@
-"""Hostile values of the engine options kv_cache_dtype (and `serve --kv-cache-dtype`), pdl and
-decode_attention_dots:
+"""Hostile values of the engine options kv_cache_dtype (and `serve --kv-cache-dtype`), pdl,
+decode_attention_dots and weight_prefetch:
 refused before anything starts, naming the option; good values reach the engine's config."""
 from __future__ import annotations
 
@@ -31,6 +31,12 @@ def test_a_bad_pdl_mode_is_refused_before_anything_starts(value):
 def test_a_bad_attention_dots_choice_is_refused_before_anything_starts(value):
     with pytest.raises(ValueError, match="decode_attention_dots must be one of"):
         build_app({"model": str(MODEL), "encoder": False, "engine": {"decode_attention_dots": value}})
+
+
+@pytest.mark.parametrize("value", [-1, 17, 2.5, "4", *HOSTILE[:3], *HOSTILE[5:]])
+def test_a_bad_weight_prefetch_is_refused_before_anything_starts(value):
+    with pytest.raises(ValueError, match="weight_prefetch must be an integer from 0 to 16"):
+        build_app({"model": str(MODEL), "encoder": False, "engine": {"weight_prefetch": value}})
 
 
 def test_the_flag_takes_only_its_choices():
