@@ -26,6 +26,8 @@ TILES = {"NUM_SLICES": 3, "HAS_BIAS": False, "IEEE": False, "BLOCK_M": 64, "BLOC
 VARIANTS = {  # name: (constexprs, pointer types that differ from bf16)
     "apart_w8a8": ({**TILES, "X_SCALED": 1, "W_SCALED": 1},
                    {"w_ptr": "*fp8e4nv", "xb_ptr": "*fp8e4nv"}),
+    "apart_w8a8_prefetch": ({**TILES, "X_SCALED": 1, "W_SCALED": 1, "PREFETCH": 4},  # its weight rows asked of L2
+                            {"w_ptr": "*fp8e4nv", "xb_ptr": "*fp8e4nv"}),
     "apart_weight_only": ({**TILES, "X_SCALED": 0, "W_SCALED": 1}, {"w_ptr": "*fp8e4nv"}),
     "plain": ({**TILES, "X_SCALED": 0, "W_SCALED": 0}, {}),  # a bf16 weight, apart or joint: one kernel
 }
