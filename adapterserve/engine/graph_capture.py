@@ -55,7 +55,7 @@ class CapturedSteps:
                                           self.max_requests(bucket)))
         captured = False
         for choice in expands:
-            key = _key(bucket, families, signature, choice)
+            key = self._key(bucket, families, signature, choice)
             if key not in self._graphs:
                 self._graphs[key] = self._capture(bucket, families, choice)
                 captured = True
@@ -69,6 +69,14 @@ class CapturedSteps:
         """Whether this bucket's LoRA rows may run the stacked layout (its GEMM's row
         bucket and expand then shape the graph)."""
         return True
+
+    def _key(self, bucket: int, families: tuple[bool, bool, bool], signature: tuple, expand: str | None) -> tuple:
+        """The graph's key (_key), without the LoRA row bucket where it shapes nothing: with the
+        fused linear's pool (A rows kept apart) a step the fused linear does not take runs the
+        separate LoRA kernels, which read no row bucket, so one graph serves every bucket."""
+        if self.runner.lora_fused and expand != "fused" and signature:
+            signature = ((), *signature[1:])
+        return _key(bucket, families, signature, expand)
 
     def _signature(self, bucket: int, signature: tuple) -> tuple:
         """The signature that shapes this bucket's graphs: without the stacked LoRA part
@@ -86,7 +94,7 @@ class CapturedSteps:
         self.capture(bucket, families, signature, expand)  # lazily, where warm-up did not
         if not self.capturable:
             return self._forward(bucket, families, expand or "tiled")
-        graph, logits = self._graphs[_key(bucket, families, signature, expand)]
+        graph, logits = self._graphs[self._key(bucket, families, signature, expand)]
         graph.replay()
         return logits
 

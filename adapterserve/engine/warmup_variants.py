@@ -12,8 +12,9 @@ only, so warm-up (engine/warmup.py) and the real path cannot disagree:
     ("decode_attention", splits, block_n, width)         paged decode (split-KV choice)
     ("prefill_attention", "single" | "multi", width)     paged prefill, its two launches
     ("graph", bucket, families, rows, expand)            a captured decode step (rows: the stacked
-                                                         GEMM's row bucket, 0 unless stacked LoRA;
-                                                         expand: its stacked expand, else None)
+                                                         GEMM's row bucket, 0 unless stacked LoRA or
+                                                         the fused linear's steps; expand: its
+                                                         stacked expand, else None)
     ("penalties", (repetition, frequency, presence))     the sampler's penalty pass
 
 ``width`` is the class Triton specialises a block table's row stride on ("1", "16k":
@@ -152,9 +153,15 @@ def decode_variants(shape: EngineShape, batch: int, width: int, families: frozen
         stacked = "lora" in families and bool(shape.row_buckets)
         graph_rows = rows if stacked else 0
         graph_expands = (expands or shape.expands(bucket)) if stacked else (None,)
-        return {*(("graph", bucket, families, graph_rows, e) for e in graph_expands),
+        return {*(("graph", bucket, families, _keyed_rows(shape, graph_rows, e), e) for e in graph_expands),
                 decode_attention(shape, bucket, shape.graph_pages), *segment_variants(shape, bucket, families, expands)}
     return {decode_attention(shape, batch, width), *segment_variants(shape, batch, families, expands)}
+
+
+def _keyed_rows(shape: EngineShape, rows: int, expand: str | None) -> int:
+    """The row bucket a decode graph is keyed by: none for a step the fused linear does not take
+    (the separate LoRA kernels read no row bucket: engine/graph_capture.py keys it so)."""
+    return 0 if shape.lora_fused and expand != "fused" else rows
 
 
 def prefill_variants(shape: EngineShape, num_tokens: int, width: int, single: bool, multi: bool,

@@ -22,7 +22,7 @@ from adapterserve.engine.graphs import graph_limits
 from adapterserve.engine.mixed_graphs import MixedGraphs
 from adapterserve.engine.step_device import StepInputs
 from adapterserve.engine.warmup import warm_up
-from adapterserve.kernels.stacked import STACKED_MAX_TOKENS
+from adapterserve.kernels.stacked import FUSED_MAX_TOKENS, STACKED_MAX_TOKENS
 from tests.helpers.families import ADAPTERHUB, every_family
 from tests.helpers.recording import record_logits
 
@@ -183,3 +183,20 @@ def test_buckets_past_the_stacked_limit_share_one_graph_over_row_buckets():
     assert mixed.capture(384, lora, rows[0]) and not mixed.capture(384, lora, rows[1])
     assert mixed.capture(256, lora, rows[0]) and mixed.capture(256, lora, rows[1])
     assert {key[3] for key in mixed._graphs if key[0] == 384} == {None}
+
+
+def test_the_fused_pool_keys_its_separate_kernel_graphs_without_the_row_bucket():
+    """lora_decode="fused": a step the fused linear does not take (more tokens or adapters than
+    it takes) runs the separate LoRA kernels, which read no row bucket, so one graph serves every
+    bucket; the fused linear's own graphs stay one per row bucket."""
+    engine = _engine({}, True, lora_decode="fused", max_num_batched_tokens=128, mixed_graph_tokens=128)
+    mixed = engine.runner.mixed_graphs
+    lora = (True, False, False)
+    rows = [(("stacked_rows", r), (), ()) for r in (16, 32)]
+    big = mixed.buckets[-1]
+    assert big > FUSED_MAX_TOKENS  # the separate kernels only
+    assert mixed.capture(big, lora, rows[0]) and not mixed.capture(big, lora, rows[1])
+    small = mixed.buckets[0]
+    assert mixed.capture(small, lora, rows[0], "fused") and mixed.capture(small, lora, rows[1], "fused")
+    assert mixed.capture(small, lora, rows[0], "tiled") and not mixed.capture(small, lora, rows[1], "tiled")
+    assert {key[3] for key in mixed._graphs if key[0] == big} == {None}
