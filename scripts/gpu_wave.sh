@@ -201,6 +201,13 @@ for stage in "$@"; do
       timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --dtype fp8 \
         --hf-models '' --budget-s 260 --workloads ${FP8_PF_WORKLOADS:-base,base+pf4,one,one+pf4} --max-tokens 64 \
         --out "$OUT/et8b_fp8_pf.md" > "$OUT/pf8.log" 2>&1; grep -E "B=64 .*: 8b" "$OUT/pf8.log" | tail -6 ;;
+    attnpdl)  # 1 GPU: decode attention in the PDL chain: the whole-engine bits tests (with prefetch too), then the FP8
+      # 8B with it (ADAPTERSERVE_ATTENTION_PDL=1; compare with prefetch8's rows of the same call)
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_pdl_engine_gpu.py --tb=short -rfE \
+        2>&1 | tail -3
+      ADAPTERSERVE_ATTENTION_PDL=1 timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b \
+        --no-hotswap --dtype fp8 --hf-models '' --budget-s 260 --workloads ${ATTN_PDL_WORKLOADS:-base,base+pf4,one+pf4} \
+        --max-tokens 64 --out "$OUT/et8b_attn_pdl.md" > "$OUT/attnpdl.log" 2>&1; grep -E "B=64 .*: 8b" "$OUT/attnpdl.log" | tail -6 ;;
     tiles)  # 1 GPU: the fused linear's tiles swept per projection, one adapter (TILE_DTYPES, TILE_KINDS)
       timeout ${BENCH_S:-300} python3 benchmarks/fused_tiles.py --dtypes ${TILE_DTYPES:-bf16,fp8} \
         --kinds "${TILE_KINDS:-q|k|v,o,gate|up,down}" 2>&1 | grep "|" ;;

@@ -10,6 +10,8 @@ them. The number of parts depends on host ints only, so a CUDA graph can hold bo
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -17,6 +19,7 @@ import triton.language as tl
 from adapterserve.config import ATTENTION_DOTS
 from adapterserve.kernels.fp8 import FP8
 from adapterserve.kernels.kv_fp8 import kv_scales
+from adapterserve.kernels.pdl import pdl_args, pdl_wait
 
 # keys per tile on a GPU: whole contexts of up to 1024 programs take 128, more programs and split
 # parts 64 (chosen by benchmarks/attention_decode.py --sweep; figures in BENCHMARKS.md)
@@ -26,6 +29,11 @@ SPLIT_BELOW_PROGRAMS = 512  # split contexts while sequences x kv heads are fewe
 SPLIT_TARGET_PROGRAMS = 1024  # programs the split pass aims for
 MIN_SPLIT_KEYS = 256  # no part shorter than this for the longest context a table can hold
 MAX_SPLITS = 16  # more parts were slower (BENCHMARKS.md, paged decode attention)
+# decode attention in the step's PDL chain (kernels/pdl.py): its programs read the step's metadata, then wait;
+# the projection after it may launch early. Off until its GPU tests have run (test_pdl_engine_gpu.py), unless
+# ADAPTERSERVE_ATTENTION_PDL=1 (for measuring it)
+PDL = False
+PDL_ENV = "ADAPTERSERVE_ATTENTION_PDL"
 DEFAULT_DOTS = "auto"  # the products' inputs (paged_decode_attention's ``dots``: one of ATTENTION_DOTS; input_dots)
 
 
@@ -100,7 +108,7 @@ def _decode_kernel(
     scale, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
-    INPUT_DOTS: tl.constexpr, HAS_ORDER: tl.constexpr,
+    INPUT_DOTS: tl.constexpr, HAS_ORDER: tl.constexpr, USE_PDL: tl.constexpr = 0,
 ):
     # programs start in grid order, kv heads fastest: with the sequences longest first, the
     # last wave holds short contexts instead of a few long ones the rest of the GPU waits for
@@ -109,9 +117,10 @@ def _decode_kernel(
         b = tl.load(order_ptr + rank)
     else:
         b = rank
+    length, lo = _first_key(lens_ptr, start_ptr, b, window, HAS_WINDOW)
+    pdl_wait(USE_PDL)  # the step's metadata read; the query and the cache are the kernels' before
     q, heads, dims, mask = _query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD,
                                   INPUT_DOTS)
-    length, lo = _first_key(lens_ptr, start_ptr, b, window, HAS_WINDOW)
     m_i, l_i, acc = _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr + b * stride_tb, kv_head, lo,
                             (lo // BLOCK_N) * BLOCK_N, length, scale, stride_kn, stride_kh, stride_sn, GROUP_PAD,
                             HEAD_DIM, DIM_PAD, PAGE, BLOCK_N, KV_FP8, INPUT_DOTS)
@@ -127,17 +136,18 @@ def _decode_split_kernel(
     scale, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
-    INPUT_DOTS: tl.constexpr, SPLITS: tl.constexpr,
+    INPUT_DOTS: tl.constexpr, SPLITS: tl.constexpr, USE_PDL: tl.constexpr = 0,
 ):
     """Part `split` of each context: whole tiles, the parts of one sequence near equal."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q, heads, dims, mask = _query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD,
-                                  INPUT_DOTS)
     length, lo = _first_key(lens_ptr, start_ptr, b, window, HAS_WINDOW)
     first = (lo // BLOCK_N) * BLOCK_N
     tiles_per_part = tl.cdiv(tl.cdiv(tl.maximum(length - first, 0), BLOCK_N), SPLITS)
     n_start = first + split * tiles_per_part * BLOCK_N
     n_end = tl.minimum(n_start + tiles_per_part * BLOCK_N, length)
+    pdl_wait(USE_PDL)  # the step's metadata read; the query and the cache are the kernels' before
+    q, heads, dims, mask = _query(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD,
+                                  INPUT_DOTS)
     m_i, l_i, acc = _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr + b * stride_tb, kv_head, lo, n_start,
                             n_end, scale, stride_kn, stride_kh, stride_sn, GROUP_PAD, HEAD_DIM, DIM_PAD, PAGE,
                             BLOCK_N, KV_FP8, INPUT_DOTS)
@@ -153,9 +163,11 @@ def _decode_merge_kernel(
     part_m_ptr, part_l_ptr, part_o_ptr, out_ptr,
     stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr = 0,
 ):
     """out[b, h]: the parts' outputs weighed by exp(their max - the overall max); 0 for no keys."""
     b, h = tl.program_id(0), tl.program_id(1)
+    pdl_wait(USE_PDL)  # the parts are the split kernel's
     s = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, DIM_PAD)
     part = b * stride_pb + h * stride_ph + s * stride_ps
@@ -247,7 +259,7 @@ def paged_decode_attention(
         _decode_kernel[(num_kv, batch)](
             q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, kv_start,
             order if order is not None else context_lens, out, *strides, out.stride(0), out.stride(1),
-            head_dim ** -0.5, window or 0, **common, HAS_ORDER=order is not None,
+            head_dim ** -0.5, window or 0, **common, HAS_ORDER=order is not None, **_pdl(q),
         )
         return
     part_m = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
@@ -256,12 +268,27 @@ def paged_decode_attention(
     part_strides = (part_m.stride(0), part_m.stride(1), part_m.stride(2))
     _decode_split_kernel[(batch, num_kv, splits)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, kv_start, part_m, part_l, part_o,
-        *strides, *part_strides, head_dim ** -0.5, window or 0, **common, SPLITS=splits,
+        *strides, *part_strides, head_dim ** -0.5, window or 0, **common, SPLITS=splits, **_pdl(q),
     )
     _decode_merge_kernel[(batch, num_heads)](
         part_m, part_l, part_o, out, *part_strides, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=common["DIM_PAD"], SPLITS=splits, SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+        **_pdl(q),
     )
+
+
+def attention_in_chain() -> bool:
+    """Whether decode attention takes the process's PDL mode: PDL, or ADAPTERSERVE_ATTENTION_PDL=1
+    (0 or unset: no; any other value is refused)."""
+    value = os.environ.get(PDL_ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV} must be 0 or 1, got {value!r}")
+    return PDL or value == "1"
+
+
+def _pdl(q: torch.Tensor) -> dict:
+    """The launch's PDL keywords: the process's mode (kernels/pdl.py) where PDL is let in here."""
+    return pdl_args(q) if attention_in_chain() else {}
 
 
 def input_dots(dots: str) -> bool:

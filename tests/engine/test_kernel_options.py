@@ -7,7 +7,7 @@ import pytest
 from adapterserve import Engine
 from adapterserve.config import EngineConfig
 from adapterserve.engine.step_device import pdl_for
-from adapterserve.kernels import pdl
+from adapterserve.kernels import attention, pdl
 
 
 @pytest.fixture(autouse=True)
@@ -61,11 +61,20 @@ def test_the_engine_sets_its_process_prefetch(llama_dir, monkeypatch):
     assert pdl.prefetch_setting() == 2
 
 
-@pytest.mark.parametrize("env", [pdl.ENV, pdl.PREFETCH_ENV])
+@pytest.mark.parametrize("env", [pdl.ENV, pdl.PREFETCH_ENV, attention.PDL_ENV])
 def test_a_bad_environment_variable_stops_the_engine_s_build(llama_dir, monkeypatch, env):
     monkeypatch.setenv(env, "lots")
     with pytest.raises(ValueError, match=env):
         Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1)
+
+
+def test_decode_attention_joins_the_pdl_chain_only_when_let(monkeypatch):
+    monkeypatch.delenv(attention.PDL_ENV, raising=False)
+    assert attention.attention_in_chain() is attention.PDL is False  # off until its GPU tests have run
+    monkeypatch.setenv(attention.PDL_ENV, "1")
+    assert attention.attention_in_chain()
+    monkeypatch.setenv(attention.PDL_ENV, "0")
+    assert not attention.attention_in_chain()
 
 
 def test_the_engine_sets_its_attention_layers_dots(llama_dir):

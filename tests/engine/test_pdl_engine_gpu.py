@@ -1,12 +1,14 @@
 """A whole engine with programmatic dependent launch against the same engine without it: an
 FP8 backbone on our decode GEMM and a bf16 one on it, LoRA rows in the batch, decode steps
-replayed from CUDA graphs. PDL only moves launches earlier, so greedy tokens and every
-sampled logit must be bit for bit the same. Fresh random prompts each run."""
+replayed from CUDA graphs; then with decode attention in the PDL chain (attention.PDL) and
+weight prefetch too. PDL and prefetch only move launches and reads earlier, so greedy tokens
+and every sampled logit must be bit for bit the same. Fresh random prompts each run."""
 import pytest
 import torch
 
 from adapterserve import Engine
-from adapterserve.kernels.pdl import pdl_mode, set_pdl
+from adapterserve.kernels import attention
+from adapterserve.kernels.pdl import pdl_mode, set_pdl, set_prefetch
 from adapterserve.models.tiny import write_tiny_checkpoint
 from tests.helpers.lora import make_peft_lora
 from tests.helpers.recording import greedy_run
@@ -40,12 +42,25 @@ def _run(model_dir, lora, prompts, mode: str, **options) -> list[tuple[list[int]
         return greedy_run(engine, prompts, ADAPTERS, 6)
     finally:
         set_pdl(None)
+        set_prefetch(None)
 
 
 @pytest.mark.parametrize("options", [dict(dtype="fp8", fp8_gemm="auto"),
                                      dict(dtype="bfloat16", decode_gemm="triton")], ids=["fp8", "bf16"])
 def test_pdl_early_gives_the_bits_of_pdl_off(setup, options):
     off = _run(*setup, "off", **options)
+    early = _run(*setup, "early", **options)
+    for (off_tokens, off_logits), (early_tokens, early_logits) in zip(off, early):
+        assert early_tokens == off_tokens
+        assert torch.equal(early_logits, off_logits)
+
+
+@pytest.mark.parametrize("options", [dict(dtype="fp8", fp8_gemm="auto", weight_prefetch=4),
+                                     dict(dtype="bfloat16", decode_gemm="triton", weight_prefetch=8)],
+                         ids=["fp8", "bf16"])
+def test_attention_in_the_chain_and_prefetch_give_the_bits_of_pdl_off(setup, options, monkeypatch):
+    monkeypatch.setattr(attention, "PDL", True)
+    off = _run(*setup, "off", **options)  # PDL off: neither attention's wait nor any prefetch
     early = _run(*setup, "early", **options)
     for (off_tokens, off_logits), (early_tokens, early_logits) in zip(off, early):
         assert early_tokens == off_tokens

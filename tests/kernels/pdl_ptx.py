@@ -10,6 +10,7 @@ import json
 import re
 
 from adapterserve.kernels import (
+    attention,
     decode_gemm,
     fp8,
     fp8_fused,
@@ -23,6 +24,8 @@ from tests.kernels.ptx import compile_ptx, signature, with_defaults
 
 GEMM = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2, "NUM_STAGES": 4, "IEEE": False}
 SLICES = {"NUM_SLICES": 3, "HAS_BIAS": False}
+ATTENTION = {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128, "PAGE": 16, "BLOCK_N": 64,
+             "HAS_WINDOW": False, "KV_FP8": False, "INPUT_DOTS": True}
 TILED = {"IEEE": False, "BLOCK_M": 16, "BLOCK_N": 128, "CHUNK_ROWS": 16}
 KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
     "rms_norm": (fused._rms_norm_kernel, {"BLOCK": 4096}),
@@ -51,6 +54,10 @@ KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
     "decode_gemm_w8a8": (decode_gemm._decode_gemm_kernel, {**GEMM, "X_SCALED": 1, "W_SCALED": 1}),
     "stacked_fused": (stacked_fused._stacked_fused_kernel,
                       {**SLICES, **GEMM, "CHUNK_ROWS": 16, "HAS_LORA": True, "ALIGNED": True}),
+    "decode_attention": (attention._decode_kernel, {**ATTENTION, "HAS_ORDER": True}),
+    "decode_attention_split": (attention._decode_split_kernel, {**ATTENTION, "SPLITS": 4}),
+    "decode_attention_merge": (attention._decode_merge_kernel, {"HEAD_DIM": 128, "DIM_PAD": 128, "SPLITS": 4,
+                                                                "SPLITS_PAD": 4}),
     "decode_gemm_prefetch": (decode_gemm._decode_gemm_kernel, {**GEMM, "PREFETCH": 4}),
     "decode_gemm_w8a8_prefetch": (decode_gemm._decode_gemm_kernel, {**GEMM, "X_SCALED": 1, "W_SCALED": 1,
                                                                      "PREFETCH": 4}),
@@ -67,6 +74,12 @@ POINTER_TYPES = {  # name: the pointers that are not bf16 / int32 / float32 by t
     "decode_gemm_w8a8": {"x_ptr": E4M3, "w_ptr": E4M3},
     "decode_gemm_w8a8_prefetch": {"x_ptr": E4M3, "w_ptr": E4M3},
     "rope_and_cache_fp8": {"kc_ptr": E4M3, "vc_ptr": E4M3, "ks_ptr": "*fp32", "vs_ptr": "*fp32"},
+    "decode_attention": {"table_ptr": "*i32", "lens_ptr": "*i32", "start_ptr": "*i32", "order_ptr": "*i32",
+                         "ks_ptr": "*fp32", "vs_ptr": "*fp32"},
+    "decode_attention_split": {"table_ptr": "*i32", "lens_ptr": "*i32", "start_ptr": "*i32", "ks_ptr": "*fp32",
+                               "vs_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+                               "part_o_ptr": "*fp32"},
+    "decode_attention_merge": {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_o_ptr": "*fp32"},
 }
 
 
