@@ -22,7 +22,7 @@ import torch
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' @triton.jit runs
 
-from adapterserve.kernels.decode_gemm import DecodeGemmConfig
+from adapterserve.kernels.decode_gemm import DecodeGemmConfig, split_for
 from adapterserve.kernels.split_counters import sms_of
 from adapterserve.kernels.stacked import row_bucket
 from benchmarks.fp8_lora_fused import RANK, Projection, Stack, stack_for
@@ -84,8 +84,6 @@ def kind_rows(stack: Stack, dtype: str, kind: str, projections: list[Projection]
 def _grid(p: Projection, config: DecodeGemmConfig, tokens: int, device: str) -> str:
     """Output tiles x K splits over the device's multiprocessors (the waves a grid needs at its
     occupancy are in compiled_forms.py)."""
-    from adapterserve.kernels.decode_gemm import split_for
-
     split = split_for(p.n + RANK * p.n_slices, p.k, config, sms_of(torch.device(device)))
     tiles = -(-p.n // config.block_n)
     return f"{tiles} x {split} / {sms_of(torch.device(device))}"
