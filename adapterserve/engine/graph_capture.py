@@ -18,7 +18,7 @@ from adapterserve.engine.host_copy import PinnedStaging
 from adapterserve.engine.step_device import with_sampled_ids
 from adapterserve.kernels import build_adapter_meta
 from adapterserve.kernels.metadata import AdapterBatchMeta
-from adapterserve.kernels.stacked import expand_for_slots, reachable_expands
+from adapterserve.kernels.stacked import expand_for_slots, reachable_expands, reads_row_bucket
 from adapterserve.layers.context import AttentionMeta, BatchContext, set_context
 
 
@@ -74,7 +74,7 @@ class CapturedSteps:
         """The graph's key (_key), without the LoRA row bucket where it shapes nothing: with the
         fused linear's pool (A rows kept apart) a step the fused linear does not take runs the
         separate LoRA kernels, which read no row bucket, so one graph serves every bucket."""
-        if self.runner.lora_fused and expand != "fused" and signature:
+        if signature and not reads_row_bucket(expand, self.runner.lora_fused):
             signature = ((), *signature[1:])
         return _key(bucket, families, signature, expand)
 

@@ -98,7 +98,9 @@ def apply_pdl(config: EngineConfig) -> None:
     before any step."""
     set_pdl(pdl_for(config))
     set_prefetch(config.weight_prefetch)
-    pdl_mode(), prefetch_setting(), attention_in_chain()
+    pdl_mode()  # each raises on a bad environment value
+    prefetch_setting()
+    attention_in_chain()
 
 
 def with_sampled_ids(ids: torch.Tensor, sources: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:

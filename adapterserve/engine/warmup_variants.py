@@ -36,6 +36,7 @@ from adapterserve.kernels.stacked import (
     expand_tiles,
     grouped_tiles,
     reachable_expands,
+    reads_row_bucket,
 )
 from adapterserve.layers.context import BatchContext
 
@@ -161,7 +162,7 @@ def decode_variants(shape: EngineShape, batch: int, width: int, families: frozen
 def _keyed_rows(shape: EngineShape, rows: int, expand: str | None) -> int:
     """The row bucket a decode graph is keyed by: none for a step the fused linear does not take
     (the separate LoRA kernels read no row bucket: engine/graph_capture.py keys it so)."""
-    return 0 if shape.lora_fused and expand != "fused" else rows
+    return rows if reads_row_bucket(expand, shape.lora_fused) else 0
 
 
 def prefill_variants(shape: EngineShape, num_tokens: int, width: int, single: bool, multi: bool,

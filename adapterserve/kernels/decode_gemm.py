@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from adapterserve.kernels.decode_loop import k_loop, prefetch_rows, split_total, store_scaled
-from adapterserve.kernels.pdl import pdl_args, pdl_wait, prefetch_args
+from adapterserve.kernels.pdl import pdl_args, pdl_wait
 from adapterserve.kernels.split_counters import INDEX_LIMIT, sms_of, split_counters, split_span
 
 MAX_ROWS = 64  # the largest decode batch a launch takes
@@ -159,8 +159,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor | None,
                               BLOCK_M=row_tile(m), BLOCK_N=config.block_n,
                               BLOCK_K=config.block_k, SPLIT_K=split, NUM_STAGES=config.num_stages,
                               IEEE=x.dtype == torch.float32, X_SCALED=int(x_scale is not None),
-                              W_SCALED=int(weight_scale is not None), num_warps=config.num_warps, **pdl_args(x),
-                              **prefetch_args(x))
+                              W_SCALED=int(weight_scale is not None), num_warps=config.num_warps,
+                              **pdl_args(x, prefetch=True))
     return y
 
 

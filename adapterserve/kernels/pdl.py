@@ -77,11 +77,16 @@ def use_pdl(t: torch.Tensor) -> int:
     return mode if _capable[index] else 0
 
 
-def pdl_args(t: torch.Tensor) -> dict:
+def pdl_args(t: torch.Tensor, prefetch: bool = False) -> dict:
     """Launch keywords of a kernel with a USE_PDL constexpr: empty when PDL is off (the
-    kernel's default, today's launch), else USE_PDL and launch_pdl."""
+    kernel's default, today's launch), else USE_PDL and launch_pdl; with ``prefetch`` (a kernel
+    with a PREFETCH constexpr) also PREFETCH, the chunks asked for, where that is not 0 (without
+    PDL nothing runs before the kernel starts, so there is nothing for a prefetch to overlap)."""
     mode = use_pdl(t)
-    return {"USE_PDL": mode, "launch_pdl": True} if mode else {}
+    if not mode:
+        return {}
+    chunks = prefetch_setting() if prefetch else 0
+    return {"USE_PDL": mode, "launch_pdl": True, **({"PREFETCH": chunks} if chunks else {})}
 
 
 def set_prefetch(chunks: int | None) -> None:
@@ -94,18 +99,6 @@ def set_prefetch(chunks: int | None) -> None:
 def prefetch_setting() -> int:
     """The chunks asked for (set_prefetch, else ADAPTERSERVE_PREFETCH, else 0), device aside."""
     return _prefetch if _prefetch is not None else _parse_chunks(os.environ.get(PREFETCH_ENV, "0"), PREFETCH_ENV)
-
-
-def prefetch_chunks(t: torch.Tensor) -> int:
-    """The PREFETCH constexpr for a launch on t's device: the chunks asked for, 0 where PDL
-    is off for it (without PDL nothing runs before the kernel starts, so nothing to overlap)."""
-    return prefetch_setting() if use_pdl(t) else 0
-
-
-def prefetch_args(t: torch.Tensor) -> dict:
-    """Launch keywords of a kernel with a PREFETCH constexpr: empty when it prefetches nothing."""
-    chunks = prefetch_chunks(t)
-    return {"PREFETCH": chunks} if chunks else {}
 
 
 def _parse_chunks(chunks: int | str, where: str) -> int:

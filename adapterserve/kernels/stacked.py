@@ -95,6 +95,13 @@ def choose_expand(distinct_adapters: int, num_tokens: int = 1, fused: bool = Fal
     return "grouped" if distinct_adapters >= GROUPED_MIN_ADAPTERS else "tiled"
 
 
+def reads_row_bucket(expand: str | None, fused: bool) -> bool:
+    """Whether a step's LoRA reads the stacked GEMMs' row bucket: always with the [W; A] layout;
+    with the fused linear's pool (A rows kept apart) only in the fused linear's steps (the separate
+    kernels its other steps run read none), so their CUDA graphs need not be keyed by it."""
+    return not fused or expand == "fused"
+
+
 def expand_for_slots(slots: Sequence[int] | np.ndarray, fused: bool = False, num_tokens: int | None = None) -> str:
     """choose_expand for a step's per-token adapter slots (host values, -1: none); num_tokens:
     the rows the step's kernels see, when not one per slot (a graph's bucket)."""

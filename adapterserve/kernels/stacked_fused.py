@@ -35,7 +35,7 @@ from adapterserve.kernels.decode_gemm import FP8, MAX_ROWS, DecodeGemmConfig, ro
 from adapterserve.kernels.decode_loop import k_loop, prefetch_rows, scaled, split_total
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
-from adapterserve.kernels.pdl import pdl_args, pdl_wait, prefetch_args
+from adapterserve.kernels.pdl import pdl_args, pdl_wait
 from adapterserve.kernels.segment_common import MAX_SLICES, slice_group
 from adapterserve.kernels.split_counters import COUNTERS, INDEX_LIMIT, sms_of, split_counters, split_span
 from adapterserve.kernels.stacked import StackedWeight
@@ -153,9 +153,9 @@ def _stacked_fused_kernel(
         hi = tl.where(is_shrink, lo, hi)  # a shrink tile's columns are no B columns: it reads none
         rr, uses, row_used = _chunk_rows(lo, row0, end, CHUNK_ROWS)
         b_first = _b_rows(b_ptr, rr, row_used & (rr < hi), cols, n_mask, stride_br, stride_bn)
-    if PREFETCH > 0:  # an output tile's weight rows (a shrink tile's A rows are few and shared: not asked for)
-        prefetch_rows(w_ptr + cols[:, None] * stride_wn, w_ptr, n_mask & (is_shrink == 0), k_start, k_end, BLOCK_K,
-                      PREFETCH)
+    # an output tile's weight rows (a shrink tile's A rows are few and shared: not asked for)
+    prefetch_rows(w_ptr + cols[:, None] * stride_wn, w_ptr, n_mask & (is_shrink == 0), k_start, k_end, BLOCK_K,
+                  PREFETCH)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if not HAS_LORA:  # no shrink tiles: the (rounded) activations against the weight
@@ -248,7 +248,7 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
         ALIGNED=all(o % 16 == 0 for o in offs), SPLIT_A=shrink.split, A_BLOCK_K=shrink.block_k, A_STAGES=shrink.stages,
         BASE_IEEE=base_x.dtype == torch.float32, X_SCALED=int(x_scale is not None),
         W_SCALED=int(weight_scale is not None), num_warps=config.num_warps,
-        **pdl_args(x), **prefetch_args(x))
+        **pdl_args(x, prefetch=True))
     return y
 
 

@@ -87,7 +87,7 @@ def test_prefetch_off_unless_asked_and_never_without_pdl(monkeypatch):
     pdl.set_prefetch(2)  # set_prefetch wins over the environment
     assert pdl.prefetch_setting() == 2
     pdl.set_pdl("early")  # CPU tensors: no PDL, so no prefetch either
-    assert pdl.prefetch_chunks(torch.zeros(1)) == 0 and pdl.prefetch_args(torch.zeros(1)) == {}
+    assert pdl.pdl_args(torch.zeros(1), prefetch=True) == {}
 
 
 @pytest.mark.parametrize("value", [-1, pdl.MAX_PREFETCH + 1, True, 2.5, "x", "", "4.0", "-1", [4]], ids=repr)
