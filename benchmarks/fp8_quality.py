@@ -12,7 +12,9 @@ tokenizer) greedily, with no adapter and with the adapter on every request (a ra
 LoRA on all projections unless --adapter is given); then the bf16 backbone with an FP8 KV
 cache (kv_cache_dtype="fp8"; on the CPU smoke: the float32 one), then the bf16 backbone with
 the decode attention's products in bf16 (decode_attention_dots="input"; the reference and the
-other rows take float32 products; --rows picks rows). Per prompt: tokens equal until the first
+other rows take float32 products), then the yardstick: the backbone in float32 against bf16 (on the
+CPU: bf16 against float32), what the reference's own rounding moves at this depth and with this
+adapter (--rows picks rows). Per prompt: tokens equal until the first
 divergence; logits compared on the steps both runs saw the same context (up to and
 including the first divergent token). Random weights give flat logits, so their agreement
 is a stress figure, lower than a trained model's.
@@ -45,7 +47,10 @@ TEXTS = (
 )
 
 
-ROWS = ("fp8", "kv8", "dots")  # --rows: the FP8 backbone's kernels, the FP8 KV cache, "input" attention products
+# --rows: the FP8 backbone's kernels, the FP8 KV cache, "input" attention products, and the yardstick: the
+# backbone in the other of float32 and bf16 (on CUDA a float32 engine against the bf16 reference, on the CPU a
+# bf16 engine against the float32 one), the reference's own rounding error at this depth and adapter
+ROWS = ("fp8", "kv8", "dots", "prec")
 
 
 def _prompts(engine: Engine, count: int, vocab: int) -> list:
@@ -168,6 +173,9 @@ def _candidates(model: Path, adapter: Path, device: str, ref_dtype: str, wanted:
     if "dots" in wanted:
         engines.append((f"{ref_dtype} weights, attention products in {ref_dtype}",
                         lambda: _engine(model, device, ref_dtype, adapter, dots="input")))
+    if "prec" in wanted:
+        other = "float32" if ref_dtype == "bfloat16" else "bfloat16"
+        engines.append((f"{other} weights (the reference's rounding)", lambda: _engine(model, device, other, adapter)))
     return engines
 
 

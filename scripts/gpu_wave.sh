@@ -201,13 +201,32 @@ for stage in "$@"; do
       timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --dtype fp8 \
         --hf-models '' --budget-s 260 --workloads ${FP8_PF_WORKLOADS:-base,base+pf4,one,one+pf4} --max-tokens 64 \
         --out "$OUT/et8b_fp8_pf.md" > "$OUT/pf8.log" 2>&1; grep -E "B=64 .*: 8b" "$OUT/pf8.log" | tail -6 ;;
-    attnpdl)  # 1 GPU: decode attention in the PDL chain: the whole-engine bits tests (with prefetch too), then the FP8
-      # 8B with it (ADAPTERSERVE_ATTENTION_PDL=1; compare with prefetch8's rows of the same call)
+    attnpdl)  # 1 GPU: decode attention in the PDL chain (the default) against kept out (ADAPTERSERVE_ATTENTION_PDL=0):
+      # the whole-engine bits tests, then the FP8 8B both ways, prefetch with it (ATTN_PDL_WORKLOADS)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_pdl_engine_gpu.py --tb=short -rfE \
         2>&1 | tail -3
-      ADAPTERSERVE_ATTENTION_PDL=1 timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b \
-        --no-hotswap --dtype fp8 --hf-models '' --budget-s 260 --workloads ${ATTN_PDL_WORKLOADS:-base,base+pf4,one+pf4} \
-        --max-tokens 64 --out "$OUT/et8b_attn_pdl.md" > "$OUT/attnpdl.log" 2>&1; grep -E "B=64 .*: 8b" "$OUT/attnpdl.log" | tail -6 ;;
+      for in_chain in 0 1; do
+        ADAPTERSERVE_ATTENTION_PDL=$in_chain timeout ${STAGE_S:-300} python3 benchmarks/engine_throughput.py --models 8b \
+          --no-hotswap --dtype fp8 --hf-models '' --budget-s 260 --workloads ${ATTN_PDL_WORKLOADS:-base,base+pf4,one} \
+          --max-tokens 64 --out "$OUT/et8b_attn_pdl$in_chain.md" > "$OUT/attnpdl$in_chain.log" 2>&1
+        echo "attention in the chain: $in_chain"; grep -E "B=64 .*: 8b" "$OUT/attnpdl$in_chain.log" | tail -6
+      done ;;
+    bf16pdl)  # 1 GPU: the bf16 8B with PDL early against off (bf16's "auto" is off), base and one adapter, paired
+      timeout ${STAGE_S:-400} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --hf-models '' \
+        --budget-s 360 --workloads ${BF16_PDL_WORKLOADS:-base,base+pe,one,one+pe} --max-tokens 64 \
+        --out "$OUT/et8b_bf16_pdl.md" > "$OUT/bf16pdl.log" 2>&1; grep -E "B=64 .*: 8b" "$OUT/bf16pdl.log" | tail -6 ;;
+    ncu)  # 1 GPU, a Firecracker machine (hardware counters; H200.md): the step's kernels furthest above their floor,
+      # timed, then each under Nsight Compute (NCU_TARGETS; full reports in $OUT, key lines here)
+      python3 benchmarks/ncu_targets.py --time --targets ${NCU_TARGETS:-attention,attention_kv8,attention_n64,fp8_gate_up,fp8_down} \
+        2>&1 | grep "|"
+      for t in $(echo ${NCU_TARGETS:-attention,attention_kv8,attention_n64,fp8_gate_up,fp8_down} | tr , " "); do
+        timeout ${NCU_S:-120} ncu --clock-control none -k regex:"_decode_kernel|_decode_gemm_kernel" --launch-skip 2 \
+          --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+          --section MemoryWorkloadAnalysis --section SchedulerStats python3 benchmarks/ncu_targets.py --targets $t \
+          > "$OUT/ncu_$t.txt" 2>&1
+        echo "--- $t"; grep -E "^  [^ ]|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Shared Memory Per Block|Block Limit|Waves Per SM|Issued Warp|Eligible Warps|No Eligible|Warp Cycles Per Issued" \
+          "$OUT/ncu_$t.txt" | head -30
+      done ;;
     tiles)  # 1 GPU: the fused linear's tiles swept per projection, one adapter (TILE_DTYPES, TILE_KINDS)
       timeout ${BENCH_S:-300} python3 benchmarks/fused_tiles.py --dtypes ${TILE_DTYPES:-bf16,fp8} \
         --kinds "${TILE_KINDS:-q|k|v,o,gate|up,down}" 2>&1 | grep "|" ;;

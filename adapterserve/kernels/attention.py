@@ -29,10 +29,10 @@ SPLIT_BELOW_PROGRAMS = 512  # split contexts while sequences x kv heads are fewe
 SPLIT_TARGET_PROGRAMS = 1024  # programs the split pass aims for
 MIN_SPLIT_KEYS = 256  # no part shorter than this for the longest context a table can hold
 MAX_SPLITS = 16  # more parts were slower (BENCHMARKS.md, paged decode attention)
-# decode attention in the step's PDL chain (kernels/pdl.py): its programs read the step's metadata, then wait;
-# the projection after it may launch early. Off until its GPU tests have run (test_pdl_engine_gpu.py), unless
-# ADAPTERSERVE_ATTENTION_PDL=1 (for measuring it)
-PDL = False
+# decode attention in the step's PDL chain (kernels/pdl.py) when the process's PDL mode is on: its programs read
+# the step's metadata, then wait, so the projection after it may launch early. ADAPTERSERVE_ATTENTION_PDL=0 keeps
+# it out (its bits tests passed on the H200; BENCHMARKS.md, twenty-sixth session)
+PDL = True
 PDL_ENV = "ADAPTERSERVE_ATTENTION_PDL"
 DEFAULT_DOTS = "auto"  # the products' inputs (paged_decode_attention's ``dots``: one of ATTENTION_DOTS; input_dots)
 
@@ -278,12 +278,12 @@ def paged_decode_attention(
 
 
 def attention_in_chain() -> bool:
-    """Whether decode attention takes the process's PDL mode: PDL, or ADAPTERSERVE_ATTENTION_PDL=1
-    (0 or unset: no; any other value is refused)."""
-    value = os.environ.get(PDL_ENV, "0").strip()
-    if value not in ("0", "1"):
+    """Whether decode attention takes the process's PDL mode: ADAPTERSERVE_ATTENTION_PDL=1 or 0
+    if set, else PDL (any other value is refused)."""
+    value = os.environ.get(PDL_ENV, "").strip()
+    if value not in ("", "0", "1"):
         raise ValueError(f"{PDL_ENV} must be 0 or 1, got {value!r}")
-    return PDL or value == "1"
+    return PDL if value == "" else value == "1"
 
 
 def _pdl(q: torch.Tensor) -> dict:

@@ -68,9 +68,9 @@ def test_a_bad_environment_variable_stops_the_engine_s_build(llama_dir, monkeypa
         Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1)
 
 
-def test_decode_attention_joins_the_pdl_chain_only_when_let(monkeypatch):
+def test_decode_attention_joins_the_pdl_chain_unless_kept_out(monkeypatch):
     monkeypatch.delenv(attention.PDL_ENV, raising=False)
-    assert attention.attention_in_chain() is attention.PDL is False  # off until its GPU tests have run
+    assert attention.attention_in_chain() is attention.PDL is True  # on: its GPU bits tests passed
     monkeypatch.setenv(attention.PDL_ENV, "1")
     assert attention.attention_in_chain()
     monkeypatch.setenv(attention.PDL_ENV, "0")

@@ -1,7 +1,7 @@
 """A whole engine with programmatic dependent launch against the same engine without it: an
 FP8 backbone on our decode GEMM and a bf16 one on it, LoRA rows in the batch, decode steps
-replayed from CUDA graphs; then with decode attention in the PDL chain (attention.PDL) and
-weight prefetch too. PDL and prefetch only move launches and reads earlier, so greedy tokens
+replayed from CUDA graphs; first with decode attention kept out of the PDL chain, then with it
+in (attention.PDL, the default) and weight prefetch too. PDL and prefetch only move launches and reads earlier, so greedy tokens
 and every sampled logit must be bit for bit the same. Fresh random prompts each run."""
 import pytest
 import torch
@@ -47,7 +47,9 @@ def _run(model_dir, lora, prompts, mode: str, **options) -> list[tuple[list[int]
 
 @pytest.mark.parametrize("options", [dict(dtype="fp8", fp8_gemm="auto"),
                                      dict(dtype="bfloat16", decode_gemm="triton")], ids=["fp8", "bf16"])
-def test_pdl_early_gives_the_bits_of_pdl_off(setup, options):
+def test_pdl_early_gives_the_bits_of_pdl_off(setup, options, monkeypatch):
+    monkeypatch.delenv(attention.PDL_ENV, raising=False)
+    monkeypatch.setattr(attention, "PDL", False)
     off = _run(*setup, "off", **options)
     early = _run(*setup, "early", **options)
     for (off_tokens, off_logits), (early_tokens, early_logits) in zip(off, early):
@@ -59,6 +61,7 @@ def test_pdl_early_gives_the_bits_of_pdl_off(setup, options):
                                      dict(dtype="bfloat16", decode_gemm="triton", weight_prefetch=8)],
                          ids=["fp8", "bf16"])
 def test_attention_in_the_chain_and_prefetch_give_the_bits_of_pdl_off(setup, options, monkeypatch):
+    monkeypatch.delenv(attention.PDL_ENV, raising=False)
     monkeypatch.setattr(attention, "PDL", True)
     off = _run(*setup, "off", **options)  # PDL off: neither attention's wait nor any prefetch
     early = _run(*setup, "early", **options)

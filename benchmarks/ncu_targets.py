@@ -1,0 +1,111 @@
+"""Launches for Nsight Compute (ncu): the 8B's decode step kernels whose time sits furthest above
+their bytes' floor, each launched LAUNCHES times at B=64 with the engine's own choices, nothing
+else on the GPU. Run under ncu, the last launch of each profiled:
+
+    ncu --clock-control none -k regex:"_decode_kernel|_decode_gemm_kernel" --launch-skip-before-match 0 \\
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
+        python3 benchmarks/ncu_targets.py
+
+Targets (--targets picks, comma-separated):
+  attention      decode attention, 64 sequences of 128-1152 keys, bf16 cache, the engine's tiles and order
+  attention_kv8  the same on an FP8 (e4m3) cache: half the bytes
+  attention_n64  the same with 64-key tiles and 3 stages (under half the shared memory: two programs a
+                 multiprocessor where the engine's tiles fit one)
+  fp8_gate_up    the FP8 W8A8 decode GEMM of the 8B's gate|up (28,672 x 4,096), 64 tokens, engine tiles
+  fp8_down       the same for down (4,096 x 14,336)
+Without ncu it times each target (CUDA events, the median of 50 launches) and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from adapterserve.kernels.attention import paged_decode_attention
+from adapterserve.kernels.decode_gemm import fp8_decode_config, fp8_decode_gemm
+from adapterserve.kernels.fp8 import quantize_rows
+from adapterserve.kernels.kv_fp8 import quantize_kv
+from adapterserve.models.fp8 import quantize_per_channel
+
+BATCH, PAGE, HEADS, KV_HEADS, DIM = 64, 16, 32, 8, 128
+CONTEXTS = (128, 1152)  # each sequence's keys, drawn from this range
+LAUNCHES = 3  # each target's; ncu's --launch-skip picks among them
+TIMED = 50
+DEVICE, DTYPE = "cuda", torch.bfloat16  # a CPU check of the launches sets "cpu", float32 (the interpreter)
+
+
+def _attention(block_n: int | None = None, stages: int = 2, fp8_cache: bool = False):
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(CONTEXTS[0], CONTEXTS[1] + 1, (BATCH,), dtype=torch.int32, generator=g)
+    pages = -(-int(lens.max()) // PAGE)
+    table = torch.randperm(BATCH * pages, dtype=torch.int32, generator=g).view(BATCH, pages).to(DEVICE)
+    k = torch.randn(BATCH * pages * PAGE, KV_HEADS, DIM, device=DEVICE, dtype=DTYPE)
+    v, q = torch.randn_like(k), torch.randn(BATCH, HEADS, DIM, device=DEVICE, dtype=DTYPE)
+    scales = {}
+    if fp8_cache:
+        (k, scales["k_scale"]), (v, scales["v_scale"]) = quantize_kv(k), quantize_kv(v)
+    order = torch.argsort(lens, descending=True, stable=True).to(torch.int32).to(DEVICE)
+    lens = lens.to(DEVICE)
+    out = torch.empty_like(q)
+    return lambda: paged_decode_attention(q, k, v, table, lens, torch.zeros_like(lens), PAGE, None, out,
+                                          block_n=block_n, num_stages=stages, splits=1, order=order, **scales)
+
+
+GEMMS = {"fp8_gate_up": (28672, 4096), "fp8_down": (4096, 14336)}  # the 8B's (n, k)
+
+
+def _fp8_gemm(n: int, k: int):
+    weight, scale = quantize_per_channel(torch.randn(n, k, device=DEVICE, dtype=DTYPE) * 0.02)
+    xq, x_scale = quantize_rows(torch.randn(BATCH, k, device=DEVICE, dtype=DTYPE))
+    config = fp8_decode_config(n, k)
+    return lambda: fp8_decode_gemm(xq, weight, scale, x_scale, DTYPE, config)
+
+
+TARGETS = {
+    "attention": lambda: _attention(),
+    "attention_kv8": lambda: _attention(fp8_cache=True),
+    "attention_n64": lambda: _attention(block_n=64, stages=3),
+    "fp8_gate_up": lambda: _fp8_gemm(*GEMMS["fp8_gate_up"]),
+    "fp8_down": lambda: _fp8_gemm(*GEMMS["fp8_down"]),
+}
+
+
+def _median_us(fn) -> float:
+    times = []
+    for _ in range(TIMED):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of: {', '.join(TARGETS)}")
+    p.add_argument("--time", action="store_true", help="also time each target (not under ncu)")
+    args = p.parse_args()
+    names = args.targets.split(",")
+    unknown = set(names) - set(TARGETS)
+    if unknown:
+        p.error(f"unknown targets {sorted(unknown)}")
+    rows = []
+    for name in names:
+        fn = TARGETS[name]()
+        for _ in range(LAUNCHES):
+            fn()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        if args.time:
+            rows.append((name, _median_us(fn)))
+    if rows:
+        print(f"\n{torch.cuda.get_device_name()}; B={BATCH}; us per launch (median of {TIMED})")
+        print("| target | us |\n|---|---|")
+        for name, us in rows:
+            print(f"| {name} | {us:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
