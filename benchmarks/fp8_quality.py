@@ -9,15 +9,15 @@ on a fixed prompt set.
 The reference engine runs bf16 (float32 on the CPU); each FP8 kernel available runs the
 same prompts (fixed-seed token ids, or the fixed texts below when the checkpoint has a
 tokenizer) greedily, with no adapter and with the adapter on every request (a random rank-16
-LoRA on all projections unless --adapter is given); then the bf16 backbone with an FP8 KV
-cache (kv_cache_dtype="fp8"; on the CPU smoke: the float32 one), then the bf16 backbone with
-the decode attention's products in bf16 (decode_attention_dots="input"; the reference and the
-other rows take float32 products), then the yardstick: the backbone in float32 against bf16 (on the
-CPU: bf16 against float32), what the reference's own rounding moves at this depth and with this
-adapter (--rows picks rows). Per prompt: tokens equal until the first
-divergence; logits compared on the steps both runs saw the same context (up to and
-including the first divergent token). Random weights give flat logits, so their agreement
-is a stress figure, lower than a trained model's.
+LoRA on all projections, its update --adapter-gain times the base output, unless --adapter is
+given); then the bf16 backbone with an FP8 KV cache (kv_cache_dtype="fp8"; on the CPU smoke:
+the float32 one), then the bf16 backbone with the decode attention's products in bf16
+(decode_attention_dots="input"; the reference and the other rows take float32 products), then
+the yardstick: the backbone in float32 against bf16 (on the CPU: bf16 against float32), what the
+reference's own rounding moves at this depth and with this adapter (--rows picks rows). Per
+prompt: tokens equal until the first divergence; logits compared on the steps both runs saw the
+same context (up to and including the first divergent token). Random weights give flat
+logits, so their agreement is a stress figure, lower than a trained model's.
 """
 from __future__ import annotations
 
@@ -51,6 +51,10 @@ TEXTS = (
 # backbone in the other of float32 and bf16 (on CUDA a float32 engine against the bf16 reference, on the CPU a
 # bf16 engine against the float32 one), the reference's own rounding error at this depth and adapter
 ROWS = ("fp8", "kv8", "dots", "prec")
+# the random LoRA's update is this fraction of each projection's base output: a trained adapter's order. At
+# 2.0 (B unscaled) it outweighs the backbone, and on a random 1B even bf16's own rounding changed nearly every
+# greedy token with it (BENCHMARKS.md, twenty-sixth session)
+ADAPTER_GAIN = 0.1
 
 
 def _prompts(engine: Engine, count: int, vocab: int) -> list:
@@ -111,7 +115,8 @@ def _checkpoint(args, tmp: Path, device: str) -> tuple[Path, Path]:
 
     shape = SHAPES["tiny" if args.smoke else args.shape]
     model = Path(args.model) if args.model else write_random_checkpoint(shape, tmp / "model", device)
-    adapter = Path(args.adapter) if args.adapter else write_peft_lora(shape, tmp / "lora", device)
+    adapter = (Path(args.adapter) if args.adapter
+               else write_peft_lora(shape, tmp / "lora", device, gain=args.adapter_gain))
     return model, adapter
 
 
@@ -120,6 +125,8 @@ def main() -> None:
     p.add_argument("--model", help="checkpoint directory (default: a random one of --shape)")
     p.add_argument("--shape", default="8b", help="random checkpoint shape when --model is not given: 1b or 8b")
     p.add_argument("--adapter", help="PEFT LoRA directory for the model (default: random rank 16)")
+    p.add_argument("--adapter-gain", type=float, default=ADAPTER_GAIN,
+                   help="the random LoRA's update against the base output, as norms (default %(default)s)")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, 4 prompts, 6 tokens")
@@ -182,6 +189,7 @@ def _candidates(model: Path, adapter: Path, device: str, ref_dtype: str, wanted:
 def _print_header(device: str, model: Path, args) -> None:
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke: float32 against fp8 on CPU: scaled_mm emulated in float32, weight_only dequantized)"
     source = model if args.model else f"random-weight {'tiny' if args.smoke else args.shape} checkpoint"
+    source += f"; adapter {args.adapter}" if args.adapter else f"; random LoRA at gain {args.adapter_gain}"
     print(f"\n{name}; torch {torch.__version__}; {source}; {args.prompts} prompts x {args.max_tokens} greedy tokens; "
           f"fp8 (e4m3 weights, per-channel scales) against {'bf16' if device == 'cuda' else 'float32'}")
     cols = ["mean agreed", "min agreed", "all agree", "max abs dlogit", "max rel L2"]

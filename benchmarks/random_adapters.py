@@ -19,6 +19,7 @@ from benchmarks.checkpoints import LINEARS, ModelShape
 IA3_TARGETS = ("k_proj", "v_proj", "down_proj")  # PEFT's default for Llama; down_proj scales its input
 VIRTUAL_TOKENS = 16  # prompt-tuning and prefix-tuning length
 BOTTLENECK_RANK = 16
+SCALING = 2  # write_peft_lora's lora_alpha / rank
 
 
 class AdapterFactory:
@@ -93,8 +94,12 @@ def decode_read_bytes(adapter: Adapter, element_size: int) -> int:
     return n * element_size
 
 
-def write_peft_lora(shape: ModelShape, out: Path, device: str, rank: int = 16, seed: int = 1) -> Path:
-    """A PEFT LoRA directory (rank ``rank``, all seven projections) saved by peft itself.
+def write_peft_lora(shape: ModelShape, out: Path, device: str, rank: int = 16, seed: int = 1,
+                    gain: float = 2.0) -> Path:
+    """A PEFT LoRA directory (rank ``rank``, all seven projections) saved by peft itself. A's and B's
+    entries are drawn with variance 1 / fan-in, B then scaled so that each update's expected norm is
+    ``gain`` times the random checkpoint's base output's (write_random_checkpoint: weights of
+    variance 1 / fan-in too); the default 2.0 leaves B unscaled (lora_alpha / rank is 2).
 
     The base model is built on the meta device, so no backbone weights exist; only
     the LoRA weights are materialised, drawn on ``device``.
@@ -105,7 +110,7 @@ def write_peft_lora(shape: ModelShape, out: Path, device: str, rank: int = 16, s
 
     with torch.device("meta"):
         base = LlamaForCausalLM(shape.hf_config())
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(LINEARS), task_type="CAUSAL_LM")
+    config = LoraConfig(r=rank, lora_alpha=SCALING * rank, target_modules=list(LINEARS), task_type="CAUSAL_LM")
     model = get_peft_model(base, config)
     gen = torch.Generator(device=device).manual_seed(seed)
     for module in model.modules():
@@ -113,6 +118,8 @@ def write_peft_lora(shape: ModelShape, out: Path, device: str, rank: int = 16, s
             for part in (module.lora_A["default"], module.lora_B["default"]):
                 fan_in = part.weight.shape[1]
                 data = torch.randn(part.weight.shape, generator=gen, device=device) / math.sqrt(fan_in)
+                if part is module.lora_B["default"]:
+                    data = data * (gain / SCALING)
                 part.weight = torch.nn.Parameter(data.cpu(), requires_grad=False)
     model.save_pretrained(str(out))
     return out
