@@ -8,8 +8,9 @@ kernel with contexts whole (splits 1) in batch order and longest first (the engi
 launch order), with the split count `decode_splits` picks (default) and with other
 counts, side by side, and whole contexts longest first (and every split count) with both
 products on bf16 inputs (dots="input": tensor-core MMAs, the softmax weights rounded to bf16)
-against float32 ones (--sweep: tile shapes of whole contexts instead, float32 products or, with
---dots input, bf16 ones). Bytes counted: every context key and
+against float32 ones (--sweep: tile shapes of whole contexts instead, keys per tile, warps,
+stages, and the loop with each tile's pages read a tile ahead (pipelined) or in the tile (as it
+was), float32 products or, with --dots input, bf16 ones). Bytes counted: every context key and
 value read once, queries read and outputs written once. Each variant's figure is the least of
 three medians, the variants of a case timed in turn. Prints one table naming the GPU; the copy
 bandwidth is measured in the same run.
@@ -21,7 +22,8 @@ import sys
 import torch
 import triton.testing
 
-from adapterserve.kernels.attention import decode_splits, paged_decode_attention
+from adapterserve.kernels import attention
+from adapterserve.kernels.attention import decode_blocks, decode_splits, paged_decode_attention
 from adapterserve.kernels.kv_fp8 import quantize_kv
 
 CASES = ((64, "640"), (64, "128-1152"), (256, "640"), (16, "2048"), (8, "4096"), (1, "4096"), (1, "16384"))
@@ -57,27 +59,33 @@ def _fp8_case(args: tuple, moved: int) -> tuple[tuple, dict, int]:
     return (q, kq, vq, table, lens, start, page), {"k_scale": ks, "v_scale": vs}, fp8_moved
 
 
-SWEEP = [(n, w, st) for n in (32, 64, 128) for w in (2, 4, 8) for st in (1, 2, 3, 4)]
+# (keys per tile, warps, stages, pages read a tile ahead): the engine's tiles first; the loop as it was (ahead 0)
+# beside the pipelined one (kernels/attention.py, PAGES_AHEAD: stages >= 3 keep stages - 1 tiles in flight)
+SWEEP = [(n, w, st, ahead) for ahead in (1, 0) for n in (128, 64, 32) for w in (4, 8) for st in (2, 3, 4)]
+SWEEP += [(64, 4, 5, 1), (32, 4, 5, 1), (32, 4, 6, 1)]
 
 
 def sweep(copy_bw: float, dots: str) -> None:
-    """Tile shapes (keys per tile, warps, stages) of whole contexts launched longest first, at the
-    batch sizes that keep contexts whole, with ``dots`` products; the default first."""
-    print("| B | context | keys/tile | warps | stages | ms | of copy |")
-    print("|---|---|---|---|---|---|---|")
+    """Tile shapes (keys per tile, warps, stages, pages ahead) of whole contexts launched longest
+    first, at the batch sizes that keep contexts whole, with ``dots`` products; the engine's first."""
+    print("| B | context | keys/tile | warps | stages | pages ahead | ms | of copy |")
+    print("|---|---|---|---|---|---|---|---|")
     for batch, spec in ((64, "128-1152"), (64, "640"), (256, "640")):
         args, moved = _case(batch, spec)
         out = torch.empty_like(args[0])
         order = torch.argsort(args[4], descending=True, stable=True).to(torch.int32)
-        for n, w, st in [(64, 4, 2)] + [c for c in SWEEP if c != (64, 4, 2)]:
+        engine = (decode_blocks(batch, KV_HEADS, args[3].shape[1] * PAGE)[1], 4, 2, 1)
+        for n, w, st, ahead in [engine] + [c for c in SWEEP if c != engine]:
+            attention.PAGES_AHEAD = bool(ahead)
             fn = lambda: paged_decode_attention(*args, None, out, n, w, st, splits=1, order=order,  # noqa: E731
                                                 dots=dots)
             try:
                 ms = triton.testing.do_bench(fn, return_mode="median")
             except Exception as exc:  # a shape the card cannot run (shared memory): say so, go on
-                print(f"| {batch} | {spec} | {n} | {w} | {st} | {type(exc).__name__} | - |")
+                print(f"| {batch} | {spec} | {n} | {w} | {st} | {ahead} | {type(exc).__name__} | - |")
                 continue
-            print(f"| {batch} | {spec} | {n} | {w} | {st} | {ms:.4f} | {moved / ms / 1e6 / copy_bw:.2f} |")
+            print(f"| {batch} | {spec} | {n} | {w} | {st} | {ahead} | {ms:.4f} | {moved / ms / 1e6 / copy_bw:.2f} |")
+        attention.PAGES_AHEAD = True
 
 
 ROUNDS = 3  # every variant of a case timed once a round; its fastest median kept

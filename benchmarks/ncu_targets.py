@@ -9,8 +9,9 @@ else on the GPU. Run under ncu, the last launch of each profiled:
 Targets (--targets picks, comma-separated):
   attention      decode attention, 64 sequences of 128-1152 keys, bf16 cache, the engine's tiles and order
   attention_kv8  the same on an FP8 (e4m3) cache: half the bytes
-  attention_n64  the same with 64-key tiles and 3 stages (under half the shared memory: two programs a
-                 multiprocessor where the engine's tiles fit one)
+  attention_s3   the same with 3 stages: the pipelined loop (kernels/attention.py, PAGES_AHEAD) keeps a
+                 second tile of keys and values in flight (136 KiB of shared memory: one program a multiprocessor)
+  attention_n64  64-key tiles and 3 stages, pipelined (70 KiB: up to three programs a multiprocessor)
   fp8_gate_up    the FP8 W8A8 decode GEMM of the 8B's gate|up (28,672 x 4,096), 64 tokens, engine tiles
   fp8_down       the same for down (4,096 x 14,336)
 Without ncu it times each target (CUDA events, the median of 50 launches) and prints a table.
@@ -64,6 +65,7 @@ def _fp8_gemm(n: int, k: int):
 TARGETS = {
     "attention": lambda: _attention(),
     "attention_kv8": lambda: _attention(fp8_cache=True),
+    "attention_s3": lambda: _attention(stages=3),
     "attention_n64": lambda: _attention(block_n=64, stages=3),
     "fp8_gate_up": lambda: _fp8_gemm(*GEMMS["fp8_gate_up"]),
     "fp8_down": lambda: _fp8_gemm(*GEMMS["fp8_down"]),

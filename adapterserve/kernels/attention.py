@@ -34,28 +34,39 @@ MAX_SPLITS = 16  # more parts were slower (BENCHMARKS.md, paged decode attention
 # it out (its bits tests passed on the H200; BENCHMARKS.md, twenty-sixth session)
 PDL = True
 PDL_ENV = "ADAPTERSERVE_ATTENTION_PDL"
+# each tile's page numbers read a tile ahead (_attend): off only to measure the loop as it was
+PAGES_AHEAD = True
 DEFAULT_DOTS = "auto"  # the products' inputs (paged_decode_attention's ``dots``: one of ATTENTION_DOTS; input_dots)
 
 
 @triton.jit
 def _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, kv_head, lo, n_start, n_end, scale, stride_kn, stride_kh,
             stride_sn, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
-            BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, INPUT_DOTS: tl.constexpr):
+            BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, INPUT_DOTS: tl.constexpr, PAGES_AHEAD: tl.constexpr):
     """Online softmax of q [GROUP_PAD, DIM_PAD] over keys [max(lo, n_start), n_end), n_start
     a multiple of BLOCK_N: (running max, sum of weights, unnormalised output), float32.
     KV_FP8: e4m3 entries, their scales [slots, Hkv] (slot stride stride_sn) applied to each
     key's scores and each value's weights. INPUT_DOTS: both products take q's dtype (keys and
-    values as stored or widened to it, the weights rounded to it), else float32; float32 sums."""
+    values as stored or widened to it, the weights rounded to it), else float32; float32 sums.
+    PAGES_AHEAD: each tile's page numbers are read a tile ahead, so a tile's keys and values are
+    addressed by the loop's carried values and Triton's pipeliner keeps num_stages - 1 tiles in
+    flight (read in the tile itself, their load takes a stage of the pipeline: one buffer, no
+    overlap); the same products either way."""
     dims = tl.arange(0, DIM_PAD)
     dim_ok = dims < HEAD_DIM
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    if PAGES_AHEAD:
+        page = _tile_pages(table_row, n_start, lo, n_end, PAGE, BLOCK_N)
     for n0 in range(n_start, n_end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         valid = (offs >= lo) & (offs < n_end)
-        page = tl.load(table_row + offs // PAGE, mask=valid, other=0)
-        slot = page.to(tl.int64) * PAGE + offs % PAGE
+        if PAGES_AHEAD:
+            slot = page.to(tl.int64) * PAGE + offs % PAGE
+            page = _tile_pages(table_row, n0 + BLOCK_N, lo, n_end, PAGE, BLOCK_N)
+        else:
+            slot = tl.load(table_row + offs // PAGE, mask=valid, other=0).to(tl.int64) * PAGE + offs % PAGE
         kv_off = slot[:, None] * stride_kn + kv_head * stride_kh + dims[None, :]
         kv_mask = valid[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
@@ -75,6 +86,13 @@ def _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, kv_head, lo, n_start, n_
         acc = acc * alpha[:, None] + tl.dot(weights.to(q.dtype), v)
         m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def _tile_pages(table_row, n0, lo, n_end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The page number of each key of the tile starting at n0 (0 where the key is not attended)."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(table_row + offs // PAGE, mask=(offs >= lo) & (offs < n_end), other=0)
 
 
 @triton.jit
@@ -108,7 +126,7 @@ def _decode_kernel(
     scale, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
-    INPUT_DOTS: tl.constexpr, HAS_ORDER: tl.constexpr, USE_PDL: tl.constexpr = 0,
+    INPUT_DOTS: tl.constexpr, HAS_ORDER: tl.constexpr, PAGES_AHEAD: tl.constexpr, USE_PDL: tl.constexpr = 0,
 ):
     # programs start in grid order, kv heads fastest: with the sequences longest first, the
     # last wave holds short contexts instead of a few long ones the rest of the GPU waits for
@@ -123,7 +141,7 @@ def _decode_kernel(
                                   INPUT_DOTS)
     m_i, l_i, acc = _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr + b * stride_tb, kv_head, lo,
                             (lo // BLOCK_N) * BLOCK_N, length, scale, stride_kn, stride_kh, stride_sn, GROUP_PAD,
-                            HEAD_DIM, DIM_PAD, PAGE, BLOCK_N, KV_FP8, INPUT_DOTS)
+                            HEAD_DIM, DIM_PAD, PAGE, BLOCK_N, KV_FP8, INPUT_DOTS, PAGES_AHEAD)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -136,7 +154,7 @@ def _decode_split_kernel(
     scale, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
-    INPUT_DOTS: tl.constexpr, SPLITS: tl.constexpr, USE_PDL: tl.constexpr = 0,
+    INPUT_DOTS: tl.constexpr, SPLITS: tl.constexpr, PAGES_AHEAD: tl.constexpr, USE_PDL: tl.constexpr = 0,
 ):
     """Part `split` of each context: whole tiles, the parts of one sequence near equal."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -150,7 +168,7 @@ def _decode_split_kernel(
                                   INPUT_DOTS)
     m_i, l_i, acc = _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr + b * stride_tb, kv_head, lo, n_start,
                             n_end, scale, stride_kn, stride_kh, stride_sn, GROUP_PAD, HEAD_DIM, DIM_PAD, PAGE,
-                            BLOCK_N, KV_FP8, INPUT_DOTS)
+                            BLOCK_N, KV_FP8, INPUT_DOTS, PAGES_AHEAD)
     part = b * stride_pb + heads * stride_ph + split * stride_ps  # an empty part leaves max -inf, sum 0
     head_ok = tl.arange(0, GROUP_PAD) < GROUP
     tl.store(part_m_ptr + part, m_i, mask=head_ok)
@@ -251,7 +269,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page_size,
         BLOCK_N=block_n, HAS_WINDOW=window is not None, KV_FP8=k_cache.dtype == FP8, INPUT_DOTS=input_dots(dots),
-        num_warps=num_warps, num_stages=num_stages,
+        PAGES_AHEAD=int(PAGES_AHEAD), num_warps=num_warps, num_stages=num_stages,
     )
     k_scale, v_scale, stride_sn = kv_scales(k_cache, k_scale, v_scale)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), stride_sn, block_tables.stride(0))

@@ -43,8 +43,17 @@ def signature(kernel, constexprs: dict, pointers: dict[str, str] | None = None) 
 
 def compile_ptx(kernel, signature: dict[str, str], constexprs: dict, capability: int,
                 options: dict | None = None) -> str:
-    source = ASTSource(kernel, signature, constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options).asm["ptx"]
+    return compile_form(kernel, signature, constexprs, capability, options).asm["ptx"]
+
+
+def compile_form(kernel, signature: dict[str, str], constexprs: dict, capability: int,
+                 options: dict | None = None, aligned: frozenset[str] = frozenset()):
+    """The compiled kernel (its .asm and .metadata); ``aligned``: arguments a launch would find
+    divisible by 16 (pointers from torch, strides of 16-element rows), as Triton specialises them:
+    without that, loads are not vectorised and no loop is pipelined."""
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if name in aligned}
+    source = ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
 
 
 def mma_count(ptx: str, operand: str) -> int:

@@ -3,8 +3,10 @@ GQA groups, padding rows, skipped prefix entries, sliding windows."""
 import pytest
 import torch
 
-from adapterserve.kernels import reference
+from adapterserve.kernels import attention, reference
 from adapterserve.kernels.attention import input_dots, paged_decode_attention
+from adapterserve.kernels.kv_fp8 import quantize_kv
+from tests.kernels.cases import compiled_counts
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -73,6 +75,58 @@ def test_products_in_the_input_dtype_match_reference(splits, heads, kv_heads, di
     assert torch.isfinite(out).all()
     assert (out.float() - want).norm() / want.norm() < 2e-2
     assert torch.equal(out[0].float(), torch.zeros_like(want[0]))  # padding row writes zeros
+
+
+def _both_loops(monkeypatch, *args, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs (poisoned first) of each tile's pages read in the tile, then a tile ahead."""
+    outs = []
+    for ahead in (False, True):
+        monkeypatch.setattr(attention, "PAGES_AHEAD", ahead)
+        out = torch.full_like(args[0], float("nan"))
+        paged_decode_attention(*args, out, **options)
+        outs.append(out)
+    return outs[0], outs[1]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("fp8_cache", [False, True])
+def test_pages_read_a_tile_ahead_give_the_bits_of_pages_read_in_the_tile(monkeypatch, splits, window, fp8_cache):
+    """The pipelined loop (PAGES_AHEAD) reads the same keys and values and sums them in the same
+    order: bit for bit the loop as it was, skipped prefix entries, windows, parts and an FP8 cache too."""
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    q, k, v, table, lens, start = _case(6, 8, 2, 32, 4, 70, dtype)
+    scales = {}
+    if fp8_cache:
+        (k, scales["k_scale"]), (v, scales["v_scale"]) = quantize_kv(k), quantize_kv(v)
+    block_n = 16 if DEVICE == "cpu" else 32
+    old, ahead = _both_loops(monkeypatch, q, k, v, table, lens, start, 4, window, block_n=block_n, num_stages=3,
+                             splits=splits, **scales)
+    assert torch.isfinite(ahead).all()
+    assert torch.equal(ahead, old)
+
+
+def test_the_loop_with_pages_read_ahead_is_pipelined():
+    """Compiled for sm_90 with 3 stages, the loop keeps a second K and V tile in flight (two buffers
+    each; the shared memory nearly doubles); with 2 stages it is the loop as it was."""
+    forms = compiled_counts("tests.kernels.attention_ptx")
+    assert forms["ahead1_stages3"]["kv_buffers"] == [2], forms
+    assert forms["ahead1_stages3"]["shared"] > 1.7 * forms["ahead1_stages2"]["shared"], forms
+    assert forms["ahead1_stages2"] == forms["ahead0_stages2"], forms
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+@pytest.mark.parametrize("block_n, stages", [(128, 2), (128, 3), (64, 3), (64, 4), (32, 5)])
+def test_gpu_pipelined_loop_gives_the_bits_of_the_loop_as_it_was(monkeypatch, block_n, stages):
+    """The engine's heads (32 / 8, D=128, page 16) on contexts of up to 1,100 keys, bf16 products."""
+    q, k, v, table, lens, start = _case(16, 32, 8, 128, 16, 1100, torch.bfloat16)
+    old, ahead = _both_loops(monkeypatch, q, k, v, table, lens, start, 16, None, block_n=block_n, num_stages=stages,
+                             splits=1, dots="input")
+    assert torch.equal(ahead, old)
+    want = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
+    reference.paged_decode_attention(q, k, v, table, lens, start, 16, None, want)
+    assert (ahead.float() - want).norm() / want.norm() < 2e-2
 
 
 def test_auto_dots_take_the_input_dtype_and_bad_names_are_refused():
