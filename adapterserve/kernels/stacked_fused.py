@@ -169,7 +169,9 @@ def _stacked_fused_kernel(
             acc = k_loop(acc, xb_ptr + rm[:, None] * stride_xbm, w_ptr + cols[:, None] * stride_wn, rm, M,
                          n_mask, k_start, k_end, BLOCK_K, NUM_STAGES, BASE_IEEE)
     else:  # a weight in the activations' dtype: one K loop over each tile's own rows
-        rows_of_tile = tl.where(is_shrink, a_ptr + cols[:, None] * stride_an, w_ptr + cols[:, None] * stride_wn)
+        # the base and stride chosen as scalars: a choice between two pointer tensors hides their alignment
+        # from Triton 3.9's pipeliner, which then loads the weight rows synchronously (tests/kernels/pipeline_ptx.py)
+        rows_of_tile = tl.where(is_shrink, a_ptr, w_ptr) + cols[:, None] * tl.where(is_shrink, stride_an, stride_wn)
         acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, rows_of_tile, rm, M, n_mask, k_start, k_end, BLOCK_K,
                      NUM_STAGES, IEEE)
     out_mask = (rm[:, None] < M) & n_mask[None, :]

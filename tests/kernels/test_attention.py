@@ -109,10 +109,10 @@ def test_pages_read_a_tile_ahead_give_the_bits_of_pages_read_in_the_tile(monkeyp
 def test_the_loop_with_pages_read_ahead_is_pipelined():
     """Compiled for sm_90 with 3 stages, the loop keeps a second K and V tile in flight (two buffers
     each; the shared memory nearly doubles); with 2 stages it is the loop as it was."""
-    forms = compiled_counts("tests.kernels.attention_ptx")
-    assert forms["ahead1_stages3"]["kv_buffers"] == [2], forms
-    assert forms["ahead1_stages3"]["shared"] > 1.7 * forms["ahead1_stages2"]["shared"], forms
-    assert forms["ahead1_stages2"] == forms["ahead0_stages2"], forms
+    forms = compiled_counts("tests.kernels.pipeline_ptx")
+    assert forms["attention_ahead1_stages3"]["kv_buffers"] == [2], forms
+    assert forms["attention_ahead1_stages3"]["shared"] > 1.7 * forms["attention_ahead1_stages2"]["shared"], forms
+    assert forms["attention_ahead1_stages2"] == forms["attention_ahead0_stages2"], forms
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@ from adapterserve.kernels.stacked_fused import stacked_fused
 
 from .cases import (
     check_close,
+    compiled_counts,
     expand_touched,
     fresh_generator,
     gpu,
@@ -109,3 +110,10 @@ def test_fused_chain_in_a_graph_gives_the_bits_of_pdl_off(mode):
     outs = pdl_replays(chain, ("off", mode))
     outs["prefetch"] = pdl_replays(chain, (mode,), prefetch=4)[mode]  # weight rows asked for first
     assert torch.equal(outs["off"], outs[mode]) and torch.equal(outs["off"], outs["prefetch"]), f"seed {seed}"
+
+
+def test_the_fused_linear_s_weight_rows_stream_through_its_pipeline():
+    """Compiled for sm_90, the bf16 fused linear's K loop keeps NUM_STAGES chunks of weight rows
+    in flight (its shrink tiles read A rows in the same loop: the rows' base is chosen per program)."""
+    form = compiled_counts("tests.kernels.pipeline_ptx")["fused_linear"]
+    assert form["weight_buffers"] == [form["stages"]], form
