@@ -219,6 +219,14 @@ for stage in "$@"; do
       # it was), then the tile sweep with both loops, bf16 products (the engine's)
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention.py --tb=short -rfE 2>&1 | tail -3
       timeout ${BENCH_S:-300} python3 benchmarks/attention_decode.py --sweep --dots input 2>&1 | grep "|" ;;
+    attntiles)  # 1 GPU: the 8B engine with decode attention's tiles as they are against ATTN_TILES (keys,warps,stages;
+      # the pipelined loop needs 3 stages or more), FP8 then bf16, base and one adapter, each in a process of its own
+      for dtype in fp8 bf16; do for tiles in "" ${ATTN_TILES:-64,4,3}; do
+        ADAPTERSERVE_ATTENTION_TILES=$tiles timeout ${STAGE_S:-200} python3 benchmarks/engine_throughput.py --models 8b \
+          --no-hotswap --dtype $dtype --hf-models '' --budget-s 170 --workloads ${TILES_WORKLOADS:-base,one} \
+          --max-tokens 64 --out "$OUT/et8b_tiles_${dtype}_${tiles:-engine}.md" > "$OUT/tiles_${dtype}_${tiles:-engine}.log" 2>&1
+        echo "$dtype, attention tiles: ${tiles:-default}"; grep -E "B=64 .*: 8b" "$OUT/tiles_${dtype}_${tiles:-engine}.log" | tail -3
+      done; done ;;
     ncu)  # 1 GPU, a Firecracker machine (hardware counters; H200.md): the step's kernels furthest above their floor,
       # timed, then each under Nsight Compute (NCU_TARGETS; full reports in $OUT, key lines here)
       python3 benchmarks/ncu_targets.py --time --targets ${NCU_TARGETS:-attention,attention_s3,attention_n64,attention_kv8,fp8_gate_up,fp8_down} \

@@ -24,6 +24,9 @@ from adapterserve.kernels.pdl import pdl_args, pdl_wait
 # keys per tile on a GPU: whole contexts of up to 1024 programs take 128, more programs and split
 # parts 64 (chosen by benchmarks/attention_decode.py --sweep; figures in BENCHMARKS.md)
 WIDE_BLOCK_N, DEFAULT_BLOCK_N = 128, 64
+WARPS, STAGES = 4, 2  # every decode launch's on a GPU
+# "keys,warps,stages" for every decode launch on a GPU: a measurement's override of the tiles above
+TILES_ENV = "ADAPTERSERVE_ATTENTION_TILES"
 WIDE_BLOCK_PROGRAMS = 1024
 SPLIT_BELOW_PROGRAMS = 512  # split contexts while sequences x kv heads are fewer than this
 SPLIT_TARGET_PROGRAMS = 1024  # programs the split pass aims for
@@ -219,8 +222,34 @@ def decode_blocks(batch: int, kv_heads: int, max_keys: int, on_gpu: bool = True,
         splits = decode_splits(batch, kv_heads, max_keys) if on_gpu else 1
     if not on_gpu:
         return splits, 16
+    forced = forced_tiles()
+    if forced is not None:
+        return splits, forced[0]
     wide = splits <= 1 and batch * kv_heads <= WIDE_BLOCK_PROGRAMS
     return splits, WIDE_BLOCK_N if wide else DEFAULT_BLOCK_N
+
+
+def decode_pipeline() -> tuple[int, int]:
+    """(warps, software pipeline stages) of every decode launch: WARPS, STAGES unless
+    ADAPTERSERVE_ATTENTION_TILES says otherwise."""
+    forced = forced_tiles()
+    return (WARPS, STAGES) if forced is None else forced[1:]
+
+
+def forced_tiles() -> tuple[int, int, int] | None:
+    """ADAPTERSERVE_ATTENTION_TILES as (keys per tile, warps, stages), or None where unset; keys
+    and warps not powers of two, or out of range, are refused."""
+    value = os.environ.get(TILES_ENV, "").strip()
+    if not value:
+        return None
+    parts = value.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"{TILES_ENV} must be keys,warps,stages (e.g. 64,4,3), got {value!r}")
+    keys, warps, stages = tiles = tuple(int(p) for p in parts)
+    powers = all(n & (n - 1) == 0 for n in (keys, warps))
+    if not (powers and 16 <= keys <= 256 and 1 <= warps <= 16 and 1 <= stages <= 8):
+        raise ValueError(f"{TILES_ENV}: keys (16-256) and warps (1-16) powers of two, stages 1-8; got {value!r}")
+    return tiles
 
 
 def paged_decode_attention(
@@ -234,8 +263,8 @@ def paged_decode_attention(
     window: int | None,
     out: torch.Tensor,
     block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     splits: int | None = None,
     order: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
@@ -262,6 +291,8 @@ def paged_decode_attention(
     batch, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
     group = num_heads // num_kv
+    warps, stages = decode_pipeline()
+    num_warps, num_stages = num_warps or warps, num_stages or stages
     if splits is None or block_n is None:
         chosen = decode_blocks(batch, num_kv, block_tables.shape[1] * page_size, q.is_cuda, splits)
         splits, block_n = chosen if block_n is None else (chosen[0], block_n)

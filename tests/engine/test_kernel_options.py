@@ -61,7 +61,7 @@ def test_the_engine_sets_its_process_prefetch(llama_dir, monkeypatch):
     assert pdl.prefetch_setting() == 2
 
 
-@pytest.mark.parametrize("env", [pdl.ENV, pdl.PREFETCH_ENV, attention.PDL_ENV])
+@pytest.mark.parametrize("env", [pdl.ENV, pdl.PREFETCH_ENV, attention.PDL_ENV, attention.TILES_ENV])
 def test_a_bad_environment_variable_stops_the_engine_s_build(llama_dir, monkeypatch, env):
     monkeypatch.setenv(env, "lots")
     with pytest.raises(ValueError, match=env):
@@ -75,6 +75,24 @@ def test_decode_attention_joins_the_pdl_chain_unless_kept_out(monkeypatch):
     assert attention.attention_in_chain()
     monkeypatch.setenv(attention.PDL_ENV, "0")
     assert not attention.attention_in_chain()
+
+
+@pytest.mark.parametrize("value", ["64,4", "64,3,2", "8,4,2", "512,4,2", "64,4,9", "a,b,c", "64,4,-1"])
+def test_decode_attention_tiles_refuse_a_bad_override(monkeypatch, value):
+    monkeypatch.setenv(attention.TILES_ENV, value)
+    with pytest.raises(ValueError, match=attention.TILES_ENV):
+        attention.forced_tiles()
+
+
+def test_decode_attention_tiles_take_the_override_for_every_launch(monkeypatch):
+    monkeypatch.delenv(attention.TILES_ENV, raising=False)
+    assert attention.decode_pipeline() == (attention.WARPS, attention.STAGES)
+    assert attention.decode_blocks(64, 8, 1024) == (1, attention.WIDE_BLOCK_N)
+    monkeypatch.setenv(attention.TILES_ENV, " 32,8,5 ")
+    assert attention.decode_pipeline() == (8, 5)
+    assert attention.decode_blocks(64, 8, 1024) == (1, 32)  # whole contexts
+    assert attention.decode_blocks(2, 8, 8192) == (attention.decode_splits(2, 8, 8192), 32)  # split ones
+    assert attention.decode_blocks(64, 8, 1024, on_gpu=False) == (1, 16)  # the CPU's own
 
 
 def test_the_engine_sets_its_attention_layers_dots(llama_dir):
