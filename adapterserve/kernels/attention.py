@@ -278,6 +278,8 @@ def paged_decode_attention(
     block_tables: [B, max_pages] int32;  context_lens: [B] int32 (0 = padding row)
     kv_start:     [B] int32, first valid kv index (entries before it are skipped)
     out:          [B, Hq, D]
+    block_n, num_warps, num_stages: keys per tile, warps, software pipeline stages (default:
+                  decode_blocks, decode_pipeline; the loop overlaps its loads from 3 stages up)
     splits:       parts per context (default: decode_splits of the shapes)
     order:        [B] int32, the sequences longest context first (optional; whole contexts
                   only): programs start in this order, which shortens the tail
