@@ -9,8 +9,9 @@ launch order), with the split count `decode_splits` picks (default) and with oth
 counts, side by side, and whole contexts longest first (and every split count) with both
 products on bf16 inputs (dots="input": tensor-core MMAs, the softmax weights rounded to bf16)
 against float32 ones (--sweep: tile shapes of whole contexts instead, keys per tile, warps,
-stages, and the loop with each tile's pages read a tile ahead (pipelined) or in the tile (as it
-was), float32 products or, with --dots input, bf16 ones). Bytes counted: every context key and
+stages, and the loop: each tile's pages read in the tile (as it was), a tile ahead (pipelined),
+or pipelined with each tile's keys dealt among the warps; float32 products or, with --dots
+input, bf16 ones). Bytes counted: every context key and
 value read once, queries read and outputs written once. Each variant's figure is the least of
 three medians, the variants of a case timed in turn. Prints one table naming the GPU; the copy
 bandwidth is measured in the same run.
@@ -23,7 +24,7 @@ import torch
 import triton.testing
 
 from adapterserve.kernels import attention
-from adapterserve.kernels.attention import decode_blocks, decode_splits, paged_decode_attention
+from adapterserve.kernels.attention import decode_blocks, decode_pipeline, decode_splits, paged_decode_attention
 from adapterserve.kernels.kv_fp8 import quantize_kv
 
 CASES = ((64, "640"), (64, "128-1152"), (256, "640"), (16, "2048"), (8, "4096"), (1, "4096"), (1, "16384"))
@@ -59,32 +60,36 @@ def _fp8_case(args: tuple, moved: int) -> tuple[tuple, dict, int]:
     return (q, kq, vq, table, lens, start, page), {"k_scale": ks, "v_scale": vs}, fp8_moved
 
 
-# (keys per tile, warps, stages, pages read a tile ahead): the engine's tiles first; the loop as it was (ahead 0)
-# beside the pipelined one (kernels/attention.py, PAGES_AHEAD: stages >= 3 keep stages - 1 tiles in flight)
-SWEEP = [(n, w, st, ahead) for ahead in (1, 0) for n in (128, 64, 32) for w in (4, 8) for st in (2, 3, 4)]
-SWEEP += [(64, 4, 5, 1), (32, 4, 5, 1), (32, 4, 6, 1)]
+# (keys per tile, warps, stages, loop): the engine's tiles first. Loops: "as it was" (each tile's pages read in
+# the tile: no load in flight while a tile is computed), "pipelined" (read a tile ahead, kernels/attention.py
+# PAGES_AHEAD: stages - 1 tiles in flight), "warps" (pipelined, each tile's keys dealt among the warps,
+# kernels/attention_warps.py)
+SWEEP = [(n, w, 2, "as it was") for n in (128, 64, 32) for w in (4, 8)]
+SWEEP += [(n, w, st, "pipelined") for n in (128, 64, 32) for w in (4, 8) for st in (3, 4)]
+SWEEP += [(64, 4, 5, "pipelined"), (32, 4, 5, "pipelined"), (32, 4, 6, "pipelined")]
+SWEEP += [(n, w, st, "warps") for n, w in ((64, 4), (128, 8), (32, 2)) for st in (3, 4)]  # 16 keys a warp
 
 
 def sweep(copy_bw: float, dots: str) -> None:
-    """Tile shapes (keys per tile, warps, stages, pages ahead) of whole contexts launched longest
-    first, at the batch sizes that keep contexts whole, with ``dots`` products; the engine's first."""
-    print("| B | context | keys/tile | warps | stages | pages ahead | ms | of copy |")
+    """Tile shapes (keys per tile, warps, stages, loop) of whole contexts launched longest first,
+    at the batch sizes that keep contexts whole, with ``dots`` products; the engine's first."""
+    print("| B | context | keys/tile | warps | stages | loop | ms | of copy |")
     print("|---|---|---|---|---|---|---|---|")
     for batch, spec in ((64, "128-1152"), (64, "640"), (256, "640")):
         args, moved = _case(batch, spec)
         out = torch.empty_like(args[0])
         order = torch.argsort(args[4], descending=True, stable=True).to(torch.int32)
-        engine = (decode_blocks(batch, KV_HEADS, args[3].shape[1] * PAGE)[1], 4, 2, 1)
-        for n, w, st, ahead in [engine] + [c for c in SWEEP if c != engine]:
-            attention.PAGES_AHEAD = bool(ahead)
-            fn = lambda: paged_decode_attention(*args, None, out, n, w, st, splits=1, order=order,  # noqa: E731
-                                                dots=dots)
+        engine = (decode_blocks(batch, KV_HEADS, args[3].shape[1] * PAGE)[1], *decode_pipeline()[:2], "engine's")
+        for n, w, st, loop in [engine] + SWEEP:
+            attention.PAGES_AHEAD = loop != "as it was"
+            fn = lambda: paged_decode_attention(*args, None, out, n, w, st, w if loop == "warps" else 0,  # noqa: E731
+                                                splits=1, order=order, dots=dots)
             try:
                 ms = triton.testing.do_bench(fn, return_mode="median")
             except Exception as exc:  # a shape the card cannot run (shared memory): say so, go on
-                print(f"| {batch} | {spec} | {n} | {w} | {st} | {ahead} | {type(exc).__name__} | - |")
+                print(f"| {batch} | {spec} | {n} | {w} | {st} | {loop} | {type(exc).__name__} | - |")
                 continue
-            print(f"| {batch} | {spec} | {n} | {w} | {st} | {ahead} | {ms:.4f} | {moved / ms / 1e6 / copy_bw:.2f} |")
+            print(f"| {batch} | {spec} | {n} | {w} | {st} | {loop} | {ms:.4f} | {moved / ms / 1e6 / copy_bw:.2f} |")
         attention.PAGES_AHEAD = True
 
 

@@ -12,6 +12,8 @@ Targets (--targets picks, comma-separated):
   attention_s3   the same with 3 stages: the pipelined loop (kernels/attention.py, PAGES_AHEAD) keeps a
                  second tile of keys and values in flight (136 KiB of shared memory: one program a multiprocessor)
   attention_n64  64-key tiles and 3 stages, pipelined (70 KiB: up to three programs a multiprocessor)
+  attention_warps  the same with each tile's keys dealt among the 4 warps (kernels/attention_warps.py: the
+                 softmax within a warp, no shared-memory round trip a tile)
   fp8_gate_up    the FP8 W8A8 decode GEMM of the 8B's gate|up (28,672 x 4,096), 64 tokens, engine tiles
   fp8_down       the same for down (4,096 x 14,336)
 Without ncu it times each target (CUDA events, the median of 50 launches) and prints a table.
@@ -35,7 +37,7 @@ TIMED = 50
 DEVICE, DTYPE = "cuda", torch.bfloat16  # a CPU check of the launches sets "cpu", float32 (the interpreter)
 
 
-def _attention(block_n: int | None = None, stages: int = 2, fp8_cache: bool = False):
+def _attention(block_n: int | None = None, stages: int = 2, fp8_cache: bool = False, key_warps: int = 0):
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(CONTEXTS[0], CONTEXTS[1] + 1, (BATCH,), dtype=torch.int32, generator=g)
     pages = -(-int(lens.max()) // PAGE)
@@ -49,7 +51,8 @@ def _attention(block_n: int | None = None, stages: int = 2, fp8_cache: bool = Fa
     lens = lens.to(DEVICE)
     out = torch.empty_like(q)
     return lambda: paged_decode_attention(q, k, v, table, lens, torch.zeros_like(lens), PAGE, None, out,
-                                          block_n=block_n, num_stages=stages, splits=1, order=order, **scales)
+                                          block_n=block_n, num_stages=stages, key_warps=key_warps, splits=1,
+                                          order=order, **scales)
 
 
 GEMMS = {"fp8_gate_up": (28672, 4096), "fp8_down": (4096, 14336)}  # the 8B's (n, k)
@@ -67,6 +70,7 @@ TARGETS = {
     "attention_kv8": lambda: _attention(fp8_cache=True),
     "attention_s3": lambda: _attention(stages=3),
     "attention_n64": lambda: _attention(block_n=64, stages=3),
+    "attention_warps": lambda: _attention(block_n=64, stages=3, key_warps=4),
     "fp8_gate_up": lambda: _fp8_gemm(*GEMMS["fp8_gate_up"]),
     "fp8_down": lambda: _fp8_gemm(*GEMMS["fp8_down"]),
 }
