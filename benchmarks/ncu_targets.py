@@ -2,7 +2,7 @@
 their bytes' floor, each launched LAUNCHES times at B=64 with the engine's own choices, nothing
 else on the GPU. Run under ncu, the last launch of each profiled:
 
-    ncu --clock-control none -k regex:"_decode_kernel|_decode_gemm_kernel" --launch-skip-before-match 0 \\
+    ncu --clock-control none -k regex:"_decode_kernel|_decode_gemm_kernel|_quant_kernel" --launch-skip 2 \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
         python3 benchmarks/ncu_targets.py
 
@@ -16,6 +16,8 @@ Targets (--targets picks, comma-separated):
                  softmax within a warp, no shared-memory round trip a tile)
   fp8_gate_up    the FP8 W8A8 decode GEMM of the 8B's gate|up (28,672 x 4,096), 64 tokens, engine tiles
   fp8_down       the same for down (4,096 x 14,336)
+  fp8_silu_quant the FP8 backbone's SiLU-mul with its per-token quantization (64 tokens, 2 x 14,336 inputs)
+  fp8_norm_quant its residual add + RMSNorm with the quantization (64 tokens, 4,096)
 Without ncu it times each target (CUDA events, the median of 50 launches) and prints a table.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from adapterserve.kernels.attention import paged_decode_attention
 from adapterserve.kernels.decode_gemm import fp8_decode_config, fp8_decode_gemm
 from adapterserve.kernels.fp8 import quantize_rows
+from adapterserve.kernels.fp8_fused import rms_norm_quant, silu_mul_quant
 from adapterserve.kernels.kv_fp8 import quantize_kv
 from adapterserve.models.fp8 import quantize_per_channel
 
@@ -65,6 +68,18 @@ def _fp8_gemm(n: int, k: int):
     return lambda: fp8_decode_gemm(xq, weight, scale, x_scale, DTYPE, config)
 
 
+def _silu_quant(inter: int):
+    gate_up = torch.randn(BATCH, 2 * inter, device=DEVICE, dtype=DTYPE)
+    return lambda: silu_mul_quant(gate_up)
+
+
+def _norm_quant(hidden: int):
+    x, residual = (torch.randn(BATCH, hidden, device=DEVICE, dtype=DTYPE) for _ in range(2))
+    weight = torch.ones(hidden, device=DEVICE, dtype=DTYPE)
+    return lambda: rms_norm_quant(x, weight, 1e-5, residual)
+
+
+ROWS = {"fp8_silu_quant": 14336, "fp8_norm_quant": 4096}  # the 8B's intermediate and hidden sizes
 TARGETS = {
     "attention": lambda: _attention(),
     "attention_kv8": lambda: _attention(fp8_cache=True),
@@ -73,6 +88,8 @@ TARGETS = {
     "attention_warps": lambda: _attention(block_n=64, stages=3, key_warps=4),
     "fp8_gate_up": lambda: _fp8_gemm(*GEMMS["fp8_gate_up"]),
     "fp8_down": lambda: _fp8_gemm(*GEMMS["fp8_down"]),
+    "fp8_silu_quant": lambda: _silu_quant(ROWS["fp8_silu_quant"]),
+    "fp8_norm_quant": lambda: _norm_quant(ROWS["fp8_norm_quant"]),
 }
 
 

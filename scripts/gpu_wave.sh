@@ -229,10 +229,10 @@ for stage in "$@"; do
       done; done ;;
     ncu)  # 1 GPU, a Firecracker machine (hardware counters; H200.md): the step's kernels furthest above their floor,
       # timed, then each under Nsight Compute (NCU_TARGETS; full reports in $OUT, key lines here)
-      python3 benchmarks/ncu_targets.py --time --targets ${NCU_TARGETS:-attention,attention_s3,attention_n64,attention_warps,attention_kv8,fp8_gate_up,fp8_down} \
+      python3 benchmarks/ncu_targets.py --time --targets ${NCU_TARGETS:-attention,attention_s3,attention_n64,attention_warps,attention_kv8,fp8_gate_up,fp8_down,fp8_silu_quant,fp8_norm_quant} \
         2>&1 | grep "|"
-      for t in $(echo ${NCU_TARGETS:-attention,attention_s3,attention_n64,attention_warps,attention_kv8,fp8_gate_up,fp8_down} | tr , " "); do
-        timeout ${NCU_S:-120} ncu --clock-control none -k regex:"_decode_kernel|_decode_gemm_kernel" --launch-skip 2 \
+      for t in $(echo ${NCU_TARGETS:-attention,attention_s3,attention_n64,attention_warps,attention_kv8,fp8_gate_up,fp8_down,fp8_silu_quant,fp8_norm_quant} | tr , " "); do
+        timeout ${NCU_S:-120} ncu --clock-control none -k regex:"_decode_kernel|_decode_gemm_kernel|_quant_kernel" --launch-skip 2 \
           --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
           --section MemoryWorkloadAnalysis --section SchedulerStats python3 benchmarks/ncu_targets.py --targets $t \
           > "$OUT/ncu_$t.txt" 2>&1

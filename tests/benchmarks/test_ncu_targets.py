@@ -17,6 +17,7 @@ def small(monkeypatch):
     monkeypatch.setattr(ncu_targets, "BATCH", 2)
     monkeypatch.setattr(ncu_targets, "CONTEXTS", (5, 40))
     monkeypatch.setattr(ncu_targets, "GEMMS", {"fp8_gate_up": (64, 128), "fp8_down": (32, 256)})
+    monkeypatch.setattr(ncu_targets, "ROWS", {"fp8_silu_quant": 96, "fp8_norm_quant": 64})
     monkeypatch.setattr(ncu_targets, "LAUNCHES", 1)
 
 
