@@ -40,7 +40,7 @@ def setup(tmp_path_factory):
 
 def _run(setup, **config) -> list[tuple[list[int], torch.Tensor]]:
     model, adapters, prompts = setup
-    engine = Engine.from_pretrained(model, block_size=16, num_kv_blocks=128, max_loras=2, **config)
+    engine = Engine.from_pretrained(model, block_size=16, num_kv_blocks=128, max_loras=2, warmup=False, **config)
     for name, path in adapters.items():
         engine.load_adapter(name, path)
     return greedy_run(engine, prompts, ADAPTERS, 6)
