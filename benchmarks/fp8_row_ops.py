@@ -1,5 +1,6 @@
 """The FP8 decoder's per-token quantizing ops: one pass (the row held in registers) against the
-row loops they ran before (kernels/fp8.py, kernels/fp8_fused.py).
+row loops they ran before (kernels/fp8.py, kernels/fp8_fused.py), and SiLU-mul's quantization in
+two launches over parts of each row (kernels/fp8_parts.py: PARTS values a program).
 
     PYTHONPATH=. python benchmarks/fp8_row_ops.py      # H100/H200: under a minute
 
@@ -11,6 +12,7 @@ checked bit for bit against the loops' before timing.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 
@@ -21,6 +23,7 @@ from benchmarks.fused_update import print_table
 from benchmarks.measure import copy_bandwidth, graph_ms
 
 LAUNCHES = 32  # LOOP_BLOCK: the block the row loops run with
+PARTS = (1024, 2048, 4096)  # values of a row per program of the two-launch SiLU-mul quantization
 
 
 def _per_launch_us(op, inputs: list[torch.Tensor]) -> float:
@@ -35,7 +38,7 @@ def _per_launch_us(op, inputs: list[torch.Tensor]) -> float:
 def _check_same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...], what: str) -> None:
     for x, y in zip(a, b):
         if not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
-            raise AssertionError(f"{what}: one pass and loops differ")
+            raise AssertionError(f"{what}: the outputs differ")
 
 
 def _ops(kind: str):
@@ -55,7 +58,20 @@ def measure(kind: str, tokens: int, width: int, bandwidth: float) -> list[str]:
     plain_us = f"{_per_launch_us(plain, inputs):.1f}" if plain is not None else "-"
     floor_us = nbytes(inputs[0]) / bandwidth * 1e6
     return [kind, str(tokens), str(width), f"{loop_us:.1f}", f"{one_us:.1f}", f"{loop_us / one_us:.2f}x",
-            plain_us, f"{floor_us:.1f}"]
+            *_in_parts(kind, one_pass, inputs), plain_us, f"{floor_us:.1f}"]
+
+
+def _in_parts(kind: str, one_pass, inputs: list[torch.Tensor]) -> list[str]:
+    """us per launch of SiLU-mul's quantization in parts of each size in PARTS (each checked bit for
+    bit against the one-pass kernel's first), "-" for the other ops."""
+    if kind != "silu_mul_quant":
+        return ["-"] * len(PARTS)
+    cells = []
+    for part in PARTS:
+        in_parts = partial(silu_mul_quant, part=part)
+        _check_same(one_pass(inputs[0]), in_parts(inputs[0]), f"{kind} in parts of {part}")
+        cells.append(f"{_per_launch_us(in_parts, inputs):.1f}")
+    return cells
 
 
 def main() -> None:
@@ -67,8 +83,8 @@ def main() -> None:
     rows = [measure(kind, int(t), width, bandwidth) for kind, width in cases for t in args.tokens.split(",")]
     print(f"\n{torch.cuda.get_device_name()}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s; us per launch "
           f"(graph replay of {LAUNCHES})")
-    print_table(["op", "tokens", "input width", "loops", "one pass", "speed-up", "bf16 silu_mul", "bytes' floor"],
-                rows)
+    print_table(["op", "tokens", "input width", "loops", "one pass", "speed-up",
+                 *(f"parts of {part}" for part in PARTS), "bf16 silu_mul", "bytes' floor"], rows)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from adapterserve.kernels.fp8 import (
     row_warps,
     store_quantized_row,
 )
+from adapterserve.kernels.fp8_parts import silu_mul_quant_parts, silu_mul_values
 from adapterserve.kernels.fused import add_rms_norm, rms_norm, silu_mul
 from adapterserve.kernels.pdl import pdl_args, pdl_wait
 
@@ -69,14 +70,6 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
 
 
 @triton.jit
-def _silu_mul_row(gu_ptr, n, offs, mask, out_dtype: tl.constexpr):
-    """silu(gate) * up at ``offs`` of one row of gate|up, rounded to the output dtype."""
-    g = tl.load(gu_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + n + offs, mask=mask, other=0.0).to(tl.float32)
-    return (g / (1.0 + tl.exp(-g)) * u).to(out_dtype)
-
-
-@triton.jit
 def _silu_mul_quant_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, stride_g, stride_o, stride_q, n, fp8_max, min_scale,
                            BLOCK: tl.constexpr, ONE_PASS: tl.constexpr = 0, USE_PDL: tl.constexpr = 0):
     row = tl.program_id(0)
@@ -85,14 +78,14 @@ def _silu_mul_quant_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, stride_g, stride_o, st
     pdl_wait(USE_PDL)
     if ONE_PASS:  # the whole row in registers: gate|up read once, the output quantized from them
         mask = cols < n
-        y = _silu_mul_row(gu_ptr + row * stride_g, n, cols, mask, out_dtype)
+        y = silu_mul_values(gu_ptr + row * stride_g, n, cols, mask, out_dtype)
         tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
         store_quantized_row(y, q_ptr, s_ptr, row, stride_q, cols, mask, fp8_max, min_scale)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n, BLOCK):  # silu(gate) * up in the output dtype, and its absmax
             mask = start + cols < n
-            y = _silu_mul_row(gu_ptr + row * stride_g, n, start + cols, mask, out_dtype)
+            y = silu_mul_values(gu_ptr + row * stride_g, n, start + cols, mask, out_dtype)
             tl.store(out_ptr + row * stride_o + start + cols, y, mask=mask)
             amax = tl.maximum(amax, tl.where(mask, tl.abs(y.to(tl.float32)), 0.0))
         scale = row_scale(tl.max(amax, axis=0), fp8_max, min_scale)
@@ -100,13 +93,22 @@ def _silu_mul_quant_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, stride_g, stride_o, st
         quantize_stored_row(out_ptr + row * stride_o, q_ptr + row * stride_q, scale, n, fp8_max, BLOCK)
 
 
-def silu_mul_quant(gate_up: torch.Tensor, q_dtype: torch.dtype = FP8, block: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# values of a row per program of the two-launch SiLU-mul quantization (kernels/fp8_parts.py); 0: one
+# program per row, as measured on the H200 so far (benchmarks/fp8_row_ops.py compares them)
+SILU_PART = 0
+
+
+def silu_mul_quant(gate_up: torch.Tensor, q_dtype: torch.dtype = FP8, block: int | None = None,
+                   part: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gate_up: [T, 2I] -> (silu(gate) * up [T, I], q [T, I], scale [T, 1]) (``block``: see
-    ``kernels.fp8.row_launch``)."""
+    ``kernels.fp8.row_launch``; ``part``: values of a row per program in two launches,
+    kernels/fp8_parts.py, default SILU_PART; 0: a program per row)."""
     if not gate_up.is_cuda and q_dtype == FP8:
         y = silu_mul(gate_up)
         return (y, *quantize_rows_reference(y))
+    part = SILU_PART if part is None else part
+    if part and block is None:
+        return silu_mul_quant_parts(gate_up, part, q_dtype)
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     q = torch.empty(rows, inter, dtype=q_dtype, device=gate_up.device)

@@ -14,6 +14,7 @@ from adapterserve.kernels import (
     decode_gemm,
     fp8,
     fp8_fused,
+    fp8_parts,
     fused,
     segment_gemv,
     stacked_fused,
@@ -49,6 +50,8 @@ KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
     "silu_mul_quant": (fp8_fused._silu_mul_quant_kernel, {"BLOCK": 2048}),
     "silu_mul_quant_one_pass": (fp8_fused._silu_mul_quant_kernel, {"BLOCK": 16384, "ONE_PASS": 1}),
     "quantize_rows_one_pass": (fp8._quantize_rows_kernel, {"BLOCK": 4096, "ONE_PASS": 1}),
+    "silu_mul_part": (fp8_parts._silu_mul_part_kernel, {"PART": 2048}),
+    "quantize_part": (fp8_parts._quantize_part_kernel, {"PART": 2048, "PARTS_PAD": 8}),
     "decode_gemm": (decode_gemm._decode_gemm_kernel, GEMM),
     "decode_gemm_fp8_weights": (decode_gemm._decode_gemm_kernel, {**GEMM, "W_SCALED": 1}),
     "decode_gemm_w8a8": (decode_gemm._decode_gemm_kernel, {**GEMM, "X_SCALED": 1, "W_SCALED": 1}),
@@ -69,7 +72,8 @@ E4M3 = "*fp8e4nv"
 QUANT = {"q_ptr": E4M3, "s_ptr": "*fp32"}
 POINTER_TYPES = {  # name: the pointers that are not bf16 / int32 / float32 by their names
     "quantize_rows": QUANT, "rms_norm_quant": QUANT, "add_rms_norm_quant": QUANT, "silu_mul_quant": QUANT,
-    "silu_mul_quant_one_pass": QUANT, "quantize_rows_one_pass": QUANT,
+    "silu_mul_quant_one_pass": QUANT, "quantize_rows_one_pass": QUANT, "silu_mul_part": {"amax_ptr": "*fp32"},
+    "quantize_part": {**QUANT, "amax_ptr": "*fp32"},
     "decode_gemm_fp8_weights": {"w_ptr": E4M3},
     "decode_gemm_w8a8": {"x_ptr": E4M3, "w_ptr": E4M3},
     "decode_gemm_w8a8_prefetch": {"x_ptr": E4M3, "w_ptr": E4M3},

@@ -12,6 +12,7 @@ if not torch.cuda.is_available():  # before the kernels' @triton.jit runs
 
 from adapterserve.kernels.fp8 import quantize_rows_reference
 from adapterserve.kernels.fp8_fused import rms_norm_quant, silu_mul_quant
+from adapterserve.kernels.fp8_parts import silu_mul_quant_parts
 from adapterserve.kernels.fused import silu_mul
 
 E4M3 = torch.float8_e4m3fn
@@ -62,6 +63,26 @@ def test_silu_mul_quant(dtype, inter, block):
     assert torch.allclose(out.float(), want, rtol=tol, atol=tol)
     assert torch.equal(_bits(q)[2], torch.zeros(inter, dtype=torch.uint8, device=DEVICE))
     _same_quantization(out, q, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter, part", [(96, 16), (96, 128), (2500, 512), (2500, 4096)])
+def test_silu_mul_quant_in_parts_is_the_one_pass_bit_for_bit(dtype, inter, part):
+    """Two launches over parts of each row (the last part short, or one part for the row): the
+    output, the scale and every quantized bit of the one-pass kernel's."""
+    gate_up = (torch.randn(5, 2 * inter, device=DEVICE) * torch.logspace(-1, 1, 5, device=DEVICE)[:, None]).to(dtype)
+    gate_up[2] = 0.0  # an all-zero row keeps zeros
+    want = silu_mul_quant(gate_up, q_dtype=Q_DTYPE, part=0)
+    got = silu_mul_quant(gate_up, q_dtype=Q_DTYPE, part=part)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    assert torch.equal(_bits(got[1]), _bits(want[1]))
+    _same_quantization(*got)
+
+
+@pytest.mark.parametrize("part", [0, 8, 100, -16])
+def test_silu_mul_quant_parts_refuse_a_part_that_is_no_power_of_two_of_16_up(part):
+    with pytest.raises(ValueError, match="part must be a power of two"):
+        silu_mul_quant_parts(torch.zeros(2, 64, device=DEVICE), part, Q_DTYPE)
 
 
 def test_cpu_twins_are_the_unfused_ops_then_quantize_rows():
