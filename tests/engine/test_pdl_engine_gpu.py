@@ -1,8 +1,9 @@
 """A whole engine with programmatic dependent launch against the same engine without it: an
 FP8 backbone on our decode GEMM and a bf16 one on it, LoRA rows in the batch, decode steps
 replayed from CUDA graphs; first with decode attention kept out of the PDL chain, then with it
-in (attention.PDL, the default) and weight prefetch too. PDL and prefetch only move launches and reads earlier, so greedy tokens
-and every sampled logit must be bit for bit the same. Fresh random prompts each run."""
+in (attention.PDL, the default) and weight prefetch too. PDL and prefetch only move launches
+and reads earlier, so greedy tokens and every sampled logit must be bit for bit the same.
+Fresh random prompts each run."""
 import pytest
 import torch
 
