@@ -69,10 +69,11 @@ def _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, kv_head, lo, n_start, n_
         offs = n0 + tl.arange(0, BLOCK_N)
         valid = (offs >= lo) & (offs < n_end)
         if PAGES_AHEAD:
-            slot = page.to(tl.int64) * PAGE + offs % PAGE
+            pages = page
             page = _tile_pages(table_row, n0 + BLOCK_N, lo, n_end, PAGE, BLOCK_N)
         else:
-            slot = tl.load(table_row + offs // PAGE, mask=valid, other=0).to(tl.int64) * PAGE + offs % PAGE
+            pages = _tile_pages(table_row, n0, lo, n_end, PAGE, BLOCK_N)
+        slot = pages.to(tl.int64) * PAGE + offs % PAGE
         kv_off = slot[:, None] * stride_kn + kv_head * stride_kh + dims[None, :]
         kv_mask = valid[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)

@@ -16,12 +16,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _warp_pages(table_row, n0, lo, n_end, PAGE: tl.constexpr, KEY_WARPS: tl.constexpr, KEYS: tl.constexpr):
-    """The tile at n0's key offsets [KEY_WARPS, KEYS] (warp w's keys in row w), their page
-    numbers (0 where not attended) and which are attended."""
+def _warp_keys(n0, lo, n_end, KEY_WARPS: tl.constexpr, KEYS: tl.constexpr):
+    """The tile at n0's key offsets [KEY_WARPS, KEYS] (warp w's keys in row w) and which are attended."""
     offs = n0 + tl.arange(0, KEY_WARPS)[:, None] * KEYS + tl.arange(0, KEYS)[None, :]
-    valid = (offs >= lo) & (offs < n_end)
-    return offs, tl.load(table_row + offs // PAGE, mask=valid, other=0), valid
+    return offs, (offs >= lo) & (offs < n_end)
+
+
+@triton.jit
+def _warp_pages(table_row, n0, lo, n_end, PAGE: tl.constexpr, KEY_WARPS: tl.constexpr, KEYS: tl.constexpr):
+    """The page numbers of the tile at n0's keys [KEY_WARPS, KEYS] (0 where not attended)."""
+    offs, valid = _warp_keys(n0, lo, n_end, KEY_WARPS, KEYS)
+    return tl.load(table_row + offs // PAGE, mask=valid, other=0)
 
 
 @triton.jit
@@ -38,11 +43,11 @@ def attend_by_warps(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, kv_head, lo, n_s
     m_w = tl.full([KEY_WARPS, GROUP_PAD], float("-inf"), tl.float32)
     l_w = tl.zeros([KEY_WARPS, GROUP_PAD], tl.float32)
     acc_w = tl.zeros([KEY_WARPS, GROUP_PAD, DIM_PAD], tl.float32)
-    _, page, _ = _warp_pages(table_row, n_start, lo, n_end, PAGE, KEY_WARPS, KEYS)
+    page = _warp_pages(table_row, n_start, lo, n_end, PAGE, KEY_WARPS, KEYS)
     for n0 in range(n_start, n_end, BLOCK_N):
-        offs, _, valid = _warp_pages(table_row, n0, lo, n_end, PAGE, KEY_WARPS, KEYS)
+        offs, valid = _warp_keys(n0, lo, n_end, KEY_WARPS, KEYS)
         slot = page.to(tl.int64) * PAGE + offs % PAGE
-        _, page, _ = _warp_pages(table_row, n0 + BLOCK_N, lo, n_end, PAGE, KEY_WARPS, KEYS)
+        page = _warp_pages(table_row, n0 + BLOCK_N, lo, n_end, PAGE, KEY_WARPS, KEYS)
         kv_off = slot[:, :, None] * stride_kn + kv_head * stride_kh + dims
         kv_mask = valid[:, :, None] & (dims < HEAD_DIM)
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)

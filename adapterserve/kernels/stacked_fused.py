@@ -153,21 +153,21 @@ def _stacked_fused_kernel(
         hi = tl.where(is_shrink, lo, hi)  # a shrink tile's columns are no B columns: it reads none
         rr, uses, row_used = _chunk_rows(lo, row0, end, CHUNK_ROWS)
         b_first = _b_rows(b_ptr, rr, row_used & (rr < hi), cols, n_mask, stride_br, stride_bn)
+    w_rows = w_ptr + cols[:, None] * stride_wn
     # an output tile's weight rows (a shrink tile's A rows are few and shared: not asked for)
-    prefetch_rows(w_ptr + cols[:, None] * stride_wn, w_ptr, n_mask & (is_shrink == 0), k_start, k_end, BLOCK_K,
-                  PREFETCH)
+    prefetch_rows(w_rows, w_ptr, n_mask & (is_shrink == 0), k_start, k_end, BLOCK_K, PREFETCH)
     pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if not HAS_LORA:  # no shrink tiles: the (rounded) activations against the weight
-        acc = k_loop(acc, xb_ptr + rm[:, None] * stride_xbm, w_ptr + cols[:, None] * stride_wn, rm, M, n_mask,
-                     k_start, k_end, BLOCK_K, NUM_STAGES, BASE_IEEE)
+        acc = k_loop(acc, xb_ptr + rm[:, None] * stride_xbm, w_rows, rm, M, n_mask, k_start, k_end, BLOCK_K,
+                     NUM_STAGES, BASE_IEEE)
     elif A_STAGES > 0:  # an e4m3 base: a K loop (and shared memory) of its own for the shrink tiles
         if is_shrink:
             acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, a_ptr + cols[:, None] * stride_an, rm, M, n_mask,
                          k_start, k_end, A_BLOCK_K, A_STAGES, IEEE)
         else:
-            acc = k_loop(acc, xb_ptr + rm[:, None] * stride_xbm, w_ptr + cols[:, None] * stride_wn, rm, M,
-                         n_mask, k_start, k_end, BLOCK_K, NUM_STAGES, BASE_IEEE)
+            acc = k_loop(acc, xb_ptr + rm[:, None] * stride_xbm, w_rows, rm, M, n_mask, k_start, k_end, BLOCK_K,
+                         NUM_STAGES, BASE_IEEE)
     else:  # a weight in the activations' dtype: one K loop over each tile's own rows
         # the base and stride chosen as scalars: a choice between two pointer tensors hides their alignment
         # from Triton 3.9's pipeliner, which then loads the weight rows synchronously (tests/kernels/pipeline_ptx.py)
