@@ -38,19 +38,19 @@ def _lengths(batch: int, spec: str) -> torch.Tensor:
     return torch.randint(int(lo), int(hi) + 1, (batch,), dtype=torch.int32)
 
 
-def _case(batch: int, spec: str):
+def decode_case(batch: int, spec: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16):
     lens = _lengths(batch, spec)
     pages = -(-int(lens.max()) // PAGE)
-    table = torch.randperm(batch * pages, dtype=torch.int32).view(batch, pages).cuda()
-    k = torch.randn(batch * pages * PAGE, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(batch * pages, dtype=torch.int32).view(batch, pages).to(device)
+    k = torch.randn(batch * pages * PAGE, KV_HEADS, DIM, device=device, dtype=dtype)
     v = torch.randn_like(k)
-    q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, HEADS, DIM, device=device, dtype=dtype)
     moved = 2 * int(lens.sum()) * KV_HEADS * DIM * 2 + 2 * q.numel() * 2
-    lens = lens.cuda()
+    lens = lens.to(device)
     return (q, k, v, table, lens, torch.zeros_like(lens), PAGE), moved
 
 
-def _fp8_case(args: tuple, moved: int) -> tuple[tuple, dict, int]:
+def fp8_cache_case(args: tuple, moved: int) -> tuple[tuple, dict, int]:
     """The case's cache in e4m3 with its scales (kernels/kv_fp8.py), and the bytes it moves:
     each key and value at 1 byte plus its 4-byte scale per head."""
     q, k, v, table, lens, start, page = args
@@ -76,7 +76,7 @@ def sweep(copy_bw: float, dots: str) -> None:
     print("| B | context | keys/tile | warps | stages | loop | ms | of copy |")
     print("|---|---|---|---|---|---|---|---|")
     for batch, spec in ((64, "128-1152"), (64, "640"), (256, "640")):
-        args, moved = _case(batch, spec)
+        args, moved = decode_case(batch, spec)
         out = torch.empty_like(args[0])
         order = torch.argsort(args[4], descending=True, stable=True).to(torch.int32)
         engine = (decode_blocks(batch, KV_HEADS, args[3].shape[1] * PAGE)[1], *decode_pipeline()[:2], "engine's")
@@ -118,8 +118,8 @@ def main() -> None:
         return
     rows = []
     for batch, spec in CASES:
-        args, moved = _case(batch, spec)
-        fp8_args, scales, fp8_moved = _fp8_case(args, moved)
+        args, moved = decode_case(batch, spec)
+        fp8_args, scales, fp8_moved = fp8_cache_case(args, moved)
         out = torch.empty_like(args[0])
         default = decode_splits(batch, KV_HEADS, args[3].shape[1] * PAGE)
         order = torch.argsort(args[4], descending=True, stable=True).to(torch.int32)

@@ -76,7 +76,8 @@ class Projection:
         self.lora_apart = LoraSlices(self.apart.lora_a(), b, row_start, rank, offsets, RANK)
         self.lora_kernels = LoraSlices(a.contiguous(), b, row_start, rank, offsets, RANK)
         self.fp8_config, self.bf16_config = fp8_decode_config(n, k), decode_config(n, k)  # the base GEMM's tiles
-        self.fused_tiles = {"bf16": self.bf16_config, "fp8": fp8_fused_config(n, k)}  # the engine's fused linear's
+        self.engine_tiles = {"bf16": self.bf16_config, "fp8": fp8_fused_config(n, k)}  # the engine's fused linear's
+        self.fused_tiles = dict(self.engine_tiles)  # what the fused variants run (fused_tiles.py sweeps them)
         self.k, self.n, self.n_slices = k, n, len(widths)
 
     def floor_bytes(self, adapters: int) -> int:

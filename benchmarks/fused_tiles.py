@@ -97,8 +97,6 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code runs, figures mean nothing")
     args = p.parse_args()
     stack, (device, _, shape, layers, tokens, slots, name) = stack_for(args.smoke, args.layers)
-    for proj in stack.projections:
-        proj.engine_tiles = dict(proj.fused_tiles)
     rows = []
     for dtype in args.dtypes.split(","):
         choices = SMOKE_TILES if args.smoke else BF16_TILES if dtype == "bf16" else FP8_TILES

@@ -30,10 +30,10 @@ from adapterserve.kernels.attention import paged_decode_attention
 from adapterserve.kernels.decode_gemm import fp8_decode_config, fp8_decode_gemm
 from adapterserve.kernels.fp8 import quantize_rows
 from adapterserve.kernels.fp8_fused import rms_norm_quant, silu_mul_quant
-from adapterserve.kernels.kv_fp8 import quantize_kv
 from adapterserve.models.fp8 import quantize_per_channel
+from benchmarks.attention_decode import decode_case, fp8_cache_case
 
-BATCH, PAGE, HEADS, KV_HEADS, DIM = 64, 16, 32, 8, 128
+BATCH = 64
 CONTEXTS = (128, 1152)  # each sequence's keys, drawn from this range
 LAUNCHES = 3  # each target's; ncu's --launch-skip picks among them
 TIMED = 50
@@ -41,21 +41,16 @@ DEVICE, DTYPE = "cuda", torch.bfloat16  # a CPU check of the launches sets "cpu"
 
 
 def _attention(block_n: int | None = None, stages: int = 2, fp8_cache: bool = False, key_warps: int = 0):
-    g = torch.Generator().manual_seed(0)
-    lens = torch.randint(CONTEXTS[0], CONTEXTS[1] + 1, (BATCH,), dtype=torch.int32, generator=g)
-    pages = -(-int(lens.max()) // PAGE)
-    table = torch.randperm(BATCH * pages, dtype=torch.int32, generator=g).view(BATCH, pages).to(DEVICE)
-    k = torch.randn(BATCH * pages * PAGE, KV_HEADS, DIM, device=DEVICE, dtype=DTYPE)
-    v, q = torch.randn_like(k), torch.randn(BATCH, HEADS, DIM, device=DEVICE, dtype=DTYPE)
+    torch.manual_seed(0)  # every target's process the same contexts and block tables
+    args, moved = decode_case(BATCH, f"{CONTEXTS[0]}-{CONTEXTS[1]}", DEVICE, DTYPE)
     scales = {}
     if fp8_cache:
-        (k, scales["k_scale"]), (v, scales["v_scale"]) = quantize_kv(k), quantize_kv(v)
-    order = torch.argsort(lens, descending=True, stable=True).to(torch.int32).to(DEVICE)
-    lens = lens.to(DEVICE)
+        args, scales, _ = fp8_cache_case(args, moved)
+    q, lens = args[0], args[4]
+    order = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
     out = torch.empty_like(q)
-    return lambda: paged_decode_attention(q, k, v, table, lens, torch.zeros_like(lens), PAGE, None, out,
-                                          block_n=block_n, num_stages=stages, key_warps=key_warps, splits=1,
-                                          order=order, **scales)
+    return lambda: paged_decode_attention(*args, None, out, block_n=block_n, num_stages=stages, key_warps=key_warps,
+                                          splits=1, order=order, **scales)
 
 
 GEMMS = {"fp8_gate_up": (28672, 4096), "fp8_down": (4096, 14336)}  # the 8B's (n, k)
