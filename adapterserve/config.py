@@ -85,8 +85,9 @@ class EngineConfig:
     pdl:              programmatic dependent launch of the decode step's Triton kernels (sm_90+,
                       process-wide: the engine built last sets it; kernels/pdl.py): "off",
                       "early", "exit", or "auto": ADAPTERSERVE_PDL when that is set, else "early"
-                      for an FP8 backbone on CUDA whose decode products run our decode GEMM
-                      (fp8_gemm auto, decode_w8a8, decode_weight_only), else "off"
+                      on CUDA where decode products run our Triton kernels: an FP8 backbone on our
+                      decode GEMM (fp8_gemm auto, decode_w8a8, decode_weight_only), or decode LoRA
+                      on the fused linear (lora_decode "fused", "auto" on Hopper), else "off"
     weight_prefetch:  K chunks of its weight rows each program of our decode GEMM and fused LoRA
                       linear asks L2 for before its PDL wait, so they stream while the kernel
                       before finishes (0 to 16; nothing where PDL is off), or None (the default):

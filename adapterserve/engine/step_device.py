@@ -81,14 +81,17 @@ def use_kernel_options(model: DecoderModel, config: EngineConfig) -> None:
 
 def pdl_for(config: EngineConfig) -> str | None:
     """The PDL mode EngineConfig.pdl asks for; None: ADAPTERSERVE_PDL's ("auto" with it set).
-    "auto" otherwise launches early where every decode base product is one of our Triton
-    kernels, which a PDL launch overlaps: an FP8 backbone on CUDA on our decode GEMM."""
+    "auto" otherwise launches early where the decode step's products run our Triton kernels,
+    whose launches PDL overlaps: an FP8 backbone on CUDA on our decode GEMM, and any backbone
+    whose decode LoRA runs the fused linear (kernels/stacked_fused.py; its one-adapter step
+    was 4.6% faster early on the H200 8B, base steps alike: BENCHMARKS.md)."""
     if config.pdl != "auto":
         return config.pdl
     if ENV in os.environ:
         return None
     on_gpu = torch.device(config.device).type == "cuda"
-    return "early" if on_gpu and config.fp8 and config.fp8_gemm in ("auto", *DECODE_FP8) else "off"
+    ours = config.fp8 and config.fp8_gemm in ("auto", *DECODE_FP8) or config.lora_decode_used == "fused"
+    return "early" if on_gpu and ours else "off"
 
 
 def apply_pdl(config: EngineConfig) -> None:

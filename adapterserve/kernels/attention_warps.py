@@ -1,6 +1,6 @@
 """Decode attention's loop with each tile's keys dealt among the program's warps.
 
-The CTA-wide loop (kernels/attention.py, ``_attend``) spreads a tile's keys over the warps of
+The CTA-wide loop (kernels/attention_tiles.py, ``_attend``) spreads a tile's keys over the warps of
 one tensor-core layout, so each tile's row max and row sum cross warps through shared memory,
 and the softmax weights go through shared memory again to become the second product's operand.
 Here warp w takes keys [w * KEYS, (w + 1) * KEYS) of every tile and keeps its own running max,
@@ -33,7 +33,7 @@ def _warp_pages(table_row, n0, lo, n_end, PAGE: tl.constexpr, KEY_WARPS: tl.cons
 def attend_by_warps(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, kv_head, lo, n_start, n_end, scale, stride_kn,
                     stride_kh, stride_sn, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, KEY_WARPS: tl.constexpr):
-    """_attend's contract (kernels/attention.py): (running max, sum of weights, unnormalised
+    """_attend's contract (kernels/attention_tiles.py): (running max, sum of weights, unnormalised
     output) of q [GROUP_PAD, DIM_PAD] over keys [max(lo, n_start), n_end), n_start a multiple of
     BLOCK_N; both products in q's dtype, float32 sums. Each tile's page numbers are read a tile
     ahead, so the loads are pipelined from 3 stages up."""

@@ -25,12 +25,14 @@ def _pdl_as_the_environment_says(monkeypatch):
     (dict(device="cuda", dtype="fp8"), "early"),  # fp8_gemm auto: our decode GEMM on sm_90
     (dict(device="cuda", dtype="fp8", fp8_gemm="decode_weight_only"), "early"),
     (dict(device="cuda", dtype="fp8", fp8_gemm="scaled_mm"), "off"),  # cuBLAS: nothing for PDL to overlap
-    (dict(device="cuda", dtype="bfloat16"), "off"),
+    (dict(device="cuda", dtype="bfloat16", lora_decode="kernels"), "off"),  # cuBLAS and the separate LoRA kernels
+    (dict(device="cuda", dtype="bfloat16", lora_decode="fused"), "early"),  # the fused LoRA linear
+    (dict(device="cpu", dtype="bfloat16", lora_decode="fused"), "off"),
     (dict(device="cpu", dtype="fp8"), "off"),
     (dict(device="cpu", dtype="float32", pdl="exit"), "exit"),  # asked for: as asked
     (dict(device="cuda", dtype="fp8", pdl="off"), "off"),
 ])
-def test_auto_launches_early_for_an_fp8_backbone_on_our_decode_gemm(options, mode):
+def test_auto_launches_early_where_decode_runs_our_gemms(options, mode):
     assert pdl_for(EngineConfig(**options)) == mode
 
 
