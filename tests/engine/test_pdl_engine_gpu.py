@@ -1,5 +1,5 @@
 """A whole engine with programmatic dependent launch against the same engine without it: an
-FP8 backbone on our decode GEMM and a bf16 one on it, LoRA rows in the batch, decode steps
+FP8 backbone on our decode GEMM and a bf16 one on it or on cuBLAS, LoRA rows in the batch, decode steps
 replayed from CUDA graphs; first with decode attention kept out of the PDL chain, then with it
 in (attention.PDL, the default) and weight prefetch too. PDL and prefetch only move launches
 and reads earlier, so greedy tokens and every sampled logit must be bit for bit the same.
@@ -48,7 +48,9 @@ def _run(model_dir, lora, prompts, mode: str, **options) -> list[tuple[list[int]
 
 
 @pytest.mark.parametrize("options", [dict(dtype="fp8", fp8_gemm="auto"),
-                                     dict(dtype="bfloat16", decode_gemm="triton")], ids=["fp8", "bf16"])
+                                     dict(dtype="bfloat16", decode_gemm="triton"),
+                                     dict(dtype="bfloat16")],  # cuBLAS and the fused LoRA linear: "auto" early
+                         ids=["fp8", "bf16", "bf16-cublas"])
 def test_pdl_early_gives_the_bits_of_pdl_off(setup, options, monkeypatch):
     monkeypatch.delenv(attention.PDL_ENV, raising=False)
     monkeypatch.setattr(attention, "PDL", False)
