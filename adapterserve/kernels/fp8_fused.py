@@ -94,8 +94,9 @@ def _silu_mul_quant_kernel(gu_ptr, out_ptr, q_ptr, s_ptr, stride_g, stride_o, st
 
 
 # values of a row per program of the two-launch SiLU-mul quantization (kernels/fp8_parts.py); 0: one
-# program per row, as measured on the H200 so far (benchmarks/fp8_row_ops.py compares them)
-SILU_PART = 0
+# program per row. Parts of 2,048 were faster than one pass at 1 to 2,048 tokens on the H200 (the 8B's
+# 64 tokens: 6.5 against 8.0 us; benchmarks/fp8_row_ops.py, BENCHMARKS.md), every bit the same
+SILU_PART = 2048
 
 
 def silu_mul_quant(gate_up: torch.Tensor, q_dtype: torch.dtype = FP8, block: int | None = None,
