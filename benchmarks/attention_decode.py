@@ -9,8 +9,8 @@ launch order), with the split count `decode_splits` picks (default) and with oth
 counts, side by side, and whole contexts longest first (and every split count) with both
 products on bf16 inputs (dots="input": tensor-core MMAs, the softmax weights rounded to bf16)
 against float32 ones (--sweep: tile shapes of whole contexts instead, keys per tile, warps,
-stages, and the loop: each tile's pages read in the tile (as it was), a tile ahead (pipelined),
-or pipelined with each tile's keys dealt among the warps; float32 products or, with --dots
+stages, and the loop: each tile's pages read in the tile (as it was) or a tile ahead (pipelined);
+float32 products or, with --dots
 input, bf16 ones). Bytes counted: every context key and
 value read once, queries read and outputs written once. Each variant's figure is the least of
 three medians, the variants of a case timed in turn. Prints one table naming the GPU; the copy
@@ -62,12 +62,10 @@ def fp8_cache_case(args: tuple, moved: int) -> tuple[tuple, dict, int]:
 
 # (keys per tile, warps, stages, loop): the engine's tiles first. Loops: "as it was" (each tile's pages read in
 # the tile: no load in flight while a tile is computed), "pipelined" (read a tile ahead, kernels/attention.py
-# PAGES_AHEAD: stages - 1 tiles in flight), "warps" (pipelined, each tile's keys dealt among the warps,
-# kernels/attention_warps.py)
+# PAGES_AHEAD: stages - 1 tiles in flight)
 SWEEP = [(n, w, 2, "as it was") for n in (128, 64, 32) for w in (4, 8)]
 SWEEP += [(n, w, st, "pipelined") for n in (128, 64, 32) for w in (4, 8) for st in (3, 4)]
 SWEEP += [(64, 4, 5, "pipelined"), (32, 4, 5, "pipelined"), (32, 4, 6, "pipelined")]
-SWEEP += [(n, w, st, "warps") for n, w in ((64, 4), (128, 8), (32, 2)) for st in (3, 4)]  # 16 keys a warp
 
 
 def sweep(copy_bw: float, dots: str) -> None:
@@ -79,11 +77,11 @@ def sweep(copy_bw: float, dots: str) -> None:
         args, moved = decode_case(batch, spec)
         out = torch.empty_like(args[0])
         order = torch.argsort(args[4], descending=True, stable=True).to(torch.int32)
-        engine = (decode_blocks(batch, KV_HEADS, args[3].shape[1] * PAGE)[1], *decode_pipeline()[:2], "engine's")
+        engine = (decode_blocks(batch, KV_HEADS, args[3].shape[1] * PAGE)[1], *decode_pipeline(), "engine's")
         for n, w, st, loop in [engine] + SWEEP:
             attention.PAGES_AHEAD = loop != "as it was"
-            fn = lambda: paged_decode_attention(*args, None, out, n, w, st, w if loop == "warps" else 0,  # noqa: E731
-                                                splits=1, order=order, dots=dots)
+            fn = lambda: paged_decode_attention(*args, None, out, n, w, st, splits=1, order=order,  # noqa: E731
+                                                dots=dots)
             try:
                 ms = triton.testing.do_bench(fn, return_mode="median")
             except Exception as exc:  # a shape the card cannot run (shared memory): say so, go on

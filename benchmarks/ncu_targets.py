@@ -12,8 +12,6 @@ Targets (--targets picks, comma-separated):
   attention_s3   the same with 3 stages: the pipelined loop (kernels/attention.py, PAGES_AHEAD) keeps a
                  second tile of keys and values in flight (136 KiB of shared memory: one program a multiprocessor)
   attention_n64  64-key tiles and 3 stages, pipelined (70 KiB: up to three programs a multiprocessor)
-  attention_warps  the same with each tile's keys dealt among the 4 warps (kernels/attention_warps.py: the
-                 softmax within a warp, no shared-memory round trip a tile)
   fp8_gate_up    the FP8 W8A8 decode GEMM of the 8B's gate|up (28,672 x 4,096), 64 tokens, engine tiles
   fp8_down       the same for down (4,096 x 14,336)
   fp8_silu_quant the FP8 backbone's SiLU-mul with its per-token quantization (64 tokens, 2 x 14,336 inputs)
@@ -40,7 +38,7 @@ TIMED = 50
 DEVICE, DTYPE = "cuda", torch.bfloat16  # a CPU check of the launches sets "cpu", float32 (the interpreter)
 
 
-def _attention(block_n: int | None = None, stages: int = 2, fp8_cache: bool = False, key_warps: int = 0):
+def _attention(block_n: int | None = None, stages: int = 2, fp8_cache: bool = False):
     torch.manual_seed(0)  # every target's process the same contexts and block tables
     args, moved = decode_case(BATCH, f"{CONTEXTS[0]}-{CONTEXTS[1]}", DEVICE, DTYPE)
     scales = {}
@@ -49,7 +47,7 @@ def _attention(block_n: int | None = None, stages: int = 2, fp8_cache: bool = Fa
     q, lens = args[0], args[4]
     order = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
     out = torch.empty_like(q)
-    return lambda: paged_decode_attention(*args, None, out, block_n=block_n, num_stages=stages, key_warps=key_warps,
+    return lambda: paged_decode_attention(*args, None, out, block_n=block_n, num_stages=stages,
                                           splits=1, order=order, **scales)
 
 
@@ -80,7 +78,6 @@ TARGETS = {
     "attention_kv8": lambda: _attention(fp8_cache=True),
     "attention_s3": lambda: _attention(stages=3),
     "attention_n64": lambda: _attention(block_n=64, stages=3),
-    "attention_warps": lambda: _attention(block_n=64, stages=3, key_warps=4),
     "fp8_gate_up": lambda: _fp8_gemm(*GEMMS["fp8_gate_up"]),
     "fp8_down": lambda: _fp8_gemm(*GEMMS["fp8_down"]),
     "fp8_silu_quant": lambda: _silu_quant(ROWS["fp8_silu_quant"]),

@@ -215,12 +215,12 @@ for stage in "$@"; do
       timeout ${STAGE_S:-400} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --hf-models '' \
         --budget-s 360 --workloads ${BF16_PDL_WORKLOADS:-base,base+pe,one,one+pe} --max-tokens 64 \
         --out "$OUT/et8b_bf16_pdl.md" > "$OUT/bf16pdl.log" 2>&1; grep -E "B=64 .*: 8b" "$OUT/bf16pdl.log" | tail -6 ;;
-    attnpipe)  # 1 GPU: decode attention's pipelined loops (pages read a tile ahead; keys dealt among warps): their GPU
-      # tests (bits of the loop as it was; against the twin), then the tile sweep of the three loops, bf16 products
+    attnpipe)  # 1 GPU: decode attention's pipelined loop (pages read a tile ahead): its GPU tests (bits of the
+      # loop as it was; against the twin), then the tile sweep of both loops, bf16 products
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention.py --tb=short -rfE 2>&1 | tail -3
       timeout ${BENCH_S:-300} python3 benchmarks/attention_decode.py --sweep --dots input 2>&1 | grep "|" ;;
-    attntiles)  # 1 GPU: the 8B engine with decode attention's tiles as they are against ATTN_TILES (keys,warps,stages
-      # [,split]: the pipelined loop needs 3 stages or more), FP8 then bf16, base and one adapter, a process each
+    attntiles)  # 1 GPU: the 8B engine with decode attention's tiles as they are against ATTN_TILES (keys,warps,stages:
+      # the pipelined loop needs 3 stages or more), FP8 then bf16, base and one adapter, a process each
       for dtype in fp8 bf16; do for tiles in "" ${ATTN_TILES:-64,4,3}; do
         ADAPTERSERVE_ATTENTION_TILES=$tiles timeout ${STAGE_S:-200} python3 benchmarks/engine_throughput.py --models 8b \
           --no-hotswap --dtype $dtype --hf-models '' --budget-s 170 --workloads ${TILES_WORKLOADS:-base,one} \
@@ -229,9 +229,9 @@ for stage in "$@"; do
       done; done ;;
     ncu)  # 1 GPU, a Firecracker machine (hardware counters; H200.md): the step's kernels furthest above their floor,
       # timed, then each under Nsight Compute (NCU_TARGETS; full reports in $OUT, key lines here)
-      python3 benchmarks/ncu_targets.py --time --targets ${NCU_TARGETS:-attention,attention_s3,attention_n64,attention_warps,attention_kv8,fp8_gate_up,fp8_down,fp8_silu_quant,fp8_norm_quant} \
+      python3 benchmarks/ncu_targets.py --time --targets ${NCU_TARGETS:-attention,attention_s3,attention_n64,attention_kv8,fp8_gate_up,fp8_down,fp8_silu_quant,fp8_norm_quant} \
         2>&1 | grep "|"
-      for t in $(echo ${NCU_TARGETS:-attention,attention_s3,attention_n64,attention_warps,attention_kv8,fp8_gate_up,fp8_down,fp8_silu_quant,fp8_norm_quant} | tr , " "); do
+      for t in $(echo ${NCU_TARGETS:-attention,attention_s3,attention_n64,attention_kv8,fp8_gate_up,fp8_down,fp8_silu_quant,fp8_norm_quant} | tr , " "); do
         timeout ${NCU_S:-120} ncu --clock-control none -k regex:"_decode_kernel|_decode_gemm_kernel|_quant_kernel" --launch-skip 2 \
           --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
           --section MemoryWorkloadAnalysis --section SchedulerStats python3 benchmarks/ncu_targets.py --targets $t \

@@ -26,9 +26,7 @@ from adapterserve.kernels.pdl import pdl_args, pdl_wait
 # parts 64 (chosen by benchmarks/attention_decode.py --sweep; figures in BENCHMARKS.md)
 WIDE_BLOCK_N, DEFAULT_BLOCK_N = 128, 64
 WARPS, STAGES = 4, 2  # every decode launch's on a GPU
-KEY_WARPS = 0  # warps that deal each tile's keys among them (kernels/attention_warps.py); 0: every warp every key
-# "keys,warps,stages[,split]" for every decode launch on a GPU: a measurement's override of the tiles above
-# ("split": the warps deal each tile's keys among them)
+# "keys,warps,stages" for every decode launch on a GPU: a measurement's override of the tiles above
 TILES_ENV = "ADAPTERSERVE_ATTENTION_TILES"
 WIDE_BLOCK_PROGRAMS = 1024
 SPLIT_BELOW_PROGRAMS = 512  # split contexts while sequences x kv heads are fewer than this
@@ -62,7 +60,7 @@ def _decode_kernel(
     scale, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
-    INPUT_DOTS: tl.constexpr, HAS_ORDER: tl.constexpr, PAGES_AHEAD: tl.constexpr, KEY_WARPS: tl.constexpr,
+    INPUT_DOTS: tl.constexpr, HAS_ORDER: tl.constexpr, PAGES_AHEAD: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
 ):
     # programs start in grid order, kv heads fastest: with the sequences longest first, the
@@ -78,7 +76,7 @@ def _decode_kernel(
                                       DIM_PAD, INPUT_DOTS)
     m_i, l_i, acc = attend_tiles(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr + b * stride_tb, kv_head, lo,
                                  (lo // BLOCK_N) * BLOCK_N, length, scale, stride_kn, stride_kh, stride_sn, GROUP_PAD,
-                                 HEAD_DIM, DIM_PAD, PAGE, BLOCK_N, KV_FP8, INPUT_DOTS, PAGES_AHEAD, KEY_WARPS)
+                                 HEAD_DIM, DIM_PAD, PAGE, BLOCK_N, KV_FP8, INPUT_DOTS, PAGES_AHEAD)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -91,7 +89,7 @@ def _decode_split_kernel(
     scale, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr,
-    INPUT_DOTS: tl.constexpr, SPLITS: tl.constexpr, PAGES_AHEAD: tl.constexpr, KEY_WARPS: tl.constexpr,
+    INPUT_DOTS: tl.constexpr, SPLITS: tl.constexpr, PAGES_AHEAD: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
 ):
     """Part `split` of each context: whole tiles, the parts of one sequence near equal."""
@@ -106,7 +104,7 @@ def _decode_split_kernel(
                                       DIM_PAD, INPUT_DOTS)
     m_i, l_i, acc = attend_tiles(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr + b * stride_tb, kv_head, lo, n_start,
                                  n_end, scale, stride_kn, stride_kh, stride_sn, GROUP_PAD, HEAD_DIM, DIM_PAD, PAGE,
-                                 BLOCK_N, KV_FP8, INPUT_DOTS, PAGES_AHEAD, KEY_WARPS)
+                                 BLOCK_N, KV_FP8, INPUT_DOTS, PAGES_AHEAD)
     part = b * stride_pb + heads * stride_ph + split * stride_ps  # an empty part leaves max -inf, sum 0
     head_ok = tl.arange(0, GROUP_PAD) < GROUP
     tl.store(part_m_ptr + part, m_i, mask=head_ok)
@@ -164,30 +162,27 @@ def decode_blocks(batch: int, kv_heads: int, max_keys: int, on_gpu: bool = True,
     return splits, WIDE_BLOCK_N if wide else DEFAULT_BLOCK_N
 
 
-def decode_pipeline() -> tuple[int, int, int]:
-    """(warps, software pipeline stages, warps dealing each tile's keys) of every decode launch:
-    WARPS, STAGES, KEY_WARPS unless ADAPTERSERVE_ATTENTION_TILES says otherwise."""
+def decode_pipeline() -> tuple[int, int]:
+    """(warps, software pipeline stages) of every decode launch: WARPS, STAGES unless
+    ADAPTERSERVE_ATTENTION_TILES says otherwise."""
     forced = forced_tiles()
-    return (WARPS, STAGES, KEY_WARPS) if forced is None else forced[1:]
+    return (WARPS, STAGES) if forced is None else forced[1:]
 
 
-def forced_tiles() -> tuple[int, int, int, int] | None:
-    """ADAPTERSERVE_ATTENTION_TILES as (keys per tile, warps, stages, warps dealing the keys), or
-    None where unset; keys and warps not powers of two, out of range, or split to under 16 keys a
-    warp, are refused."""
+def forced_tiles() -> tuple[int, int, int] | None:
+    """ADAPTERSERVE_ATTENTION_TILES as (keys per tile, warps, stages), or None where unset; keys
+    and warps not powers of two, or out of range, are refused."""
     value = os.environ.get(TILES_ENV, "").strip()
     if not value:
         return None
     parts = [p.strip() for p in value.split(",")]
-    split = len(parts) == 4 and parts[3] == "split"
-    if len(parts) not in (3, 4) or len(parts) == 4 and not split or not all(p.isdigit() for p in parts[:3]):
-        raise ValueError(f"{TILES_ENV} must be keys,warps,stages[,split] (e.g. 64,4,3), got {value!r}")
-    keys, warps, stages = (int(p) for p in parts[:3])
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"{TILES_ENV} must be keys,warps,stages (e.g. 64,4,3), got {value!r}")
+    keys, warps, stages = (int(p) for p in parts)
     powers = all(n & (n - 1) == 0 for n in (keys, warps))
-    if not (powers and 16 <= keys <= 256 and 1 <= warps <= 16 and 1 <= stages <= 8) or split and keys < 16 * warps:
-        raise ValueError(f"{TILES_ENV}: keys (16-256) and warps (1-16) powers of two, stages 1-8, at least 16 keys "
-                         f"a warp when split; got {value!r}")
-    return keys, warps, stages, warps if split else 0
+    if not (powers and 16 <= keys <= 256 and 1 <= warps <= 16 and 1 <= stages <= 8):
+        raise ValueError(f"{TILES_ENV}: keys (16-256) and warps (1-16) powers of two, stages 1-8; got {value!r}")
+    return keys, warps, stages
 
 
 def paged_decode_attention(
@@ -203,7 +198,6 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    key_warps: int | None = None,
     splits: int | None = None,
     order: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
@@ -219,8 +213,6 @@ def paged_decode_attention(
     out:          [B, Hq, D]
     block_n, num_warps, num_stages: keys per tile, warps, software pipeline stages (default:
                   decode_blocks, decode_pipeline; the loop overlaps its loads from 3 stages up)
-    key_warps:    warps that deal each tile's keys among them, at least 16 keys each
-                  (kernels/attention_warps.py; default: decode_pipeline's; 0: every warp every key)
     splits:       parts per context (default: decode_splits of the shapes)
     order:        [B] int32, the sequences longest context first (optional; whole contexts
                   only): programs start in this order, which shortens the tail
@@ -234,20 +226,16 @@ def paged_decode_attention(
     batch, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
     group = num_heads // num_kv
-    warps, stages, dealt = decode_pipeline()
+    warps, stages = decode_pipeline()
     num_warps, num_stages = num_warps or warps, num_stages or stages
-    key_warps = (dealt if q.is_cuda else 0) if key_warps is None else key_warps
     if splits is None or block_n is None:
         chosen = decode_blocks(batch, num_kv, block_tables.shape[1] * page_size, q.is_cuda, splits)
         splits, block_n = chosen if block_n is None else (chosen[0], block_n)
-    if key_warps and (block_n % key_warps or block_n // key_warps < 16):
-        raise ValueError(f"paged_decode_attention: {key_warps} warps dealing {block_n} keys a tile leave a warp "
-                         "under 16 keys or a remainder")
     common = dict(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         DIM_PAD=max(16, triton.next_power_of_2(head_dim)), PAGE=page_size,
         BLOCK_N=block_n, HAS_WINDOW=window is not None, KV_FP8=k_cache.dtype == FP8, INPUT_DOTS=input_dots(dots),
-        PAGES_AHEAD=int(PAGES_AHEAD), KEY_WARPS=key_warps, num_warps=num_warps, num_stages=num_stages,
+        PAGES_AHEAD=int(PAGES_AHEAD), num_warps=num_warps, num_stages=num_stages,
     )
     k_scale, v_scale, stride_sn = kv_scales(k_cache, k_scale, v_scale)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), stride_sn, block_tables.stride(0))

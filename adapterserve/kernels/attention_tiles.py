@@ -6,13 +6,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from adapterserve.kernels.attention_warps import attend_by_warps
-
 
 @triton.jit
-def _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, kv_head, lo, n_start, n_end, scale, stride_kn, stride_kh,
-            stride_sn, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE: tl.constexpr,
-            BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, INPUT_DOTS: tl.constexpr, PAGES_AHEAD: tl.constexpr):
+def attend_tiles(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, kv_head, lo, n_start, n_end, scale, stride_kn,
+                 stride_kh, stride_sn, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, INPUT_DOTS: tl.constexpr,
+                 PAGES_AHEAD: tl.constexpr):
     """Online softmax of q [GROUP_PAD, DIM_PAD] over keys [max(lo, n_start), n_end), n_start
     a multiple of BLOCK_N: (running max, sum of weights, unnormalised output), float32.
     KV_FP8: e4m3 entries, their scales [slots, Hkv] (slot stride stride_sn) applied to each
@@ -64,21 +63,6 @@ def _tile_pages(table_row, n0, lo, n_end, PAGE: tl.constexpr, BLOCK_N: tl.conste
     """The page number of each key of the tile starting at n0 (0 where the key is not attended)."""
     offs = n0 + tl.arange(0, BLOCK_N)
     return tl.load(table_row + offs // PAGE, mask=(offs >= lo) & (offs < n_end), other=0)
-
-
-@triton.jit
-def attend_tiles(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, kv_head, lo, n_start, n_end, scale, stride_kn,
-                 stride_kh, stride_sn, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr, INPUT_DOTS: tl.constexpr,
-                 PAGES_AHEAD: tl.constexpr, KEY_WARPS: tl.constexpr):
-    """_attend, or with KEY_WARPS each tile's keys dealt among that many warps (attention_warps)."""
-    if KEY_WARPS:
-        return attend_by_warps(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, kv_head, lo, n_start, n_end, scale,
-                               stride_kn, stride_kh, stride_sn, GROUP_PAD, HEAD_DIM, DIM_PAD, PAGE, BLOCK_N, KV_FP8,
-                               KEY_WARPS)
-    return _attend(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_row, kv_head, lo, n_start, n_end, scale, stride_kn,
-                   stride_kh, stride_sn, GROUP_PAD, HEAD_DIM, DIM_PAD, PAGE, BLOCK_N, KV_FP8, INPUT_DOTS,
-                   PAGES_AHEAD)
 
 
 @triton.jit

@@ -80,7 +80,7 @@ def test_decode_attention_joins_the_pdl_chain_unless_kept_out(monkeypatch):
 
 
 @pytest.mark.parametrize("value", ["64,4", "64,3,2", "8,4,2", "512,4,2", "64,4,9", "a,b,c", "64,4,-1",
-                                   "32,4,3,split", "64,4,3,warps", "64,4,3,split,x"])
+                                   "32,4,3,split", "64,4,3,4"])
 def test_decode_attention_tiles_refuse_a_bad_override(monkeypatch, value):
     monkeypatch.setenv(attention.TILES_ENV, value)
     with pytest.raises(ValueError, match=attention.TILES_ENV):
@@ -89,12 +89,10 @@ def test_decode_attention_tiles_refuse_a_bad_override(monkeypatch, value):
 
 def test_decode_attention_tiles_take_the_override_for_every_launch(monkeypatch):
     monkeypatch.delenv(attention.TILES_ENV, raising=False)
-    assert attention.decode_pipeline() == (attention.WARPS, attention.STAGES, attention.KEY_WARPS)
+    assert attention.decode_pipeline() == (attention.WARPS, attention.STAGES)
     assert attention.decode_blocks(64, 8, 1024) == (1, attention.WIDE_BLOCK_N)
-    monkeypatch.setenv(attention.TILES_ENV, "128,8,3,split")
-    assert attention.decode_pipeline() == (8, 3, 8)  # each warp 16 of a tile's keys
     monkeypatch.setenv(attention.TILES_ENV, " 32,8,5 ")
-    assert attention.decode_pipeline() == (8, 5, 0)
+    assert attention.decode_pipeline() == (8, 5)
     assert attention.decode_blocks(64, 8, 1024) == (1, 32)  # whole contexts
     assert attention.decode_blocks(2, 8, 8192) == (attention.decode_splits(2, 8, 8192), 32)  # split ones
     assert attention.decode_blocks(64, 8, 1024, on_gpu=False) == (1, 16)  # the CPU's own

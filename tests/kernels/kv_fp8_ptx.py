@@ -16,9 +16,9 @@ from adapterserve.kernels import attention, fused, prefill_attention
 from tests.kernels.ptx import TARGETS, compile_ptx, mma_count
 
 ATTENTION = {"GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": 128, "DIM_PAD": 128, "PAGE": 16, "BLOCK_N": 64,
-             "HAS_WINDOW": False, "KV_FP8": 1, "INPUT_DOTS": 0, "PAGES_AHEAD": 1, "KEY_WARPS": 0, "USE_PDL": 0}
+             "HAS_WINDOW": False, "KV_FP8": 1, "INPUT_DOTS": 0, "PAGES_AHEAD": 1, "USE_PDL": 0}
 PREFILL = {k: v for k, v in ATTENTION.items()
-           if k not in ("INPUT_DOTS", "PAGES_AHEAD", "KEY_WARPS", "USE_PDL")}  # products in q's dtype; no PDL
+           if k not in ("INPUT_DOTS", "PAGES_AHEAD", "USE_PDL")}  # products in q's dtype; no PDL
 KERNELS = {  # name: (kernel, its constexprs)
     "decode": (attention._decode_kernel, {**ATTENTION, "HAS_ORDER": True}),
     "decode_bf16_cache": (attention._decode_kernel, {**ATTENTION, "HAS_ORDER": True, "KV_FP8": 0}),

@@ -26,7 +26,7 @@ from tests.kernels.ptx import compile_ptx, signature, with_defaults
 GEMM = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2, "NUM_STAGES": 4, "IEEE": False}
 SLICES = {"NUM_SLICES": 3, "HAS_BIAS": False}
 ATTENTION = {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128, "PAGE": 16, "BLOCK_N": 64,
-             "HAS_WINDOW": False, "KV_FP8": False, "INPUT_DOTS": True, "PAGES_AHEAD": 1, "KEY_WARPS": 0}
+             "HAS_WINDOW": False, "KV_FP8": False, "INPUT_DOTS": True, "PAGES_AHEAD": 1}
 TILED = {"IEEE": False, "BLOCK_M": 16, "BLOCK_N": 128, "CHUNK_ROWS": 16}
 KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
     "rms_norm": (fused._rms_norm_kernel, {"BLOCK": 4096}),

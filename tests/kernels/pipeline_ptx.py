@@ -18,7 +18,7 @@ from tests.kernels.fused_apart_ptx import TILES, with_shrink_loop
 from tests.kernels.ptx import compile_form, signature, with_defaults
 
 ATTENTION = {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128, "PAGE": 16, "BLOCK_N": 64,
-             "HAS_WINDOW": False, "KV_FP8": False, "INPUT_DOTS": True, "HAS_ORDER": True, "KEY_WARPS": 0}
+             "HAS_WINDOW": False, "KV_FP8": False, "INPUT_DOTS": True, "HAS_ORDER": True}
 INT_POINTERS = {"table_ptr", "lens_ptr", "start_ptr", "order_ptr", "count_ptr", "rank_ptr", "row_start_ptr",
                 "slots_ptr"}
 FLOAT_POINTERS = {"ks_ptr", "vs_ptr", "part_ptr", "part_a_ptr", "xs_ptr", "ws_ptr"}
@@ -52,14 +52,11 @@ def _loop_body(compiled) -> list[str]:
     return body
 
 
-def attention_form(pages_ahead: int, stages: int, key_warps: int = 0) -> dict:
-    """Shared bytes, the K/V buffers' depths, and the values the loop stores to shared memory to
-    change their layout (the softmax weights, where the warps share each key)."""
-    consts = {**ATTENTION, "PAGES_AHEAD": pages_ahead, "KEY_WARPS": key_warps}
+def attention_form(pages_ahead: int, stages: int) -> dict:
+    """Shared bytes and the K/V buffers' depths."""
+    consts = {**ATTENTION, "PAGES_AHEAD": pages_ahead}
     compiled = _compile(attention._decode_kernel, consts, 4, stages)
-    tile = f"{key_warps}x{64 // key_warps}x128xbf16" if key_warps else "64x128xbf16"
-    stores = sum("ttg.local_alloc %" in line for line in _loop_body(compiled))
-    return {"shared": compiled.metadata.shared, "kv_buffers": _buffers(compiled, tile), "loop_layout_stores": stores}
+    return {"shared": compiled.metadata.shared, "kv_buffers": _buffers(compiled, "64x128xbf16")}
 
 
 def fused_linear_form() -> dict:
@@ -72,7 +69,6 @@ def fused_linear_form() -> dict:
 def main() -> None:
     forms = {f"attention_ahead{ahead}_stages{stages}": attention_form(ahead, stages)
              for ahead in (0, 1) for stages in (2, 3)}
-    forms["attention_key_warps4_stages3"] = attention_form(1, 3, key_warps=4)
     print(json.dumps({**forms, "fused_linear": fused_linear_form()}))
 
 

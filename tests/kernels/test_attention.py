@@ -115,46 +115,6 @@ def test_the_loop_with_pages_read_ahead_is_pipelined():
     assert forms["attention_ahead1_stages2"] == forms["attention_ahead0_stages2"], forms
 
 
-def test_warps_dealing_the_keys_keep_the_softmax_within_a_warp():
-    """With each tile's keys dealt among the warps the loop stores nothing to shared memory to
-    change a layout (the CTA-wide loop stores its softmax weights there every tile), and its K and
-    V are double-buffered at 3 stages too."""
-    forms = compiled_counts("tests.kernels.pipeline_ptx")
-    dealt, shared_keys = forms["attention_key_warps4_stages3"], forms["attention_ahead1_stages3"]
-    assert dealt["loop_layout_stores"] == 0 < shared_keys["loop_layout_stores"], forms
-    assert dealt["kv_buffers"] == [2], forms
-
-
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("fp8_cache", [False, True])
-@pytest.mark.parametrize("dots", ["float32", "input"])
-def test_warps_dealing_the_keys_match_reference(splits, window, fp8_cache, dots):
-    """Each of 4 warps takes 16 keys of a 64-key tile: contexts shorter than a tile leave warps
-    without keys, skipped prefix entries and windows cut into warps' keys, parts merge them."""
-    dtype = (torch.float16 if dots == "input" else torch.float32) if DEVICE == "cpu" else torch.bfloat16
-    q, k, v, table, lens, start = _case(6, 8, 2, 32, 4, 150, dtype)
-    scales = {}
-    if fp8_cache:
-        (k, scales["k_scale"]), (v, scales["v_scale"]) = quantize_kv(k), quantize_kv(v)
-    out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, k, v, table, lens, start, 4, window, out, block_n=64, num_warps=4, num_stages=3,
-                           key_warps=4, splits=splits, dots=dots, **scales)
-    want = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
-    reference.paged_decode_attention(q, k, v, table, lens, start, 4, window, want, **scales)
-    assert torch.isfinite(out).all()
-    tol = 1e-4 if out.dtype == torch.float32 else 2e-2
-    assert (out.float() - want).norm() / want.norm() < tol
-    assert torch.equal(out[0].float(), torch.zeros_like(want[0]))  # padding row writes zeros
-
-
-def test_warps_dealing_under_16_keys_each_are_refused():
-    q, k, v, table, lens, start = _case(2, 4, 2, 16, 4, 20, torch.float32)
-    out = torch.empty_like(q)
-    with pytest.raises(ValueError, match="under 16 keys"):
-        paged_decode_attention(q, k, v, table, lens, start, 4, None, out, block_n=32, key_warps=4)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
 @pytest.mark.parametrize("block_n, stages", [(128, 2), (128, 3), (64, 3), (64, 4), (32, 5)])
@@ -207,18 +167,3 @@ def test_gpu_default_splits_for_few_long_contexts(window):
     reference.paged_decode_attention(q, k, v, table, lens, start, 16, window, want)
     rel = (out.float() - want).norm() / want.norm()
     assert rel < 2e-2, rel.item()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
-@pytest.mark.parametrize("block_n, warps, stages", [(64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 4, 4)])
-@pytest.mark.parametrize("splits", [1, 4])
-def test_gpu_warps_dealing_the_keys_match_reference(block_n, warps, stages, splits):
-    """The engine's heads (32 / 8, D=128, page 16), contexts of up to 1,100 keys, bf16 products."""
-    q, k, v, table, lens, start = _case(16, 32, 8, 128, 16, 1100, torch.bfloat16)
-    out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, k, v, table, lens, start, 16, None, out, block_n=block_n, num_warps=warps,
-                           num_stages=stages, key_warps=warps, splits=splits, dots="input")
-    want = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)
-    reference.paged_decode_attention(q, k, v, table, lens, start, 16, None, want)
-    assert (out.float() - want).norm() / want.norm() < 2e-2
