@@ -228,7 +228,8 @@ for stage in "$@"; do
         echo "$dtype, attention tiles: ${tiles:-default}"; grep -E "B=64 .*: 8b" "$OUT/tiles_${dtype}_${tiles:-engine}.log" | tail -3
       done; done ;;
     ncu)  # 1 GPU, a Firecracker machine (hardware counters; H200.md): the step's kernels furthest above their floor,
-      # timed, then each under Nsight Compute (NCU_TARGETS; full reports in $OUT, key lines here)
+      # timed, then each under Nsight Compute (NCU_TARGETS; full reports in $OUT, key lines here; NCU_STALLS=1: also
+      # each stall reason's cycles and the source lines stalled at)
       python3 benchmarks/ncu_targets.py --time --targets ${NCU_TARGETS:-attention,attention_s3,attention_n64,attention_kv8,fp8_gate_up,fp8_down,fp8_silu_quant,fp8_norm_quant} \
         2>&1 | grep "|"
       for t in $(echo ${NCU_TARGETS:-attention,attention_s3,attention_n64,attention_kv8,fp8_gate_up,fp8_down,fp8_silu_quant,fp8_norm_quant} | tr , " "); do
@@ -238,6 +239,15 @@ for stage in "$@"; do
           > "$OUT/ncu_$t.txt" 2>&1
         echo "--- $t"; grep -E "^  [^ ]|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Shared Memory Per Block|Block Limit|Waves Per SM|Issued Warp|Eligible Warps|No Eligible|Warp Cycles Per Issued" \
           "$OUT/ncu_$t.txt" | head -30
+        if [ "${NCU_STALLS:-0}" = 1 ]; then  # cycles a warp waits per issued instruction, by stall reason, and the
+          # source lines the sampled warps stalled at most (SourceCounters)
+          timeout ${NCU_S:-120} ncu --clock-control none -k regex:"_decode_kernel|_decode_gemm_kernel|_quant_kernel" \
+            --launch-skip 2 --launch-count 1 --section SourceCounters \
+            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+            python3 benchmarks/ncu_targets.py --targets $t > "$OUT/ncu_stalls_$t.txt" 2>&1
+          grep -E "issue_stalled" "$OUT/ncu_stalls_$t.txt" | awk '{v = $NF; gsub(",", "", v); if (v + 0 >= 0.1) print v, $1}' \
+            | sort -g -r | head -8
+        fi
       done ;;
     tiles)  # 1 GPU: the fused linear's tiles swept per projection, one adapter (TILE_DTYPES, TILE_KINDS)
       timeout ${BENCH_S:-300} python3 benchmarks/fused_tiles.py --dtypes ${TILE_DTYPES:-bf16,fp8} \
