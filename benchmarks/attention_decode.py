@@ -1,6 +1,6 @@
 """Paged decode attention: whole contexts against split contexts (split-KV), Llama-8B heads.
 
-    PYTHONPATH=. python benchmarks/attention_decode.py [--sweep [--dots input]]
+    PYTHONPATH=. python benchmarks/attention_decode.py [--sweep [--dots input] | --balanced]
 
 Cases: batch x context length (uniform, or "a-b": each sequence's length drawn from
 a..b), 32 query / 8 KV heads, D=128, page 16, bf16, 64 keys per tile. For each, the
@@ -11,9 +11,12 @@ products on bf16 inputs (dots="input": tensor-core MMAs, the softmax weights rou
 against float32 ones (--sweep: tile shapes of whole contexts instead, keys per tile, warps,
 stages, and the loop: each tile's pages read in the tile (as it was) or a tile ahead (pipelined);
 float32 products or, with --dots
-input, bf16 ones). Bytes counted: every context key and
-value read once, queries read and outputs written once. Each variant's figure is the least of
-three medians, the variants of a case timed in turn. Prints one table naming the GPU; the copy
+input, bf16 ones; --balanced: the engine's launch against split contexts and the batch's tiles dealt
+evenly among resident programs, kernels/attention_balanced.py, bf16 and FP8 caches). Bytes counted:
+every context key and value read once, queries read and outputs written once. Every variant is timed
+as the engine runs it, in a CUDA graph (of REPS launches, so the host's launch work is off the clock;
+the cases' caches exceed L2 but the smallest); each figure is the least of three medians, the
+variants of a case timed in turn. Prints one table naming the GPU; the copy
 bandwidth is measured in the same run.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ import triton.testing
 from adapterserve.kernels import attention
 from adapterserve.kernels.attention import decode_blocks, decode_pipeline, decode_splits, paged_decode_attention
 from adapterserve.kernels.kv_fp8 import quantize_kv
+from benchmarks.measure import capture
 
 CASES = ((64, "640"), (64, "128-1152"), (256, "640"), (16, "2048"), (8, "4096"), (1, "4096"), (1, "16384"))
 PAGE, HEADS, KV_HEADS, DIM = 16, 32, 8, 128
@@ -83,7 +87,7 @@ def sweep(copy_bw: float, dots: str) -> None:
             fn = lambda: paged_decode_attention(*args, None, out, n, w, st, splits=1, order=order,  # noqa: E731
                                                 dots=dots)
             try:
-                ms = triton.testing.do_bench(fn, return_mode="median")
+                ms = _fastest_of_rounds([fn])[0]
             except Exception as exc:  # a shape the card cannot run (shared memory): say so, go on
                 print(f"| {batch} | {spec} | {n} | {w} | {st} | {loop} | {type(exc).__name__} | - |")
                 continue
@@ -91,16 +95,47 @@ def sweep(copy_bw: float, dots: str) -> None:
         attention.PAGES_AHEAD = True
 
 
+# (keys per tile, warps, stages) of the balanced kernel
+BALANCED_TILES = ((128, 4, 2), (64, 4, 2), (64, 4, 3), (32, 4, 3))
+
+
+def balanced(copy_bw: float) -> None:
+    """Each case with the engine's launch (decode_blocks' tiles and splits, whole contexts longest
+    first), split into 2 and 4 parts, and the balanced kernel at BALANCED_TILES, bf16 products,
+    on a bf16 and an FP8 cache."""
+    print("| B | context | cache | launch | ms | of copy | speed-up |")
+    print("|---|---|---|---|---|---|---|")
+    for batch, spec in CASES:
+        args, moved = decode_case(batch, spec)
+        fp8_args, scales, fp8_moved = fp8_cache_case(args, moved)
+        out = torch.empty_like(args[0])
+        order = torch.argsort(args[4], descending=True, stable=True).to(torch.int32)
+        for cache, case, kw, nbytes in (("bf16", args, {}, moved), ("fp8", fp8_args, scales, fp8_moved)):
+            labels = ["engine's", "split 2", "split 4"] + [f"balanced {n}/{w}/{st}" for n, w, st in BALANCED_TILES]
+            fns = [lambda: paged_decode_attention(*case, None, out, order=order, dots="input", **kw)]
+            fns += [lambda s=s: paged_decode_attention(*case, None, out, splits=s, dots="input", **kw) for s in (2, 4)]
+            fns += [lambda n=n, w=w, st=st: paged_decode_attention(*case, None, out, n, w, st, balanced=True,
+                                                                   dots="input", **kw)
+                    for n, w, st in BALANCED_TILES]
+            times = _fastest_of_rounds(fns)
+            for label, ms in zip(labels, times):
+                print(f"| {batch} | {spec} | {cache} | {label} | {ms:.4f} | {nbytes / ms / 1e6 / copy_bw:.2f} "
+                      f"| {times[0] / ms:.2f} |", flush=True)
+
+
 ROUNDS = 3  # every variant of a case timed once a round; its fastest median kept
+REPS = 8  # launches a variant's CUDA graph holds
 
 
 def _fastest_of_rounds(fns: list) -> list[float]:
-    """ms per call of each fn: the least of ROUNDS medians, the variants taken in turn each round
-    (a disturbance of the card then touches one round of a variant, not all of its samples)."""
+    """ms per call of each fn, each captured REPS times in a CUDA graph: the least of ROUNDS medians
+    of a replay over REPS, the variants taken in turn each round (a disturbance of the card then
+    touches one round of a variant, not all of its samples)."""
+    graphs = [capture(lambda fn=fn: [fn() for _ in range(REPS)])[0] for fn in fns]
     best = [float("inf")] * len(fns)
     for _ in range(ROUNDS):
-        for i, fn in enumerate(fns):
-            best[i] = min(best[i], triton.testing.do_bench(fn, return_mode="median"))
+        for i, graph in enumerate(graphs):
+            best[i] = min(best[i], triton.testing.do_bench(graph.replay, return_mode="median") / REPS)
     return best
 
 
@@ -113,6 +148,10 @@ def main() -> None:
         dots = sys.argv[sys.argv.index("--dots") + 1] if "--dots" in sys.argv else "float32"
         print(f"\n{torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.0f} GB/s (read+write); {dots} products")
         sweep(copy_bw, dots)
+        return
+    if "--balanced" in sys.argv:
+        print(f"\n{torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.0f} GB/s (read+write); bf16 products")
+        balanced(copy_bw)
         return
     rows = []
     for batch, spec in CASES:

@@ -63,7 +63,8 @@ def test_the_engine_sets_its_process_prefetch(llama_dir, monkeypatch):
     assert pdl.prefetch_setting() == 2
 
 
-@pytest.mark.parametrize("env", [pdl.ENV, pdl.PREFETCH_ENV, attention.PDL_ENV, attention.TILES_ENV])
+@pytest.mark.parametrize("env", [pdl.ENV, pdl.PREFETCH_ENV, attention.PDL_ENV, attention.TILES_ENV,
+                                 attention.SPLITS_ENV, attention.BALANCED_ENV])
 def test_a_bad_environment_variable_stops_the_engine_s_build(llama_dir, monkeypatch, env):
     monkeypatch.setenv(env, "lots")
     with pytest.raises(ValueError, match=env):
@@ -103,3 +104,26 @@ def test_the_engine_sets_its_attention_layers_dots(llama_dir):
     assert {attn.decode_dots for attn in engine.model.attention_layers()} == {"float32"}
     plain = Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1)
     assert {attn.decode_dots for attn in plain.model.attention_layers()} == {"auto"}
+
+
+@pytest.mark.parametrize("value", ["0", "3", "32", "-2", "two", "2.0"])
+def test_decode_attention_splits_refuse_a_bad_override(monkeypatch, value):
+    monkeypatch.setenv(attention.SPLITS_ENV, value)
+    with pytest.raises(ValueError, match=attention.SPLITS_ENV):
+        attention.forced_splits()
+
+
+def test_decode_attention_splits_take_the_override_for_every_launch(monkeypatch):
+    monkeypatch.delenv(attention.SPLITS_ENV, raising=False)
+    assert attention.decode_splits(64, 8, 1024) == 1  # 512 programs: whole contexts
+    monkeypatch.setenv(attention.SPLITS_ENV, " 2 ")
+    assert attention.decode_splits(64, 8, 1024) == 2
+    assert attention.decode_blocks(64, 8, 1024) == (2, attention.DEFAULT_BLOCK_N)
+    assert attention.decode_blocks(64, 8, 1024, on_gpu=False) == (1, 16)  # the CPU's own
+
+
+def test_balanced_decode_attention_is_off_unless_switched_on(monkeypatch):
+    monkeypatch.delenv(attention.BALANCED_ENV, raising=False)
+    assert attention.balanced_default() is attention.BALANCED is False
+    monkeypatch.setenv(attention.BALANCED_ENV, "1")
+    assert attention.balanced_default()
