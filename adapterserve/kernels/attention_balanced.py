@@ -25,25 +25,25 @@ from adapterserve.kernels.pdl import pdl_wait
 
 
 @triton.jit
+def _span(length, lo, window, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(first key attended, first tile's key, tiles) of sequences of these lengths and first keys
+    (scalars or vectors alike)."""
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, length - window)
+    first = (lo // BLOCK_N) * BLOCK_N
+    return lo, first, tl.where(length > lo, tl.cdiv(length - first, BLOCK_N), 0)
+
+
+@triton.jit
 def _tile_line(lens_ptr, start_ptr, batch, window, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
                BATCH_PAD: tl.constexpr):
-    """Every sequence's (length, first key attended, first tile's key, tiles) [BATCH_PAD] and the
-    tiles before it in the line (all kv heads of the sequences before it count)."""
+    """Every sequence's tiles [BATCH_PAD] and where its kv heads' tiles end in the line."""
     seqs = tl.arange(0, BATCH_PAD)
     in_batch = seqs < batch
     length = tl.load(lens_ptr + seqs, mask=in_batch, other=0)
     lo = tl.load(start_ptr + seqs, mask=in_batch, other=0)
-    if HAS_WINDOW:
-        lo = tl.maximum(lo, length - window)
-    first = (lo // BLOCK_N) * BLOCK_N
-    tiles = tl.where(length > lo, tl.cdiv(length - first, BLOCK_N), 0)
-    return length, lo, first, tiles, tl.cumsum(tiles, 0) - tiles
-
-
-@triton.jit
-def _pick(values, seqs, b):
-    """values[b] of a [BATCH_PAD] vector, as a scalar."""
-    return tl.sum(tl.where(seqs == b, values, 0), axis=0)
+    tiles = _span(length, lo, window, HAS_WINDOW, BLOCK_N)[2]
+    return tiles, tl.cumsum(tiles, 0)
 
 
 @triton.jit
@@ -57,9 +57,8 @@ def _decode_balanced_kernel(
     BATCH_PAD: tl.constexpr, USE_PDL: tl.constexpr = 0,
 ):
     pid, programs = tl.program_id(0), tl.num_programs(0)
-    seqs = tl.arange(0, BATCH_PAD)
-    length, lo, first, tiles, before = _tile_line(lens_ptr, start_ptr, batch, window, HAS_WINDOW, BLOCK_N,
-                                                  BATCH_PAD)
+    tiles, ends = _tile_line(lens_ptr, start_ptr, batch, window, HAS_WINDOW, BLOCK_N, BATCH_PAD)
+    ends = ends * KV_HEADS  # the line holds every kv head's tiles of a sequence before the next sequence's
     total = tl.sum(tiles, axis=0) * KV_HEADS
     per = tl.maximum(tl.cdiv(total, programs), 1)
     t_start = pid * per
@@ -67,20 +66,21 @@ def _decode_balanced_kernel(
     pdl_wait(USE_PDL)  # the step's metadata read; the query and the cache are the kernels' before
     t = t_start
     while t < t_end:
-        b = tl.sum(((before + tiles) * KV_HEADS <= t).to(tl.int32), axis=0)  # the sequence holding tile t
-        b_tiles = _pick(tiles, seqs, b)
-        offset = t - _pick(before, seqs, b) * KV_HEADS
+        done = ends <= t
+        b = tl.sum(done.to(tl.int32), axis=0)  # the sequence holding tile t, and where its tiles start
+        offset = t - tl.max(tl.where(done, ends, 0), axis=0)
+        length = tl.load(lens_ptr + b)
+        lo, first, b_tiles = _span(length, tl.load(start_ptr + b), window, HAS_WINDOW, BLOCK_N)
         kv_head = offset // b_tiles
         unit_start = t - offset % b_tiles
         seg_end = tl.minimum(t_end, unit_start + b_tiles)
-        b_first = _pick(first, seqs, b)
-        n_end = tl.minimum(b_first + (seg_end - unit_start) * BLOCK_N, _pick(length, seqs, b))
+        n_end = tl.minimum(first + (seg_end - unit_start) * BLOCK_N, length)
         q, heads, dims, mask = query_rows(q_ptr, b, kv_head, stride_qb, stride_qh, GROUP, GROUP_PAD, HEAD_DIM,
                                           DIM_PAD, INPUT_DOTS)
-        m_i, l_i, acc = attend_tiles(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr + b * stride_tb, kv_head,
-                                     _pick(lo, seqs, b), b_first + (t - unit_start) * BLOCK_N, n_end, scale,
-                                     stride_kn, stride_kh, stride_sn, GROUP_PAD, HEAD_DIM, DIM_PAD, PAGE, BLOCK_N,
-                                     KV_FP8, INPUT_DOTS, PAGES_AHEAD)
+        m_i, l_i, acc = attend_tiles(q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr + b * stride_tb, kv_head, lo,
+                                     first + (t - unit_start) * BLOCK_N, n_end, scale, stride_kn, stride_kh,
+                                     stride_sn, GROUP_PAD, HEAD_DIM, DIM_PAD, PAGE, BLOCK_N, KV_FP8, INPUT_DOTS,
+                                     PAGES_AHEAD)
         if (unit_start >= t_start) & (unit_start + b_tiles <= t_end):  # the whole unit: its output
             out = acc / tl.maximum(l_i, 1e-30)[:, None]
             tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :],
@@ -103,12 +103,10 @@ def _merge_balanced_kernel(
     """The output of (sequence b, kv head) where its tiles were split among programs (the
     parts of programs p_first..p_last), zeros where it has no key; whole units are left."""
     b, kv_head = tl.program_id(0), tl.program_id(1)
-    seqs = tl.arange(0, BATCH_PAD)
-    length, lo, first, tiles, before = _tile_line(lens_ptr, start_ptr, batch, window, HAS_WINDOW, BLOCK_N,
-                                                  BATCH_PAD)
+    tiles, ends = _tile_line(lens_ptr, start_ptr, batch, window, HAS_WINDOW, BLOCK_N, BATCH_PAD)
     per = tl.maximum(tl.cdiv(tl.sum(tiles, axis=0) * KV_HEADS, programs), 1)
-    b_tiles = _pick(tiles, seqs, b)
-    unit_start = (_pick(before, seqs, b) * KV_HEADS) + kv_head * b_tiles
+    b_tiles = _span(tl.load(lens_ptr + b), tl.load(start_ptr + b), window, HAS_WINDOW, BLOCK_N)[2]
+    unit_start = tl.sum(tl.where(tl.arange(0, BATCH_PAD) < b, tiles, 0), axis=0) * KV_HEADS + kv_head * b_tiles
     p_first, p_last = unit_start // per, (unit_start + b_tiles - 1) // per
     heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, DIM_PAD)
