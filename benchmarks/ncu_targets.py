@@ -2,7 +2,8 @@
 their bytes' floor, each launched LAUNCHES times at B=64 with the engine's own choices, nothing
 else on the GPU. Run under ncu, the last launch of each profiled:
 
-    ncu --clock-control none -k regex:"_decode_kernel|_decode_split_kernel|_decode_balanced_kernel|_decode_gemm_kernel|_quant_kernel" --launch-skip 2 \\
+    ncu --clock-control none --launch-skip 2 \\
+        -k regex:"_decode_kernel|_decode_split_kernel|_decode_balanced_kernel|_decode_gemm_kernel|_quant_kernel" \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
         python3 benchmarks/ncu_targets.py
 

@@ -285,13 +285,17 @@ def paged_decode_attention(
     )
 
 
-def balanced_default() -> bool:
-    """Whether decode launches deal the batch's tiles evenly: ADAPTERSERVE_ATTENTION_BALANCED=1 or 0
-    if set, else BALANCED (any other value is refused)."""
-    value = os.environ.get(BALANCED_ENV, "").strip()
+def _switch(env: str, default: bool) -> bool:
+    """The environment variable ``env`` as 1 or 0, ``default`` where unset; any other value is refused."""
+    value = os.environ.get(env, "").strip()
     if value not in ("", "0", "1"):
-        raise ValueError(f"{BALANCED_ENV} must be 0 or 1, got {value!r}")
-    return BALANCED if value == "" else value == "1"
+        raise ValueError(f"{env} must be 0 or 1, got {value!r}")
+    return default if value == "" else value == "1"
+
+
+def balanced_default() -> bool:
+    """Whether decode launches deal the batch's tiles evenly: ADAPTERSERVE_ATTENTION_BALANCED, else BALANCED."""
+    return _switch(BALANCED_ENV, BALANCED)
 
 
 def forced_splits() -> int | None:
@@ -306,12 +310,8 @@ def forced_splits() -> int | None:
 
 
 def attention_in_chain() -> bool:
-    """Whether decode attention takes the process's PDL mode: ADAPTERSERVE_ATTENTION_PDL=1 or 0
-    if set, else PDL (any other value is refused)."""
-    value = os.environ.get(PDL_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{PDL_ENV} must be 0 or 1, got {value!r}")
-    return PDL if value == "" else value == "1"
+    """Whether decode attention takes the process's PDL mode: ADAPTERSERVE_ATTENTION_PDL, else PDL."""
+    return _switch(PDL_ENV, PDL)
 
 
 def _pdl(q: torch.Tensor) -> dict:

@@ -80,12 +80,18 @@ def test_decode_attention_joins_the_pdl_chain_unless_kept_out(monkeypatch):
     assert not attention.attention_in_chain()
 
 
-@pytest.mark.parametrize("value", ["64,4", "64,3,2", "8,4,2", "512,4,2", "64,4,9", "a,b,c", "64,4,-1",
-                                   "32,4,3,split", "64,4,3,4"])
-def test_decode_attention_tiles_refuse_a_bad_override(monkeypatch, value):
-    monkeypatch.setenv(attention.TILES_ENV, value)
-    with pytest.raises(ValueError, match=attention.TILES_ENV):
-        attention.forced_tiles()
+BAD_OVERRIDES = [(attention.TILES_ENV, attention.forced_tiles, value) for value in (
+    "64,4", "64,3,2", "8,4,2", "512,4,2", "64,4,9", "a,b,c", "64,4,-1", "32,4,3,split", "64,4,3,4")]
+BAD_OVERRIDES += [(attention.SPLITS_ENV, attention.forced_splits, value)
+                  for value in ("0", "3", "32", "-2", "two", "2.0")]
+BAD_OVERRIDES += [(attention.BALANCED_ENV, attention.balanced_default, value) for value in ("2", "yes")]
+
+
+@pytest.mark.parametrize("env, read, value", BAD_OVERRIDES)
+def test_decode_attention_overrides_refuse_a_bad_value(monkeypatch, env, read, value):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValueError, match=env):
+        read()
 
 
 def test_decode_attention_tiles_take_the_override_for_every_launch(monkeypatch):
@@ -104,13 +110,6 @@ def test_the_engine_sets_its_attention_layers_dots(llama_dir):
     assert {attn.decode_dots for attn in engine.model.attention_layers()} == {"float32"}
     plain = Engine.from_pretrained(llama_dir, num_kv_blocks=8, max_loras=1)
     assert {attn.decode_dots for attn in plain.model.attention_layers()} == {"auto"}
-
-
-@pytest.mark.parametrize("value", ["0", "3", "32", "-2", "two", "2.0"])
-def test_decode_attention_splits_refuse_a_bad_override(monkeypatch, value):
-    monkeypatch.setenv(attention.SPLITS_ENV, value)
-    with pytest.raises(ValueError, match=attention.SPLITS_ENV):
-        attention.forced_splits()
 
 
 def test_decode_attention_splits_take_the_override_for_every_launch(monkeypatch):
