@@ -112,6 +112,13 @@ for stage in "$@"; do
         tests/models/test_fp8_kernels.py tests/models/test_fp8_gpu.py ;;
     engine8b) python3 benchmarks/engine_throughput.py --models 8b --hf-models '' --budget-s 480 \
                 --first-request --workloads base,one,one+st,uniform8,uniform8+st,distinct,distinct+st,zipf,families --out "$OUT/et8b.md" 2>&1 | tail -25 ;;
+    table8b)  # 1 GPU: issue 17's engine table, one part a call (TABLE_DTYPE bfloat16|fp8, TABLE_WORKLOADS, TABLE_BATCHES;
+      # TABLE_HF=8b adds transformers + PEFT): e.g. the workloads at B=64, then base,distinct at 1,256
+      timeout ${STAGE_S:-560} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --dtype ${TABLE_DTYPE:-bfloat16} \
+        --hf-models "${TABLE_HF:-}" --budget-s ${TABLE_BUDGET_S:-520} --batches-8b ${TABLE_BATCHES:-64} \
+        --workloads ${TABLE_WORKLOADS:-base,one,uniform8,distinct,zipf,ranks,families} \
+        --out "$OUT/et8b_table_${TABLE_DTYPE:-bfloat16}.md" > "$OUT/table8b.log" 2>&1
+      grep -E ": 8b|hf" "$OUT/table8b.log" | tail -16 ;;
     fp8engine)  # the 8B in FP8 (FP8_WORKLOADS), then bf16 base; logs in $OUT as they grow (a timeout keeps them)
       timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --dtype fp8 --hf-models '' \
         --budget-s ${FP8_BUDGET_S:-300} --workloads ${FP8_WORKLOADS:-base,one,distinct} --max-tokens ${MAX_TOKENS:-128} \
