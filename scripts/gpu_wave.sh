@@ -230,7 +230,7 @@ for stage in "$@"; do
       # then the engine's launch against split contexts and it (CUDA graphs), both caches; then the FP8 8B as it is,
       # with ADAPTERSERVE_ATTENTION_SPLITS=2 and with ADAPTERSERVE_ATTENTION_BALANCED=1 (ATTN_ENGINE=0 skips it)
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention_balanced.py \
-        tests/kernels/test_attention.py --tb=short -rfE 2>&1 | tail -3
+        tests/kernels/test_attention.py tests/engine/test_balanced_attention_gpu.py --tb=short -rfE 2>&1 | tail -3
       timeout ${BENCH_S:-240} python3 benchmarks/attention_decode.py --balanced 2>&1 | grep "|"
       [ "${ATTN_ENGINE:-1}" = 1 ] && for mode in default SPLITS=2 BALANCED=1; do
         env $([ $mode = default ] || echo ADAPTERSERVE_ATTENTION_$mode) timeout ${STAGE_S:-200} python3 \
