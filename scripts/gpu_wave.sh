@@ -226,16 +226,18 @@ for stage in "$@"; do
       # loop as it was; against the twin), then the tile sweep of both loops, bf16 products
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention.py --tb=short -rfE 2>&1 | tail -3
       timeout ${BENCH_S:-300} python3 benchmarks/attention_decode.py --sweep --dots input 2>&1 | grep "|" ;;
-    balanced)  # 1 GPU: decode attention with the batch's tiles dealt evenly among resident programs: its GPU tests,
-      # then the engine's launch against split contexts and it (CUDA graphs), both caches; then the FP8 8B as it is,
-      # with ADAPTERSERVE_ATTENTION_SPLITS=2 and with ADAPTERSERVE_ATTENTION_BALANCED=1 (ATTN_ENGINE=0 skips it)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention_balanced.py \
+    balanced)  # 1 GPU: decode attention with the batch's tiles dealt evenly among resident programs: its GPU tests
+      # (kernel and whole engine), then the engine's launch against split contexts and it, in CUDA graphs, both caches
+      timeout ${TEST_S:-270} python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention_balanced.py \
         tests/kernels/test_attention.py tests/engine/test_balanced_attention_gpu.py --tb=short -rfE 2>&1 | tail -3
-      timeout ${BENCH_S:-240} python3 benchmarks/attention_decode.py --balanced 2>&1 | grep "|"
-      [ "${ATTN_ENGINE:-1}" = 1 ] && for mode in default SPLITS=2 BALANCED=1; do
-        env $([ $mode = default ] || echo ADAPTERSERVE_ATTENTION_$mode) timeout ${STAGE_S:-200} python3 \
+      timeout ${BENCH_S:-270} python3 benchmarks/attention_decode.py --balanced 2>&1 | grep "|" ;;
+    attnlaunch)  # 1 GPU: the 8B (ATTN_DTYPE, default fp8) with decode attention's launch as it is, with
+      # ADAPTERSERVE_ATTENTION_SPLITS=2 and with ADAPTERSERVE_ATTENTION_BALANCED=1 (ATTN_MODES), base, a process each
+      for mode in ${ATTN_MODES:-default SPLITS=2 BALANCED=1}; do
+        env $([ $mode = default ] || echo ADAPTERSERVE_ATTENTION_$mode) timeout ${STAGE_S:-180} python3 \
           benchmarks/engine_throughput.py --models 8b --no-hotswap --dtype ${ATTN_DTYPE:-fp8} --hf-models '' \
-          --budget-s 170 --workloads base --max-tokens 64 --out "$OUT/et8b_attn_$mode.md" > "$OUT/attn_$mode.log" 2>&1
+          --budget-s 150 --workloads ${ATTN_WORKLOADS:-base} --max-tokens 64 --out "$OUT/et8b_attn_$mode.md" \
+          > "$OUT/attn_$mode.log" 2>&1
         echo "attention $mode"; grep -E "B=64 .*: 8b" "$OUT/attn_$mode.log" | tail -2
       done ;;
     attntiles)  # 1 GPU: the 8B engine with decode attention's tiles as they are against ATTN_TILES (keys,warps,stages:
