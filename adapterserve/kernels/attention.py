@@ -39,7 +39,7 @@ MAX_SPLITS = 16  # more parts were slower (BENCHMARKS.md, paged decode attention
 # it out (its bits tests passed on the H200; BENCHMARKS.md, twenty-sixth session)
 PDL = True
 PDL_ENV = "ADAPTERSERVE_ATTENTION_PDL"
-# each tile's page numbers read a tile ahead (_attend): off only to measure the loop as it was
+# each tile's page numbers read a tile ahead (attention_tiles.attend_tiles): off only to measure the loop as it was
 PAGES_AHEAD = True
 # the batch's key tiles dealt evenly among as many programs as the GPU holds (kernels/attention_balanced.py)
 # instead of a program per sequence's kv head (or part of it), BALANCED_BLOCK_N keys a tile whatever the batch:
@@ -146,9 +146,9 @@ def _decode_merge_kernel(
 
 
 def decode_splits(batch: int, kv_heads: int, max_keys: int) -> int:
-    """Parts per context (host ints only): 1 while sequences x kv heads fill the GPU,
-    else up to SPLIT_TARGET_PROGRAMS programs with no part under MIN_SPLIT_KEYS of the
-    longest context the block table holds, rounded down to a power of two."""
+    """Parts per context (host ints only): ADAPTERSERVE_ATTENTION_SPLITS where set; else 1 while
+    sequences x kv heads fill the GPU, else up to SPLIT_TARGET_PROGRAMS programs with no part
+    under MIN_SPLIT_KEYS of the longest context the block table holds, rounded down to a power of two."""
     forced = forced_splits()
     if forced is not None:
         return forced
