@@ -20,7 +20,8 @@ Targets (--targets picks, comma-separated):
   fp8_down       the same for down (4,096 x 14,336)
   fp8_silu_quant the FP8 backbone's SiLU-mul with its per-token quantization (64 tokens, 2 x 14,336 inputs)
   fp8_norm_quant its residual add + RMSNorm with the quantization (64 tokens, 4,096)
-Without ncu it times each target (CUDA events, the median of 50 launches) and prints a table.
+With --time (not under ncu) it times each target as the engine runs it, in a CUDA graph (the launcher's
+Python off the clock: timed eagerly, a launch of a few tens of us measures the host), and prints a table.
 """
 from __future__ import annotations
 
@@ -34,11 +35,11 @@ from adapterserve.kernels.fp8 import quantize_rows
 from adapterserve.kernels.fp8_fused import rms_norm_quant, silu_mul_quant
 from adapterserve.models.fp8 import quantize_per_channel
 from benchmarks.attention_decode import decode_case, fp8_cache_case
+from benchmarks.measure import graph_ms
 
 BATCH = 64
 CONTEXTS = (128, 1152)  # each sequence's keys, drawn from this range
 LAUNCHES = 3  # each target's; ncu's --launch-skip picks among them
-TIMED = 50
 DEVICE, DTYPE = "cuda", torch.bfloat16  # a CPU check of the launches sets "cpu", float32 (the interpreter)
 
 
@@ -92,18 +93,6 @@ TARGETS = {
 }
 
 
-def _median_us(fn) -> float:
-    times = []
-    for _ in range(TIMED):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of: {', '.join(TARGETS)}")
@@ -121,9 +110,9 @@ def main() -> None:
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         if args.time:
-            rows.append((name, _median_us(fn)))
+            rows.append((name, graph_ms(fn) * 1e3))
     if rows:
-        print(f"\n{torch.cuda.get_device_name()}; B={BATCH}; us per launch (median of {TIMED})")
+        print(f"\n{torch.cuda.get_device_name()}; B={BATCH}; us per launch (median of a CUDA graph replay)")
         print("| target | us |\n|---|---|")
         for name, us in rows:
             print(f"| {name} | {us:.1f} |")
