@@ -96,8 +96,9 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
         use_kernel_options(model, config)
         if config.cuda_graphs and on_gpu:
             self.runner.enable_cuda_graphs(*graph_limits(config, self.max_model_len))
-        # per family (lora, ia3, bottleneck): host state a captured decode graph depends on
-        self.runner.graph_signature = lambda: (self.lora_pool.graph_part(), (), self.bottleneck_pools.activations())
+        # per family (lora, ia3, bottleneck): host state a captured decode graph depends on (the
+        # (IA)^3 and bottleneck ops read every slot's vectors, widths and activations on the device)
+        self.runner.graph_signature = lambda: (self.lora_pool.graph_part(), (), ())
         self.prefix_cache = PrefixCache(self.blocks, config.enable_prefix_caching)
         self.kv_identities = KvIdentities(self.model_config.num_layers)
         self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release, self.prefix_cache)

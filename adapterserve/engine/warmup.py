@@ -70,14 +70,10 @@ from adapterserve.kernels.stacked import (
     STACKED_MAX_TOKENS,
     choose_expand,
 )
-from adapterserve.layers.bottleneck import BOTTLENECK_ACTIVATIONS
 from adapterserve.layers.context import get_context
 
 log = logging.getLogger("adapterserve.engine")
 
-# Bottleneck activations whose decode graphs are captured (a graph per bucket each;
-# the others' kernels are compiled too, their graphs captured on first use).
-GRAPH_ACTIVATIONS = ("relu", "silu")
 SCRATCH = "\0warmup:"  # id prefix of the warm-up's adapters and requests
 SCRATCH_RANK = 8
 SLOWEST_SHOWN = 5  # warm-up tasks the summary names, slowest first
@@ -161,7 +157,7 @@ def _tasks(engine, shape: EngineShape, reached: set[Variant]) -> list[tuple[str,
     scratch = scratch_adapters(engine)
     tasks: list[tuple[str, Callable[[], None]]] = []
     if shape.buckets is not None:
-        tasks += _graph_tasks(engine, shape, scratch)
+        tasks += _graph_tasks(engine, shape)
     else:
         tasks += _eager_decode_tasks(run, shape)
     first_eager = len(tasks)
@@ -187,21 +183,15 @@ def _without_mixed_graphs(engine, task: Callable[[], None]) -> None:
         device.mixed_graphs = mixed
 
 
-def _graph_tasks(engine, shape: EngineShape, scratch: dict[str, Adapter]) -> list:
-    """One task per (family mix, stacked rows) of graph_plan, all the graphs' buckets each."""
+def _graph_tasks(engine, shape: EngineShape) -> list:
+    """One task per (family mix, stacked rows) of graph_plan, all the graphs' buckets each. No
+    adapter need be resident: the ops read every slot's state on the device, so a graph with
+    bottleneck rows serves bottlenecks of every activation."""
     groups: dict[tuple[frozenset[str], int], list[int]] = {}
     for bucket, families, rows in graph_plan(shape):
         groups.setdefault((families, rows), []).append(bucket)
-    plain = {key: buckets for key, buckets in groups.items() if "bottleneck" not in key[0]}
-    with_bottleneck = {key: buckets for key, buckets in groups.items() if "bottleneck" in key[0]}
-    tasks = [(f"graphs {_names(f)}{_rows(r)}, decode buckets {b[0]}..{b[-1]}",
-              lambda f=f, r=r, b=b: _capture(engine, b, f, r)) for (f, r), b in plain.items()]
-    for act in GRAPH_ACTIVATIONS if with_bottleneck else ():
-        adapter_id = f"{SCRATCH}bottleneck-{act}"
-        tasks.append((f"graphs with a {act} bottleneck, {len(with_bottleneck)} family mixes",
-                      lambda i=adapter_id: _with_resident(engine, i, scratch[i], lambda: [
-                          _capture(engine, b, f, r) for (f, r), b in with_bottleneck.items()])))
-    return tasks
+    return [(f"graphs {_names(f)}{_rows(r)}, decode buckets {b[0]}..{b[-1]}",
+             lambda f=f, r=r, b=b: _capture(engine, b, f, r)) for (f, r), b in groups.items()]
 
 
 def _capture(engine, buckets: list[int], families: frozenset[str], rows: int) -> None:
@@ -238,21 +228,6 @@ def _place(engine, adapter_id: str, adapter: Adapter) -> None:
     slot = _acquire(engine, adapter_id, adapter)
     if slot is not None:
         engine.slots.release(slot)
-
-
-def _with_resident(engine, adapter_id: str, adapter: Adapter, work: Callable[[], object]) -> None:
-    """Place a scratch adapter in a slot for `work` (its copies landed), then unload it."""
-    engine.add_adapter(adapter_id, adapter)
-    try:
-        slot = _acquire(engine, adapter_id, adapter)
-        if slot is None:
-            raise RuntimeError("warm-up could not place its scratch adapter in a slot")
-        try:
-            work()
-        finally:
-            engine.slots.release(slot)
-    finally:
-        engine.unload_adapter(adapter_id)
 
 
 def _eager_decode_tasks(run: "_Runner", shape: EngineShape) -> list:
@@ -378,11 +353,10 @@ def scratch_adapters(engine) -> dict[str, Adapter]:
     }
     if any(p.family == "bottleneck" for p in engine.slots.pools):
         width, dim = min(SCRATCH_RANK, cfg.max_bottleneck_rank), mcfg.hidden_size
-        for act in BOTTLENECK_ACTIVATIONS:
-            zero = BottleneckModule(torch.zeros(width, dim), torch.zeros(width), torch.zeros(width, dim),
-                                    torch.zeros(dim), act)
-            mods = {(layer, place): zero for layer in range(mcfg.num_layers) for place in BOTTLENECK_POSITIONS}
-            out[f"bottleneck-{act}"] = Adapter("bottleneck", bottleneck=BottleneckAdapter(mods, False))
+        zero = BottleneckModule(torch.zeros(width, dim), torch.zeros(width), torch.zeros(width, dim),
+                                torch.zeros(dim), "relu")  # one for all: the kernels read each slot's activation
+        mods = {(layer, place): zero for layer in range(mcfg.num_layers) for place in BOTTLENECK_POSITIONS}
+        out["bottleneck"] = Adapter("bottleneck", bottleneck=BottleneckAdapter(mods, False))
     return {f"{SCRATCH}{name}": adapter for name, adapter in out.items()}
 
 

@@ -2,14 +2,15 @@
 
 Two launches: down-projection with bias and activation into the workspace, then
 up-projection with bias added into the residual stream. Each slot costs its own
-bottleneck width; slot -1 tokens and rank-0 slots are untouched.
+bottleneck width and applies its own activation (a code per slot, read by the kernel:
+adapters of every activation share one launch, one compiled form and one graph);
+slot -1 tokens and rank-0 slots are untouched.
 """
 from __future__ import annotations
 
 import torch
 
 from adapterserve.kernels.metadata import AdapterBatchMeta
-from adapterserve.kernels.segment_common import ACT_CODES
 from adapterserve.kernels.segment_ops import seg_down, seg_up
 
 
@@ -20,7 +21,7 @@ def bottleneck_adapter(
     up: torch.Tensor,
     up_bias: torch.Tensor,
     rank: torch.Tensor,
-    activation: str,
+    activation: torch.Tensor,
     meta: AdapterBatchMeta,
     workspace: torch.Tensor,
     out: torch.Tensor,
@@ -31,22 +32,22 @@ def bottleneck_adapter(
     down:      [S, R, D] rows of W_down;  down_bias: [S, R]
     up:        [S, R, D] rows of W_up^T;  up_bias:   [S, D]
     rank:      [S] int32 bottleneck width of each slot
+    activation: [S] int32 activation of each slot (segment_common.ACT_CODES)
     workspace: [T, R]
     out:       [T, D] updated in place (holds the residual stream)
     Semantics: out[t] += up_bias + act(h[t] @ down[:r].T + down_bias[:r]) @ up[:r]
     with the slot of t; tokens without adapter are untouched.
     """
-    if activation == "none" or activation not in ACT_CODES:
-        names = sorted(k for k in ACT_CODES if k != "none")
-        raise ValueError(f"unknown activation {activation!r}; expected one of {names}")
     num_slots, width, dim = down.shape
     if up.shape != down.shape or h.shape[1] != dim or out.shape != h.shape:
         raise ValueError(
             f"down/up must be [S, R, D={h.shape[1]}] alike and out like h {tuple(h.shape)}; "
             f"got down {tuple(down.shape)}, up {tuple(up.shape)}, out {tuple(out.shape)}"
         )
-    if workspace.shape != (h.shape[0], width) or rank.shape != (num_slots,):
-        raise ValueError(f"workspace must be [T, R={width}] and rank [S={num_slots}]")
+    if workspace.shape != (h.shape[0], width) or rank.shape != (num_slots,) or activation.shape != (num_slots,):
+        raise ValueError(f"workspace must be [T, R={width}], rank and activation [S={num_slots}]")
+    if activation.dtype != torch.int32:
+        raise ValueError(f"activation must hold int32 codes of ACT_CODES, got {activation.dtype}")
     ranks = rank.view(1, num_slots)
     ws = workspace.unsqueeze(0)
     seg_down(h, down[:1], down.stride(0), ranks, None, meta, ws, width, bias=down_bias, activation=activation)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from adapterserve.kernels.kv_fp8 import dequantize_kv
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import AdapterBatchMeta
+from adapterserve.kernels.segment_common import ACT_CODES
 from adapterserve.kernels.stacked import check_stacked
 
 ACTIVATIONS = {
@@ -22,6 +23,7 @@ ACTIVATIONS = {
     "swish": F.silu,
     "tanh": torch.tanh,
 }
+ACT_NAMES = {code: name for name, code in reversed(ACT_CODES.items())}  # a code's first name
 
 
 def _segments(meta: AdapterBatchMeta) -> list[tuple[int, torch.Tensor]]:
@@ -106,7 +108,7 @@ def bottleneck_adapter(
     up: torch.Tensor,
     up_bias: torch.Tensor,
     rank: torch.Tensor,
-    activation: str,
+    activation: torch.Tensor,
     meta: AdapterBatchMeta,
     workspace: torch.Tensor,
     out: torch.Tensor,
@@ -117,18 +119,18 @@ def bottleneck_adapter(
     down:      [S, R, D] rows of W_down;  down_bias: [S, R]
     up:        [S, R, D] rows of W_up^T;  up_bias:   [S, D]
     rank:      [S] int32 bottleneck width of each slot
+    activation: [S] int32 activation of each slot (segment_common.ACT_CODES)
     workspace: [T, R]
     out:       [T, D] updated in place (holds the residual stream)
     Semantics: out[t] += up_bias + act(h[t] @ down[:r].T + down_bias[:r]) @ up[:r]
     with the slot of t; tokens without adapter are untouched.
     """
-    act = ACTIVATIONS[activation]
     for slot, tokens in _segments(meta):
         r = int(rank[slot])
         if r == 0:
             continue
         z = h[tokens].float() @ down[slot, :r].float().T + down_bias[slot, :r].float()
-        z = act(z)
+        z = ACTIVATIONS[ACT_NAMES[int(activation[slot])]](z)
         workspace[tokens, :r] = z.to(workspace.dtype)
         update = z @ up[slot, :r].float() + up_bias[slot].float()
         out[tokens] = (out[tokens].float() + update).to(out.dtype)

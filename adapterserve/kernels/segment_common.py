@@ -7,6 +7,7 @@ import triton.language as tl
 
 MAX_SLICES = 4
 ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_new": 3, "silu": 4, "swish": 4, "tanh": 5}
+ACT_BY_SLOT = -1  # the ACT of a launch whose slots each name their own code (an int32 per slot)
 
 
 @triton.jit
@@ -28,6 +29,23 @@ def activate(z, ACT: tl.constexpr):
         z = z * tl.sigmoid(z)
     if ACT == 5:
         z = _tanh(z)
+    return z
+
+
+@triton.jit
+def activate_slot(z, codes_ptr, slot, ACT: tl.constexpr):
+    """activate(z, ACT); with ACT_BY_SLOT, the activation whose code slot ``slot`` holds.
+    Every activation is computed and one kept: a few ops on a program's rank rows, and no
+    variant, graph or launch per activation."""
+    if ACT == -1:
+        code = tl.load(codes_ptr + slot)
+        out = tl.where(code == 1, activate(z, 1), z)
+        out = tl.where(code == 2, activate(z, 2), out)
+        out = tl.where(code == 3, activate(z, 3), out)
+        out = tl.where(code == 4, activate(z, 4), out)
+        z = tl.where(code == 5, activate(z, 5), out)
+    else:
+        z = activate(z, ACT)
     return z
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from adapterserve.kernels.segment_common import activate, packed_rows, slice_group, tile_tokens
+from adapterserve.kernels.segment_common import activate_slot, packed_rows, slice_group, tile_tokens
 
 
 @triton.jit
 def seg_down_dot(
-    x_ptr, a_ptr, out_ptr, bias_ptr, rank_ptr, row_start_ptr,
+    x_ptr, a_ptr, out_ptr, bias_ptr, codes_ptr, rank_ptr, row_start_ptr,
     sorted_ptr, tile_slots_ptr, tile_starts_ptr, tile_ends_ptr,
     K, max_rank,
     stride_xt, stride_xk,
@@ -63,7 +63,7 @@ def seg_down_dot(
     if HAS_BIAS:
         tl.static_assert(NUM_SLICES == 1)
         acc += tl.load(bias_ptr + slot * stride_bias + j, mask=valid, other=0.0).to(tl.float32)[None, :]
-    acc = activate(acc, ACT)
+    acc = activate_slot(acc, codes_ptr, slot, ACT)
     out = out_ptr + tok[:, None] * stride_ot + o_off[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & valid[None, :])
 

@@ -17,12 +17,12 @@ import triton
 import triton.language as tl
 
 from adapterserve.kernels.pdl import pdl_wait
-from adapterserve.kernels.segment_common import activate, packed_rows, slice_group
+from adapterserve.kernels.segment_common import activate_slot, packed_rows, slice_group
 
 
 @triton.jit
 def seg_down_gemv(
-    x_ptr, a_ptr, out_ptr, bias_ptr, rank_ptr, row_start_ptr, slots_ptr,
+    x_ptr, a_ptr, out_ptr, bias_ptr, codes_ptr, rank_ptr, row_start_ptr, slots_ptr,
     K, max_rank,
     stride_xt, stride_xk,
     stride_as, stride_aslot, stride_ar, stride_ak,
@@ -65,7 +65,7 @@ def seg_down_gemv(
     if HAS_BIAS:
         tl.static_assert(NUM_SLICES == 1)
         res += tl.load(bias_ptr + slot * stride_bias + j, mask=valid, other=0.0).to(tl.float32)
-    res = activate(res, ACT)
+    res = activate_slot(res, codes_ptr, slot, ACT)
     tl.store(out_ptr + t * stride_ot + o_off, res.to(out_ptr.dtype.element_ty), mask=valid)
 
 

@@ -16,7 +16,7 @@ import triton
 
 from adapterserve.kernels.metadata import AdapterBatchMeta
 from adapterserve.kernels.pdl import pdl_args
-from adapterserve.kernels.segment_common import ACT_CODES, MAX_SLICES
+from adapterserve.kernels.segment_common import ACT_BY_SLOT, ACT_CODES, MAX_SLICES
 from adapterserve.kernels.segment_gemm import seg_down_dot, seg_up_dot
 from adapterserve.kernels.segment_gemv import seg_down_gemv, seg_up_gemv
 
@@ -141,14 +141,15 @@ def seg_down(
     out: torch.Tensor,
     max_rank: int,
     bias: torch.Tensor | None = None,
-    activation: str = "none",
+    activation: str | torch.Tensor = "none",
     config: DownConfig | None = None,
 ) -> None:
     """Packed-rank down-projection over slot tiles.
 
     x: [T, K]; a: [n_slices, rows, K] (a row of slot `slot` lives at
     slot * a_slot_stride + row_start[s, slot] + r); rank, row_start: [n_slices, S];
-    out: [n_slices, T, >= max_rank]; bias: [S, >= max_rank] (one slice only).
+    out: [n_slices, T, >= max_rank]; bias: [S, >= max_rank] (one slice only);
+    activation: a name of ACT_CODES, or [S] int32 codes of ACT_CODES, one per slot.
     Semantics: out[s, t, r] = act(x[t] @ a[s, row(slot[t], r)] + bias[slot, r]), r < rank[s, slot].
     """
     _check_tiles(meta)
@@ -157,20 +158,21 @@ def seg_down(
         return
     cfg = config or down_config(meta, n_slices, max_rank, x.is_cuda, k)
     rows = cfg.rows or cfg.block_r
+    by_slot = isinstance(activation, torch.Tensor)
     args = (
-        x, a, out, bias if bias is not None else out, rank, row_start if row_start is not None else rank,
-        *_tiles(meta), k, max_rank,
+        x, a, out, bias if bias is not None else out, activation if by_slot else rank, rank,
+        row_start if row_start is not None else rank, *_tiles(meta), k, max_rank,
         x.stride(0), x.stride(1), a.stride(0), a_slot_stride, a.stride(1), a.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         rank.stride(0), rank.stride(1), bias.stride(0) if bias is not None else 0,
     )
     flags = dict(
         NUM_SLICES=n_slices, HAS_ROW_START=row_start is not None, HAS_BIAS=bias is not None,
-        ACT=ACT_CODES[activation], A_ALIGN=_pow2_align(a.stride(0), a_slot_stride, a.stride(1)),
+        ACT=ACT_BY_SLOT if by_slot else ACT_CODES[activation], A_ALIGN=_pow2_align(a.stride(0), a_slot_stride, a.stride(1)),
     )
     grid = (meta.max_tiles, triton.cdiv(n_slices * max_rank, rows))
     if cfg.gemv:
-        gemv_args = args[:6] + (meta.token_slots,) + args[10:]
+        gemv_args = args[:7] + (meta.token_slots,) + args[11:]
         grid = (t, grid[1])
         seg_down_gemv[grid](*gemv_args, **flags, ROWS=rows, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=1,
                             **pdl_args(x))

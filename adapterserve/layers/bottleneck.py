@@ -20,7 +20,7 @@ decoders (Llama), where adapters 1.3 computes the same with the norm left out.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,9 +34,10 @@ from adapterserve.kernels import (
     bottleneck_adapter,
     build_adapter_meta,
 )
+from adapterserve.kernels.segment_common import ACT_CODES
 from adapterserve.layers.context import get_context
 
-# Canonical activation names of the bottleneck op; one op call per name in use.
+# Canonical activation names of the bottleneck op (one op call serves them all: a code per slot).
 BOTTLENECK_ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu", "tanh")
 
 
@@ -46,8 +47,8 @@ class BottleneckPool:
 
     down:      [S, R, D] rows of W_down;        down_bias: [S, R]
     up:        [S, R, D] rows of W_up^T, scaling folded in;  up_bias: [S, D]
-    ranks:     activation -> [S] int32, the width of each slot using that activation
-               (0 for every other slot), so one op call serves one activation
+    rank:      [S] int32, the width of each slot's adapter here (0: none at this place)
+    activation: [S] int32, each slot's activation (kernels' ACT_CODES; read where rank > 0)
     ln_before: [S] bool, True where the adapter reads norm(x + r) (Pfeiffer)
     workspace: [Tmax, R] scratch for the op; one tensor may serve every pool
     """
@@ -56,24 +57,23 @@ class BottleneckPool:
     down_bias: torch.Tensor
     up: torch.Tensor
     up_bias: torch.Tensor
-    ranks: dict[str, torch.Tensor]
+    rank: torch.Tensor
+    activation: torch.Tensor
     ln_before: torch.Tensor
     workspace: torch.Tensor
-    _in_use: dict[str, set[int]] = field(default_factory=dict)  # host-side: activation -> slots
 
     @classmethod
     def empty(cls, num_slots: int, max_rank: int, dim: int, workspace: torch.Tensor) -> "BottleneckPool":
         """Zeroed pool on the workspace's device and dtype."""
         opts = dict(dtype=workspace.dtype, device=workspace.device)
-        ranks = {
-            act: torch.zeros(num_slots, dtype=torch.int32, device=workspace.device) for act in BOTTLENECK_ACTIVATIONS
-        }
+        codes = dict(dtype=torch.int32, device=workspace.device)
         return cls(
             down=torch.zeros(num_slots, max_rank, dim, **opts),
             down_bias=torch.zeros(num_slots, max_rank, **opts),
             up=torch.zeros(num_slots, max_rank, dim, **opts),
             up_bias=torch.zeros(num_slots, dim, **opts),
-            ranks=ranks,
+            rank=torch.zeros(num_slots, **codes),
+            activation=torch.zeros(num_slots, **codes),
             ln_before=torch.zeros(num_slots, dtype=torch.bool, device=workspace.device),
             workspace=workspace,
         )
@@ -84,32 +84,27 @@ class BottleneckPool:
         if module is None:
             return
         r = module.rank
-        if r > self.down.shape[1] or module.activation not in self.ranks:
+        if r > self.down.shape[1] or module.activation not in BOTTLENECK_ACTIVATIONS:
             raise ValueError(
                 f"bottleneck of width {r} with {module.activation} does not fit a pool of width "
-                f"{self.down.shape[1]} and activations {sorted(self.ranks)}"
+                f"{self.down.shape[1]} and activations {list(BOTTLENECK_ACTIVATIONS)}"
             )
         self.down[slot, :r].copy_(module.down)
         self.down_bias[slot, :r].copy_(module.down_bias)
         self.up[slot, :r].copy_(module.up)
         self.up_bias[slot].copy_(module.up_bias)
-        self.ranks[module.activation][slot] = r
+        self.activation[slot] = ACT_CODES[module.activation]
+        self.rank[slot] = r
         self.ln_before[slot] = ln_before
-        self._in_use.setdefault(module.activation, set()).add(slot)
 
     def clear(self, slot: int) -> None:
-        for act, slots in self._in_use.items():
-            if slot in slots:
-                slots.discard(slot)
-                self.ranks[act][slot] = 0
+        self.rank[slot] = 0
+        self.activation[slot] = 0
         self.down[slot].zero_()
         self.down_bias[slot].zero_()
         self.up[slot].zero_()
         self.up_bias[slot].zero_()
         self.ln_before[slot] = False
-
-    def activations(self) -> list[str]:
-        return [act for act, slots in self._in_use.items() if slots]
 
 
 def add_bottleneck_pools(
@@ -133,8 +128,10 @@ def load_bottleneck(layers: Sequence[torch.nn.Module], slot: int, adapter: Bottl
 
 
 def bottlenecks_active(pool: BottleneckPool | None) -> bool:
-    """Whether this step runs any bottleneck adapter of ``pool``."""
-    return pool is not None and get_context().bottleneck is not None and bool(pool.activations())
+    """Whether this step runs ``pool``'s op: it has rows with bottleneck adapters. No host
+    state of the pool counts, so a captured graph holds the op whichever adapters were
+    resident then (a slot without an adapter at this place has width 0: the op skips it)."""
+    return pool is not None and get_context().bottleneck is not None
 
 
 def residual_sublayer(
@@ -156,10 +153,8 @@ def residual_sublayer(
     h = torch.where(pool.ln_before[slots].unsqueeze(-1), normed, x)
     a = x.clone()
     workspace = pool.workspace[: x.shape[0]]
-    for act in pool.activations():
-        bottleneck_adapter(
-            h, pool.down, pool.down_bias, pool.up, pool.up_bias, pool.ranks[act], act, meta, workspace, a
-        )
+    bottleneck_adapter(h, pool.down, pool.down_bias, pool.up, pool.up_bias, pool.rank, pool.activation, meta,
+                       workspace, a)
     out = a + residual
     return norm(out) if norm is not None else out
 

@@ -152,9 +152,9 @@ def test_tensor_parallel_workers_replay_the_same_padded_step(adapters):
 def test_warm_up_plans_every_mixed_graph_key_a_run_reaches(adapters, lora_decode):
     """Warm-up over mixed graphs (off CUDA it records each key it would capture and runs its
     forward once): every variant reached; a run of
-    every graphable family after it (a silu bottleneck: warm-up's graph activations) adds
-    no key, decode or mixed; the summary counts the mixed graphs. Stacked LoRA: keys per
-    GEMM row bucket and expand."""
+    every graphable family after it (bottlenecks of two activations, silu and gelu, which warm-up
+    captured no graph for apart) adds no key, decode or mixed; the summary counts the mixed
+    graphs. Stacked LoRA: keys per GEMM row bucket and expand."""
     engine = _engine({}, True, lora_decode=lora_decode)
     report = warm_up(engine)
     assert report.missing == set(), sorted(map(str, report.missing))
@@ -164,7 +164,7 @@ def test_warm_up_plans_every_mixed_graph_key_a_run_reaches(adapters, lora_decode
     assert f"({mixed.num_graphs} for steps with prefills)" in report.summary()
     before = (set(mixed._graphs), set(decode._graphs))
     replays = mixed.replays
-    names = [None, "lora", "ia3", "houlsby", "prefix"]
+    names = [None, "lora", "ia3", "houlsby", "pfeiffer", "prefix"]
     for name in names[1:]:
         engine.load_adapter(name, adapters[name])
     _serve(engine, names, seed=13)

@@ -18,7 +18,7 @@ def with_defaults(kernel, constexprs: dict) -> dict:
 
 
 INT_POINTERS = {"slots_ptr", "rank_ptr", "row_start_ptr", "sorted_ptr", "tile_slots_ptr", "tile_starts_ptr",
-                "tile_ends_ptr", "slot_starts_ptr", "pos_ptr", "slot_ptr", "count_ptr"}
+                "tile_ends_ptr", "slot_starts_ptr", "pos_ptr", "slot_ptr", "count_ptr", "codes_ptr"}
 FLOAT_POINTERS = {"cos_ptr", "sin_ptr", "part_ptr", "part_a_ptr", "xs_ptr", "ws_ptr"}
 FLOAT_SCALARS = {"eps", "fp8_max", "min_scale"}
 

@@ -1,4 +1,5 @@
-"""Bottleneck adapter Triton kernel against its float32 reference twin."""
+"""Bottleneck adapter Triton kernel against its float32 reference twin: each slot its own
+width and activation ("mixed": a random activation per slot, all in one launch)."""
 from __future__ import annotations
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 
 from adapterserve.kernels import reference
 from adapterserve.kernels.metadata import build_adapter_meta
+from adapterserve.kernels.segment_common import ACT_CODES
 
 from .cases import NAN, PATTERNS, check_close, fresh_generator, gpu, interpreted, needs_cuda, token_slots
 
@@ -19,6 +21,8 @@ CPU_CASES = [
     ("skewed", 30, 4, 64, 20, "tanh", 0.0),
     ("none", 12, 3, 40, 16, "relu", 0.0),
     ("uniform", 300, 4, 24, 16, "gelu", 0.1),  # past GEMV_TOKENS: tensor-core kernels
+    ("distinct", 12, 12, 40, 16, "mixed", 0.1),
+    ("uniform", 300, 6, 24, 16, "mixed", 0.0),
 ]
 GPU_CASES = [(p, 64, 32, 4096, 256, "relu", 0.1) for p in PATTERNS] + [
     ("zipf", 2048, 32, 4096, 256, "gelu", 0.1),
@@ -26,6 +30,8 @@ GPU_CASES = [(p, 64, 32, 4096, 256, "relu", 0.1) for p in PATTERNS] + [
     ("skewed", 512, 8, 768, 48, "gelu_new", 0.2),
     ("distinct", 32, 32, 2048, 128, "tanh", 0.0),
     ("uniform", 16, 8, 768, 48, "gelu_new", 0.1),  # CUDA-core kernels with bias and activation
+    ("distinct", 64, 64, 4096, 64, "mixed", 0.1),
+    ("zipf", 1024, 16, 4096, 64, "mixed", 0.0),
 ]
 
 
@@ -42,23 +48,33 @@ def _weights(s: int, d: int, r: int, gen: torch.Generator):
     return down, down_bias, up, up_bias, rank
 
 
+def _codes(act: str, s: int, gen: torch.Generator) -> torch.Tensor:
+    """[S] int32 activation codes: every slot ``act``'s, or ("mixed") each slot one at random."""
+    if act != "mixed":
+        return torch.full((s,), ACT_CODES[act], dtype=torch.int32)
+    names = torch.randint(len(ACTIVATIONS), (s,), generator=gen)
+    return torch.tensor([ACT_CODES[ACTIVATIONS[i]] for i in names.tolist()], dtype=torch.int32)
+
+
 def _run(case, dtype, device):
     from adapterserve.kernels import bottleneck
 
     pattern, t, s, d, r, act, no_adapter = case
     gen, seed = fresh_generator()
     down, down_bias, up, up_bias, rank = _weights(s, d, r, gen)
+    codes = _codes(act, s, gen)
     slots = token_slots(pattern, t, s, gen, no_adapter)
     h = torch.randn(t, d, generator=gen)
     out0 = torch.randn(t, d, generator=gen).to(dtype)
     ws = torch.full((t, r), NAN, dtype=dtype, device=device)
     out = out0.clone().to(device)
     args = [w.to(device, dtype) for w in (h, down, down_bias, up, up_bias)]
-    bottleneck.bottleneck_adapter(*args, rank.to(device), act, build_adapter_meta(slots.to(device), s), ws, out)
+    meta = build_adapter_meta(slots.to(device), s)
+    bottleneck.bottleneck_adapter(*args, rank.to(device), codes.to(device), meta, ws, out)
     ref_ws = torch.full((t, r), NAN)
     ref = out0.float().clone()
     cpu = [w.to(dtype).float() for w in (h, down, down_bias, up, up_bias)]
-    reference.bottleneck_adapter(*cpu, rank, act, build_adapter_meta(slots, s), ref_ws, ref)
+    reference.bottleneck_adapter(*cpu, rank, codes, build_adapter_meta(slots, s), ref_ws, ref)
     slot_rank = torch.where(slots >= 0, rank[slots.long().clamp(min=0)], 0)
     defined = torch.arange(r)[None, :] < slot_rank[:, None]
     ws, out, touched = ws.cpu(), out.cpu(), slot_rank > 0
@@ -83,7 +99,8 @@ def test_each_activation(act):
 
 
 @interpreted
-def test_unknown_activation_is_rejected():
+@pytest.mark.parametrize("codes", [torch.ones(2, dtype=torch.int32), torch.ones(1, dtype=torch.int64)], ids=["shape", "dtype"])
+def test_activation_codes_must_be_one_int32_per_slot(codes):
     from adapterserve.kernels import bottleneck
 
     meta = build_adapter_meta(torch.zeros(2, dtype=torch.int32), 1)
@@ -91,7 +108,7 @@ def test_unknown_activation_is_rejected():
     with pytest.raises(ValueError, match="activation"):
         bottleneck.bottleneck_adapter(
             torch.zeros(2, 8), w, torch.zeros(1, 4), w, torch.zeros(1, 8), torch.ones(1, dtype=torch.int32),
-            "softmax", meta, torch.zeros(2, 4), torch.zeros(2, 8),
+            codes, meta, torch.zeros(2, 4), torch.zeros(2, 8),
         )
 
 
