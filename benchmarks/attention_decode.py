@@ -1,6 +1,6 @@
 """Paged decode attention: whole contexts against split contexts (split-KV), Llama-8B heads.
 
-    PYTHONPATH=. python benchmarks/attention_decode.py [--sweep [--dots input] | --balanced]
+    PYTHONPATH=. python benchmarks/attention_decode.py [--sweep [--dots input] | --splits]
 
 Cases: batch x context length (uniform, or "a-b": each sequence's length drawn from
 a..b), 32 query / 8 KV heads, D=128, page 16, bf16, 64 keys per tile. For each, the
@@ -11,8 +11,8 @@ products on bf16 inputs (dots="input": tensor-core MMAs, the softmax weights rou
 against float32 ones (--sweep: tile shapes of whole contexts instead, keys per tile, warps,
 stages, and the loop: each tile's pages read in the tile (as it was) or a tile ahead (pipelined);
 float32 products or, with --dots
-input, bf16 ones; --balanced: the engine's launch against split contexts and the batch's tiles dealt
-evenly among resident programs, kernels/attention_balanced.py, bf16 and FP8 caches). Bytes counted:
+input, bf16 ones; --splits: the engine's launch against contexts split in 2 and 4 parts, bf16 and FP8
+caches). Bytes counted:
 every context key and value read once, queries read and outputs written once. Every variant is timed
 as the engine runs it, in a CUDA graph (of REPS launches, so the host's launch work is off the clock;
 the cases' caches exceed L2 but the smallest); each figure is the least of three medians, the
@@ -95,14 +95,9 @@ def sweep(copy_bw: float, dots: str) -> None:
         attention.PAGES_AHEAD = True
 
 
-# (keys per tile, warps, stages) of the balanced kernel
-BALANCED_TILES = ((128, 4, 2), (64, 4, 2), (64, 4, 3), (32, 4, 3))
-
-
-def balanced(copy_bw: float) -> None:
+def split_launches(copy_bw: float) -> None:
     """Each case with the engine's launch (decode_blocks' tiles and splits, whole contexts longest
-    first), split into 2 and 4 parts, and the balanced kernel at BALANCED_TILES, bf16 products,
-    on a bf16 and an FP8 cache."""
+    first) and split into 2 and 4 parts, bf16 products, on a bf16 and an FP8 cache."""
     print("| B | context | cache | launch | ms | of copy | speed-up |")
     print("|---|---|---|---|---|---|---|")
     for batch, spec in CASES:
@@ -111,12 +106,9 @@ def balanced(copy_bw: float) -> None:
         out = torch.empty_like(args[0])
         order = torch.argsort(args[4], descending=True, stable=True).to(torch.int32)
         for cache, case, kw, nbytes in (("bf16", args, {}, moved), ("fp8", fp8_args, scales, fp8_moved)):
-            labels = ["engine's", "split 2", "split 4"] + [f"balanced {n}/{w}/{st}" for n, w, st in BALANCED_TILES]
+            labels = ["engine's", "split 2", "split 4"]
             fns = [lambda: paged_decode_attention(*case, None, out, order=order, dots="input", **kw)]
             fns += [lambda s=s: paged_decode_attention(*case, None, out, splits=s, dots="input", **kw) for s in (2, 4)]
-            fns += [lambda n=n, w=w, st=st: paged_decode_attention(*case, None, out, n, w, st, balanced=True,
-                                                                   dots="input", **kw)
-                    for n, w, st in BALANCED_TILES]
             times = _fastest_of_rounds(fns)
             for label, ms in zip(labels, times):
                 print(f"| {batch} | {spec} | {cache} | {label} | {ms:.4f} | {nbytes / ms / 1e6 / copy_bw:.2f} "
@@ -149,9 +141,9 @@ def main() -> None:
         print(f"\n{torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.0f} GB/s (read+write); {dots} products")
         sweep(copy_bw, dots)
         return
-    if "--balanced" in sys.argv:
+    if "--splits" in sys.argv:
         print(f"\n{torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.0f} GB/s (read+write); bf16 products")
-        balanced(copy_bw)
+        split_launches(copy_bw)
         return
     rows = []
     for batch, spec in CASES:

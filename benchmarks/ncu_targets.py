@@ -3,7 +3,7 @@ their bytes' floor, each launched LAUNCHES times at B=64 with the engine's own c
 else on the GPU. Run under ncu, the last launch of each profiled:
 
     ncu --clock-control none --launch-skip 2 \\
-        -k regex:"_decode_kernel|_decode_split_kernel|_decode_balanced_kernel|_decode_gemm_kernel|_quant_kernel" \\
+        -k regex:"_decode_kernel|_decode_split_kernel|_decode_gemm_kernel|_quant_kernel" \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \\
         python3 benchmarks/ncu_targets.py
 
@@ -14,8 +14,6 @@ Targets (--targets picks, comma-separated):
                  second tile of keys and values in flight (136 KiB of shared memory: one program a multiprocessor)
   attention_n64  64-key tiles and 3 stages, pipelined (70 KiB: up to three programs a multiprocessor)
   attention_split2  the engine's case split into 2 parts a context (twice the programs; a merge after)
-  attention_balanced  the batch's tiles dealt evenly among as many programs as the GPU holds
-                 (kernels/attention_balanced.py), 128-key tiles
   fp8_gate_up    the FP8 W8A8 decode GEMM of the 8B's gate|up (28,672 x 4,096), 64 tokens, engine tiles
   fp8_down       the same for down (4,096 x 14,336)
   fp8_silu_quant the FP8 backbone's SiLU-mul with its per-token quantization (64 tokens, 2 x 14,336 inputs)
@@ -43,8 +41,7 @@ LAUNCHES = 3  # each target's; ncu's --launch-skip picks among them
 DEVICE, DTYPE = "cuda", torch.bfloat16  # a CPU check of the launches sets "cpu", float32 (the interpreter)
 
 
-def _attention(block_n: int | None = None, stages: int = 2, fp8_cache: bool = False, splits: int = 1,
-               balanced: bool = False):
+def _attention(block_n: int | None = None, stages: int = 2, fp8_cache: bool = False, splits: int = 1):
     torch.manual_seed(0)  # every target's process the same contexts and block tables
     args, moved = decode_case(BATCH, f"{CONTEXTS[0]}-{CONTEXTS[1]}", DEVICE, DTYPE)
     scales = {}
@@ -54,7 +51,7 @@ def _attention(block_n: int | None = None, stages: int = 2, fp8_cache: bool = Fa
     order = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
     out = torch.empty_like(q)
     return lambda: paged_decode_attention(*args, None, out, block_n=block_n, num_stages=stages,
-                                          splits=splits, order=order, balanced=balanced, **scales)
+                                          splits=splits, order=order, **scales)
 
 
 GEMMS = {"fp8_gate_up": (28672, 4096), "fp8_down": (4096, 14336)}  # the 8B's (n, k)
@@ -85,7 +82,6 @@ TARGETS = {
     "attention_s3": lambda: _attention(stages=3),
     "attention_n64": lambda: _attention(block_n=64, stages=3),
     "attention_split2": lambda: _attention(splits=2),
-    "attention_balanced": lambda: _attention(balanced=True),
     "fp8_gate_up": lambda: _fp8_gemm(*GEMMS["fp8_gate_up"]),
     "fp8_down": lambda: _fp8_gemm(*GEMMS["fp8_down"]),
     "fp8_silu_quant": lambda: _silu_quant(ROWS["fp8_silu_quant"]),

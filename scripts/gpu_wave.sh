@@ -226,19 +226,19 @@ for stage in "$@"; do
       # loop as it was; against the twin), then the tile sweep of both loops, bf16 products
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention.py --tb=short -rfE 2>&1 | tail -3
       timeout ${BENCH_S:-300} python3 benchmarks/attention_decode.py --sweep --dots input 2>&1 | grep "|" ;;
-    balanced)  # 1 GPU: decode attention with the batch's tiles dealt evenly among resident programs: its GPU tests
-      # (kernel and whole engine), then the engine's launch against split contexts and it, in CUDA graphs, both caches
-      timeout ${TEST_S:-270} python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention_balanced.py \
-        tests/kernels/test_attention.py tests/engine/test_balanced_attention_gpu.py --tb=short -rfE 2>&1 | tail -3
-      timeout ${BENCH_S:-270} python3 benchmarks/attention_decode.py --balanced 2>&1 | grep "|" ;;
+    splits)  # 1 GPU: decode attention's GPU tests, then the engine's launch against contexts split in 2 and 4
+      # parts, in CUDA graphs, both caches
+      timeout ${TEST_S:-270} python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention.py \
+        --tb=short -rfE 2>&1 | tail -3
+      timeout ${BENCH_S:-270} python3 benchmarks/attention_decode.py --splits 2>&1 | grep "|" ;;
     attnlaunch)  # 1 GPU: the 8B (ATTN_DTYPE, default fp8) with decode attention's launch as it is, with
-      # ADAPTERSERVE_ATTENTION_SPLITS=2 and with ADAPTERSERVE_ATTENTION_BALANCED=1 (ATTN_MODES), base, a process each
-      for mode in ${ATTN_MODES:-default SPLITS=2 BALANCED=1}; do
+      # ADAPTERSERVE_ATTENTION_SPLITS=2 (ATTN_MODES: more SPLITS=n), base, a process each
+      for mode in ${ATTN_MODES:-default SPLITS=2}; do
         env $([ $mode = default ] || echo ADAPTERSERVE_ATTENTION_$mode) timeout ${STAGE_S:-180} python3 \
           benchmarks/engine_throughput.py --models 8b --no-hotswap --dtype ${ATTN_DTYPE:-fp8} --hf-models '' \
-          --budget-s 150 --workloads ${ATTN_WORKLOADS:-base} --max-tokens 64 --out "$OUT/et8b_attn_$mode.md" \
-          > "$OUT/attn_$mode.log" 2>&1
-        echo "attention $mode"; grep -E "B=64 .*: 8b" "$OUT/attn_$mode.log" | tail -2
+          --budget-s 150 --workloads ${ATTN_WORKLOADS:-base} --max-tokens 64 --out "$OUT/et8b_attn_${mode/=/_}.md" \
+          > "$OUT/attn_${mode/=/_}.log" 2>&1  # no "=" in a file name: the device's $OUT leaves those out
+        echo "attention $mode"; grep -E "B=64 .*: 8b" "$OUT/attn_${mode/=/_}.log" | tail -2
       done ;;
     attntiles)  # 1 GPU: the 8B engine with decode attention's tiles as they are against ATTN_TILES (keys,warps,stages:
       # the pipelined loop needs 3 stages or more), FP8 then bf16, base and one adapter, a process each
@@ -254,7 +254,7 @@ for stage in "$@"; do
       python3 benchmarks/ncu_targets.py --time --targets ${NCU_TARGETS:-attention,attention_s3,attention_n64,attention_kv8,fp8_gate_up,fp8_down,fp8_silu_quant,fp8_norm_quant} \
         2>&1 | grep "|"
       for t in $(echo ${NCU_TARGETS:-attention,attention_s3,attention_n64,attention_kv8,fp8_gate_up,fp8_down,fp8_silu_quant,fp8_norm_quant} | tr , " "); do
-        timeout ${NCU_S:-120} ncu --clock-control none -k regex:"_decode_kernel|_decode_split_kernel|_decode_balanced_kernel|_decode_gemm_kernel|_quant_kernel" --launch-skip 2 \
+        timeout ${NCU_S:-120} ncu --clock-control none -k regex:"_decode_kernel|_decode_split_kernel|_decode_gemm_kernel|_quant_kernel" --launch-skip 2 \
           --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
           --section MemoryWorkloadAnalysis --section SchedulerStats python3 benchmarks/ncu_targets.py --targets $t \
           > "$OUT/ncu_$t.txt" 2>&1
@@ -262,7 +262,7 @@ for stage in "$@"; do
           "$OUT/ncu_$t.txt" | head -30
         if [ "${NCU_STALLS:-0}" = 1 ]; then  # cycles a warp waits per issued instruction, by stall reason, and the
           # source lines the sampled warps stalled at most (SourceCounters)
-          timeout ${NCU_S:-120} ncu --clock-control none -k regex:"_decode_kernel|_decode_split_kernel|_decode_balanced_kernel|_decode_gemm_kernel|_quant_kernel" \
+          timeout ${NCU_S:-120} ncu --clock-control none -k regex:"_decode_kernel|_decode_split_kernel|_decode_gemm_kernel|_quant_kernel" \
             --launch-skip 2 --launch-count 1 --section SourceCounters \
             --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
             python3 benchmarks/ncu_targets.py --targets $t > "$OUT/ncu_stalls_$t.txt" 2>&1

@@ -27,7 +27,7 @@ from adapterserve.engine.attention_meta import (
 )
 from adapterserve.engine.host_copy import to_device
 from adapterserve.kernels import build_adapter_meta
-from adapterserve.kernels.attention import attention_in_chain, balanced_default, forced_splits, forced_tiles
+from adapterserve.kernels.attention import attention_in_chain, forced_splits, forced_tiles
 from adapterserve.kernels.kv_fp8 import copy_rows
 from adapterserve.kernels.pdl import ENV, pdl_mode, prefetch_setting, set_pdl, set_prefetch
 from adapterserve.kernels.stacked import expand_for_slots
@@ -97,8 +97,8 @@ def pdl_for(config: EngineConfig) -> str | None:
 def apply_pdl(config: EngineConfig) -> None:
     """Set this process's PDL mode and weight prefetch as EngineConfig.pdl and .weight_prefetch
     say (process-wide; the kernels read them at launch, so the graphs captured after keep them);
-    a bad ADAPTERSERVE_PDL, ADAPTERSERVE_PREFETCH or ADAPTERSERVE_ATTENTION_* (PDL, TILES, SPLITS,
-    BALANCED) is refused here, before any step."""
+    a bad ADAPTERSERVE_PDL, ADAPTERSERVE_PREFETCH or ADAPTERSERVE_ATTENTION_* (PDL, TILES, SPLITS)
+    is refused here, before any step."""
     set_pdl(pdl_for(config))
     set_prefetch(config.weight_prefetch)
     pdl_mode()  # each raises on a bad environment value
@@ -106,7 +106,6 @@ def apply_pdl(config: EngineConfig) -> None:
     attention_in_chain()
     forced_tiles()
     forced_splits()
-    balanced_default()
 
 
 def with_sampled_ids(ids: torch.Tensor, sources: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from adapterserve.config import ATTENTION_DOTS
-from adapterserve.kernels.attention_balanced import balanced_decode_attention
 from adapterserve.kernels.attention_tiles import attend_tiles, query_rows
 from adapterserve.kernels.fp8 import FP8
 from adapterserve.kernels.kv_fp8 import kv_scales
@@ -41,11 +40,6 @@ PDL = True
 PDL_ENV = "ADAPTERSERVE_ATTENTION_PDL"
 # each tile's page numbers read a tile ahead (attention_tiles.attend_tiles): off only to measure the loop as it was
 PAGES_AHEAD = True
-# the batch's key tiles dealt evenly among as many programs as the GPU holds (kernels/attention_balanced.py)
-# instead of a program per sequence's kv head (or part of it), BALANCED_BLOCK_N keys a tile whatever the batch:
-# off (BENCHMARKS.md, twenty-seventh session); ADAPTERSERVE_ATTENTION_BALANCED=1 / 0 sets it for a measurement
-BALANCED, BALANCED_BLOCK_N = False, 128
-BALANCED_ENV = "ADAPTERSERVE_ATTENTION_BALANCED"
 # parts per context of every decode launch on a GPU (a power of two up to MAX_SPLITS): a measurement's override
 # of decode_splits' choice
 SPLITS_ENV = "ADAPTERSERVE_ATTENTION_SPLITS"
@@ -215,8 +209,6 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     dots: str = DEFAULT_DOTS,
-    balanced: bool | None = None,
-    programs: int | None = None,
 ) -> None:
     """Attention of each sequence's newest token over its cached context.
 
@@ -234,18 +226,12 @@ def paged_decode_attention(
     dots:         the products' inputs: "float32" (keys, values and weights widened), "input"
                   (q's dtype: bf16 / fp16 tensor-core products, the softmax weights rounded to it)
                   or "auto" (the default: "input" for every launch, input_dots); float32 sums either way
-    balanced:     the batch's tiles dealt evenly among resident programs (kernels/attention_balanced.py;
-                  default: balanced_default(); splits and order then unused), ``programs`` of them
-                  (default: as many as the GPU holds at once)
     Semantics: out[b, h] = softmax(q[b, h] . K[j] / sqrt(D)) V over j in
     [max(kv_start, len - window), len), K, V of kv head h // (Hq / Hkv).
     """
     batch, num_heads, head_dim = q.shape
     num_kv = k_cache.shape[1]
     group = num_heads // num_kv
-    balanced = balanced_default() if balanced is None else balanced
-    if balanced and block_n is None:
-        block_n = BALANCED_BLOCK_N if q.is_cuda else 16
     warps, stages = decode_pipeline()
     num_warps, num_stages = num_warps or warps, num_stages or stages
     if splits is None or block_n is None:
@@ -258,10 +244,6 @@ def paged_decode_attention(
         PAGES_AHEAD=int(PAGES_AHEAD), num_warps=num_warps, num_stages=num_stages,
     )
     k_scale, v_scale, stride_sn = kv_scales(k_cache, k_scale, v_scale)
-    if balanced:
-        balanced_decode_attention(q, k_cache, v_cache, block_tables, context_lens, kv_start, k_scale, v_scale,
-                                  stride_sn, window, out, common, _pdl(q), programs)
-        return
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), stride_sn, block_tables.stride(0))
     if splits <= 1:
         _decode_kernel[(num_kv, batch)](
@@ -291,11 +273,6 @@ def _switch(env: str, default: bool) -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"{env} must be 0 or 1, got {value!r}")
     return default if value == "" else value == "1"
-
-
-def balanced_default() -> bool:
-    """Whether decode launches deal the batch's tiles evenly: ADAPTERSERVE_ATTENTION_BALANCED, else BALANCED."""
-    return _switch(BALANCED_ENV, BALANCED)
 
 
 def forced_splits() -> int | None:

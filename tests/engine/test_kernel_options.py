@@ -64,7 +64,7 @@ def test_the_engine_sets_its_process_prefetch(llama_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("env", [pdl.ENV, pdl.PREFETCH_ENV, attention.PDL_ENV, attention.TILES_ENV,
-                                 attention.SPLITS_ENV, attention.BALANCED_ENV])
+                                 attention.SPLITS_ENV])
 def test_a_bad_environment_variable_stops_the_engine_s_build(llama_dir, monkeypatch, env):
     monkeypatch.setenv(env, "lots")
     with pytest.raises(ValueError, match=env):
@@ -84,7 +84,6 @@ BAD_OVERRIDES = [(attention.TILES_ENV, attention.forced_tiles, value) for value 
     "64,4", "64,3,2", "8,4,2", "512,4,2", "64,4,9", "a,b,c", "64,4,-1", "32,4,3,split", "64,4,3,4")]
 BAD_OVERRIDES += [(attention.SPLITS_ENV, attention.forced_splits, value)
                   for value in ("0", "3", "32", "-2", "two", "2.0")]
-BAD_OVERRIDES += [(attention.BALANCED_ENV, attention.balanced_default, value) for value in ("2", "yes")]
 
 
 @pytest.mark.parametrize("env, read, value", BAD_OVERRIDES)
@@ -120,9 +119,3 @@ def test_decode_attention_splits_take_the_override_for_every_launch(monkeypatch)
     assert attention.decode_blocks(64, 8, 1024) == (2, attention.DEFAULT_BLOCK_N)
     assert attention.decode_blocks(64, 8, 1024, on_gpu=False) == (1, 16)  # the CPU's own
 
-
-def test_balanced_decode_attention_is_off_unless_switched_on(monkeypatch):
-    monkeypatch.delenv(attention.BALANCED_ENV, raising=False)
-    assert attention.balanced_default() is attention.BALANCED is False
-    monkeypatch.setenv(attention.BALANCED_ENV, "1")
-    assert attention.balanced_default()

@@ -11,7 +11,6 @@ import re
 
 from adapterserve.kernels import (
     attention,
-    attention_balanced,
     decode_gemm,
     fp8,
     fp8_fused,
@@ -62,11 +61,6 @@ KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
     "decode_attention_split": (attention._decode_split_kernel, {**ATTENTION, "SPLITS": 4}),
     "decode_attention_merge": (attention._decode_merge_kernel, {"HEAD_DIM": 128, "DIM_PAD": 128, "SPLITS": 4,
                                                                 "SPLITS_PAD": 4}),
-    "decode_attention_balanced": (attention_balanced._decode_balanced_kernel,
-                                  {**ATTENTION, "KV_HEADS": 8, "BATCH_PAD": 64}),
-    "decode_attention_balanced_merge": (attention_balanced._merge_balanced_kernel,
-                                        {"KV_HEADS": 8, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "DIM_PAD": 128,
-                                         "BLOCK_N": 64, "HAS_WINDOW": False, "BATCH_PAD": 64}),
     "decode_gemm_prefetch": (decode_gemm._decode_gemm_kernel, {**GEMM, "PREFETCH": 4}),
     "decode_gemm_w8a8_prefetch": (decode_gemm._decode_gemm_kernel, {**GEMM, "X_SCALED": 1, "W_SCALED": 1,
                                                                      "PREFETCH": 4}),
@@ -90,11 +84,6 @@ POINTER_TYPES = {  # name: the pointers that are not bf16 / int32 / float32 by t
                                "vs_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
                                "part_o_ptr": "*fp32"},
     "decode_attention_merge": {"part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_o_ptr": "*fp32"},
-    "decode_attention_balanced": {"table_ptr": "*i32", "lens_ptr": "*i32", "start_ptr": "*i32", "ks_ptr": "*fp32",
-                                  "vs_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-                                  "part_o_ptr": "*fp32"},
-    "decode_attention_balanced_merge": {"lens_ptr": "*i32", "start_ptr": "*i32", "part_m_ptr": "*fp32",
-                                        "part_l_ptr": "*fp32", "part_o_ptr": "*fp32"},
 }
 
 
