@@ -12,6 +12,9 @@ the kernel); its floor counts those weights at one byte (embeddings, lm_head and
 cache stay bfloat16); the transformers baselines stay bfloat16.
 --first-request adds the TTFT of the first request after the engine is ready against the
 steady state (the engine's own warm-up is all it gets), and every row the engine's start-up.
+Each workload's timed run follows a warm-up over every decode bucket and the timed prompts; a row
+whose timed run still compiled a kernel variant or captured a graph says so in its note.
+--no-engine-warmup skips the engines' own warm-up (this benchmark's still runs).
 benchmarks/README.md says what each column means.
 """
 from __future__ import annotations
@@ -102,6 +105,10 @@ def parse_args(argv: list[str] | None) -> Config:
                    "engine is ready against the steady state, and the engine's start-up (warm-up) time")
     p.add_argument("--no-hotswap", dest="hotswap", action="store_false", help="skip the hot-swap measurement "
                    "(after each model's first batch)")
+    p.add_argument("--no-engine-warmup", dest="engine_warmup", action="store_false", help="workload engines skip "
+                   "their own warm-up (this benchmark's, over every bucket and the timed prompts, still runs): "
+                   "tens of seconds less per workload; a row whose timed run then compiled or captured anything "
+                   "says so in its note")
     a = p.parse_args(argv)
     unknown = {w for w in split(a.workloads) if _base_workload(w) not in WORKLOADS}
     if unknown:
@@ -109,13 +116,14 @@ def parse_args(argv: list[str] | None) -> Config:
                 f"each optionally with a variant suffix ({', '.join(VARIANTS)})")
     if a.smoke:
         dtype = "fp8" if a.dtype == "fp8" else "float32"
-        settings = Settings("cpu", dtype, 6, (8, 24), 16, 48, 40, 6, a.zipf_alpha, a.seed, a.fp8_gemm)
+        settings = Settings("cpu", dtype, 6, (8, 24), 16, 48, 40, 6, a.zipf_alpha, a.seed, a.fp8_gemm,
+                            a.engine_warmup)
         return Config(settings, ("tiny",), {"tiny": (1, 4)}, split(a.workloads), ("tiny",), 4, 2, 8 << 20,
                       a.budget_s, a.out, a.first_request, a.hotswap)
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: run on a GPU, or pass --smoke for the CPU check")
     settings = Settings("cuda", a.dtype, a.max_tokens, (a.prompt_min, a.prompt_max), 16, a.max_batched_tokens,
-                        a.zipf_adapters, a.zipf_slots, a.zipf_alpha, a.seed, a.fp8_gemm)
+                        a.zipf_adapters, a.zipf_slots, a.zipf_alpha, a.seed, a.fp8_gemm, a.engine_warmup)
     return Config(settings, split(a.models), {"1b": ints(a.batches), "8b": ints(a.batches_8b)}, split(a.workloads),
                   split(a.hf_models), a.hf_batch, a.hf_tokens, 1 << 30, a.budget_s, a.out, a.first_request,
                   a.hotswap)

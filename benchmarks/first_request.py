@@ -8,7 +8,6 @@ allocations, and the wall time of each engine step."""
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 
 import torch
@@ -17,7 +16,7 @@ from adapterserve.config import EngineConfig
 from adapterserve.engine.sampling_params import SamplingParams
 from benchmarks.backbone import Backbone
 from benchmarks.random_adapters import AdapterFactory
-from benchmarks.measure import sync
+from benchmarks.measure import device_allocs, kernel_variants, sync
 from benchmarks.workloads import Settings, make_prompts
 
 LATER = 8  # requests after the first whose median is the steady state
@@ -52,7 +51,7 @@ def measure_first_request(backbone: Backbone, factory: AdapterFactory, s: Settin
 def _ttft(engine, prompt: list[int], adapter_id: str, device: str, costs: list[dict]) -> float:
     """Seconds from add_request to the request's first token (it alone in the engine); what it
     paid (``_cold_costs``) appended to costs."""
-    kernels, allocs = _kernel_variants(), _device_allocs(device)
+    kernels, allocs = kernel_variants(), device_allocs(device)
     sync(device)
     started = time.perf_counter()
     request = engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True), adapter_id)
@@ -62,26 +61,9 @@ def _ttft(engine, prompt: list[int], adapter_id: str, device: str, costs: list[d
         engine.step()
         steps_ms.append(1e3 * (time.perf_counter() - step_started))
     took = time.perf_counter() - started
-    costs.append({"kernels": sorted(_kernel_variants() - kernels), "device_allocs": _device_allocs(device) - allocs,
+    costs.append({"kernels": sorted(kernel_variants() - kernels), "device_allocs": device_allocs(device) - allocs,
                   "steps_ms": steps_ms})
     return took
-
-
-def _kernel_variants() -> set[str]:
-    """Every Triton kernel variant adapterserve's kernels hold (name and specialisation key)."""
-    try:
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        return set()
-    kernels = {id(v): v for name, module in list(sys.modules.items()) if name.startswith("adapterserve.kernels")
-               for v in vars(module).values() if isinstance(v, JITFunction)}
-    return {f"{fn.fn.__name__} {key}" for fn in kernels.values() for cache in fn.device_caches.values()
-            for key in cache[0]}
-
-
-def _device_allocs(device: str) -> int:
-    """cudaMalloc calls the caching allocator has made (0 off CUDA)."""
-    return torch.cuda.memory_stats().get("num_device_alloc", 0) if device.startswith("cuda") else 0
 
 
 def cold_cost_lines(row: dict) -> list[str]:

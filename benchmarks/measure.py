@@ -8,6 +8,7 @@ reference, no copy): a decode step is one where every request has one new token.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -194,3 +195,41 @@ def decode_summary(run: Run, batch: int, floor: Floor) -> dict:
         "avg_context": statistics.mean(s.context / s.size for s in chosen),
     })
     return out
+
+
+def kernel_variants() -> set[str]:
+    """Every Triton kernel variant adapterserve's kernels hold (name and specialisation key)."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return set()
+    kernels = {id(v): v for name, module in list(sys.modules.items()) if name.startswith("adapterserve.kernels")
+               for v in vars(module).values() if isinstance(v, JITFunction)}
+    return {f"{fn.fn.__name__} {key}" for fn in kernels.values() for cache in fn.device_caches.values()
+            for key in cache[0]}
+
+
+def device_allocs(device: str) -> int:
+    """cudaMalloc calls the caching allocator has made (0 off CUDA)."""
+    return torch.cuda.memory_stats().get("num_device_alloc", 0) if device.startswith("cuda") else 0
+
+
+def captured_graphs(engine: Engine) -> int:
+    """Decode and mixed-step CUDA graphs the engine holds (0 without graphs)."""
+    return sum(g.num_graphs for g in (engine.runner.graphs, engine.runner.mixed_graphs) if g is not None)
+
+
+@dataclass
+class ColdCheck:
+    """What a run met for the first time, against a snapshot taken before it: Triton kernel
+    variants (compiled, or loaded from the disk cache) and CUDA graphs captured."""
+
+    engine: Engine
+    kernels: set[str] = field(default_factory=kernel_variants)
+    graphs: int = 0
+
+    def __post_init__(self) -> None:
+        self.graphs = captured_graphs(self.engine)
+
+    def since(self) -> dict[str, int]:
+        return {"kernels": len(kernel_variants() - self.kernels), "graphs": captured_graphs(self.engine) - self.graphs}

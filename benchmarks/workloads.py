@@ -20,7 +20,7 @@ from adapterserve.config import EngineConfig
 from adapterserve.engine.engine import Engine
 from adapterserve.engine.graphs import BUCKETS
 from benchmarks.backbone import Backbone
-from benchmarks.measure import StepTrace, decode_summary, floor_for, run_requests, sync
+from benchmarks.measure import ColdCheck, StepTrace, decode_summary, floor_for, run_requests, sync
 from benchmarks.random_adapters import BOTTLENECK_RANK, AdapterFactory, decode_read_bytes
 
 WORKLOADS = ("base", "one", "uniform8", "distinct", "zipf", "ranks", "families")
@@ -69,6 +69,7 @@ class Settings:
     zipf_alpha: float
     seed: int
     fp8_gemm: str = "auto"  # EngineConfig.fp8_gemm with dtype fp8 (a variant may change it)
+    engine_warmup: bool = True  # EngineConfig.warmup (off: only this benchmark's warm-up runs first)
 
 
 def make_prompts(batch: int, vocab: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
@@ -150,7 +151,7 @@ def engine_config(p: Plan, prompts: list[list[int]], virtual: list[int], s: Sett
         lora_pool_rows=max(p.pool_rows, p.max_rank), max_bottleneck_rank=BOTTLENECK_RANK, block_size=bs,
         num_kv_blocks=blocks + prefix_blocks + 8, max_num_seqs=len(prompts),
         max_num_batched_tokens=s.max_batched_tokens, max_model_len=-(-(longest + 2 * bs) // bs) * bs,
-        cuda_graphs=True, seed=s.seed, fp8_gemm=s.fp8_gemm,
+        cuda_graphs=True, seed=s.seed, fp8_gemm=s.fp8_gemm, warmup=s.engine_warmup,
     )
     fields.update(p.engine_options)
     fields["lora_pool_rows"] = max(fields["lora_pool_rows"], fields["max_lora_rank"])
@@ -210,15 +211,25 @@ def run_workload(backbone: Backbone, p: Plan, prompts: list[list[int]], s: Setti
         loads = engine.slots.loads
         reset_peak(s.device)
         sync(s.device)
+        cold = ColdCheck(engine)
         run = run_requests(engine, trace, prompts, p.adapter_ids, [s.max_tokens] * batch)
+        first_met = cold.since()
         floor = floor_for(model, _adapter_bytes(engine, p, model), bandwidth)
         row = decode_summary(run, batch, floor)
-        row.update({"loads": engine.slots.loads - loads, "peak_gib": peak_gib(s.device), "note": p.note,
+        row.update({"loads": engine.slots.loads - loads, "peak_gib": peak_gib(s.device),
+                    "note": "; ".join(x for x in (p.note, _cold_note(first_met)) if x), "cold": first_met,
                     "start_s": start_s, "warmup_s": engine.warmup.seconds if engine.warmup is not None else None})
         return row
     finally:
         engine = None
         backbone.reset()
+
+
+def _cold_note(first_met: dict[str, int]) -> str:
+    """The row's note when its timed run compiled or captured anything (its TTFT and run tok/s carry it)."""
+    if not any(first_met.values()):
+        return ""
+    return f"timed run met {first_met['kernels']} kernel variants, {first_met['graphs']} graphs first"
 
 
 def _virtual(adapter: Adapter | None) -> int:
