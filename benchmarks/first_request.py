@@ -10,7 +10,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import torch
 
 from adapterserve.config import EngineConfig
 from adapterserve.engine.sampling_params import SamplingParams
