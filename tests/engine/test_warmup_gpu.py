@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from adapterserve import Engine, SamplingParams
+from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.adapters_store.formats.types import BottleneckAdapter, BottleneckModule
+from adapterserve.layers.bottleneck import BOTTLENECK_ACTIVATIONS
 from adapterserve.models.tiny import write_tiny_checkpoint
 from tests.helpers.families import family_configs, make_peft_adapter
 from tests.helpers.lora import make_peft_lora
@@ -77,3 +80,48 @@ def test_after_warm_up_a_mixed_batch_compiles_nothing(setup, config):
     assert not late, "compiled after warm-up:\n" + "\n".join(f"{name} {key}" for name, key in late)
     new_graphs = set(engine.runner.graphs._graphs) - graphs
     assert not new_graphs, f"decode graphs captured after warm-up (bucket, families, signature): {new_graphs}"
+
+
+def _bottleneck(layers: int, hidden: int, activation: str, places: tuple[str, ...], seed: int) -> Adapter:
+    """A random rank-16 bottleneck at ``places`` of every layer (("output",): Pfeiffer's, norm before)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    modules = {(layer, place): BottleneckModule(randn(16, hidden, std=hidden ** -0.5), randn(16, std=0.1),
+                                                randn(16, hidden, std=0.1), randn(hidden, std=0.01), activation)
+               for layer in range(layers) for place in places}
+    return Adapter("bottleneck", bottleneck=BottleneckAdapter(modules, original_ln_before=places == ("output",)))
+
+
+def test_bottlenecks_of_every_activation_replay_the_graphs_warm_up_captured(setup):
+    """Warm-up captures the bottleneck graphs with no adapter resident (the kernels read each
+    slot's width and activation). Bottlenecks of every activation, and one at the FFN output only,
+    then decode side by side: nothing compiles or is captured after warm-up, and the greedy
+    tokens are those of an engine without graphs (whose eager steps run every op by the host's
+    state): a graph missing a place's op would give the base model's update there instead."""
+    model_dir, _ = setup
+    common = dict(device="cuda", dtype="bfloat16", max_model_len=1024, num_kv_blocks=1024, max_num_seqs=16,
+                  max_num_batched_tokens=2048, max_bottleneck_rank=16)
+    graphed = Engine.from_pretrained(model_dir, **common)
+    eager = Engine.from_pretrained(model_dir, cuda_graphs=False, warmup=False, **common)
+    cfg = graphed.model_config
+    adapters = {act: _bottleneck(cfg.num_layers, cfg.hidden_size, act, ("mh", "output"), i)
+                for i, act in enumerate(BOTTLENECK_ACTIVATIONS)}
+    adapters["pfeiffer-gelu"] = _bottleneck(cfg.num_layers, cfg.hidden_size, "gelu", ("output",), 9)
+    for engine in (graphed, eager):
+        for name, adapter in adapters.items():
+            engine.add_adapter(name, adapter)
+    kernels, graphs = compiled_variants(), set(graphed.runner.graphs._graphs)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 2000) for _ in range(rng.choice([5, 40, 300]))] for _ in range(14)]
+    ids = [*adapters, *adapters, None, None]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = [engine.generate(prompts, params, adapter_ids=ids) for engine in (graphed, eager)]
+    assert all(o.error is None for both in outs for o in both)
+    assert not sorted(compiled_variants() - kernels), "compiled after warm-up"
+    assert set(graphed.runner.graphs._graphs) == graphs, "decode graphs captured after warm-up"
+    assert graphed.runner.graphs.replays > 0
+    same = sum(a.token_ids == b.token_ids for a, b in zip(*outs))
+    assert same >= 0.9 * len(prompts), f"{same} of {len(prompts)} requests agree with the eager engine"
