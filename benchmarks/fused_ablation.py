@@ -1,15 +1,17 @@
-"""Where the fused LoRA linear's one-adapter tax goes: the kernel with one part of its LoRA path
+"""Where the fused LoRA linear's adapter tax goes: the kernel with one part of its LoRA path
 taken out at a time, projection by projection (kernels/stacked_fused.py; a diagnostic, the parts
 taken out give wrong outputs).
 
     PYTHONPATH=. python benchmarks/fused_ablation.py           # H100/H200: about a minute
     PYTHONPATH=. python benchmarks/fused_ablation.py --dtype fp8
+    PYTHONPATH=. python benchmarks/fused_ablation.py --adapters 8   # the tokens over 8 adapters
     PYTHONPATH=. python benchmarks/fused_ablation.py --smoke   # CPU, interpreter, tiny shapes
 
 fused_linear_projections.py's stack and timing (bf16 or fp8, B=64, 16 layers of the 8B, PDL early), us
 per projection and the tax over the plain decode GEMM. Each variant is a copy of the kernel's
 module with its source edited (ABLATIONS), loaded from a file of its own:
-  fused 0 / fused 1   the kernel as on main, no adapter / one adapter
+  fused 0 / fused N   the kernel as on main, no adapter / the tokens round-robin over N adapters
+                      (--adapters, default 1); the ablations below run with N too
   no wait             one adapter; output tiles do not wait for the shrink tiles
   no count            one adapter; output tiles do not count themselves past their wait, so the step
                       counters are never reset (after the first call no tile waits: a graph replay
@@ -17,7 +19,8 @@ module with its source edited (ABLATIONS), loaded from a file of its own:
   no expand           one adapter; output tiles neither wait nor add the update (shrink tiles run)
   no shrink tiles     one adapter; no shrink tiles launched; output tiles add the update
   rows known          one adapter; the tokens' pool rows (0-15) taken as known, not read (slot, then
-                      rank and row start): what a per-step table of them could save at most
+                      rank and row start): what a per-step table of them could save at most (not
+                      run with more adapters: the rows it assumes would be wrong)
   prologue only       one adapter; no shrink tiles, no wait, no update: the tokens' rows and the
                       first B chunk loaded, the counters kept
 """
@@ -78,11 +81,16 @@ def ablated(name: str, edits: tuple[tuple[str, str], ...], folder: str) -> Modul
     return module
 
 
+def ablations(adapters: int) -> dict[str, tuple[tuple[str, str], ...]]:
+    """The ablations that hold for tokens over ``adapters`` adapters."""
+    return {name: edits for name, edits in ABLATIONS.items() if adapters == 1 or ROWS_KNOWN not in edits}
+
+
 def table(stack: Stack, tokens: int, slots: int, device: str, layers: int, folder: str,
-          dtype: str) -> list[list[str]]:
-    modules = {"fused 0": fused_module, "fused 1": fused_module,
-               **{name: ablated(name, edits, folder) for name, edits in ABLATIONS.items()}}
-    metas = {n: step_meta(tokens, max(n, 1), slots, device) for n in (0, 1)}
+          dtype: str, adapters: int) -> list[list[str]]:
+    modules = {"fused 0": fused_module, f"fused {adapters}": fused_module,
+               **{name: ablated(name, edits, folder) for name, edits in ablations(adapters).items()}}
+    metas = {n: step_meta(tokens, max(n, 1), slots, device) for n in (0, adapters)}
     metas[0].token_slots.fill_(-1)
     out = []
     for i, kind in enumerate(KINDS):
@@ -90,8 +98,8 @@ def table(stack: Stack, tokens: int, slots: int, device: str, layers: int, folde
         base = time_ms(lambda: stack.run(f"{dtype} base", metas[0], 0, projections), device)
         cells = [f"{base * 1e3 / layers:.1f}"]
         for name, module in modules.items():
-            adapters = 0 if name == "fused 0" else 1
-            meta, rows = metas[adapters], row_bucket(adapters * RANK, slots * RANK)
+            used = 0 if name == "fused 0" else adapters
+            meta, rows = metas[used], row_bucket(used * RANK, slots * RANK)
             stack.fused = module.stacked_fused
             ms = time_ms(lambda: stack.run(f"{dtype} fused", meta, rows, projections), device)
             if device == "cuda":
@@ -107,14 +115,17 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
                    help="the weights: bf16, or e4m3 (W8A8 base tiles, the shrink tiles' loop of their own)")
+    p.add_argument("--adapters", type=int, default=1, help="the tokens round-robin over this many adapters")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code runs, figures mean nothing")
     args = p.parse_args()
     stack, (device, _, shape, layers, tokens, slots, name) = stack_for(args.smoke, args.layers)
+    if not 1 <= args.adapters <= min(slots, tokens):
+        p.error(f"--adapters must be 1 to {min(slots, tokens)} (the stack's slots and tokens)")
     with tempfile.TemporaryDirectory() as folder:
-        rows = table(stack, tokens, slots, device, layers, folder, args.dtype)
+        rows = table(stack, tokens, slots, device, layers, folder, args.dtype, args.adapters)
     print(f"\n{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, {args.dtype}, "
-          f"one rank-{RANK} adapter; us per projection (tax over base):")
-    print_table(["projection", "base us", "fused 0", "fused 1", *ABLATIONS], rows)
+          f"{args.adapters} rank-{RANK} adapter(s); us per projection (tax over base):")
+    print_table(["projection", "base us", "fused 0", f"fused {args.adapters}", *ablations(args.adapters)], rows)
 
 
 if __name__ == "__main__":

@@ -192,7 +192,10 @@ for stage in "$@"; do
         tests/kernels/test_stacked_fused_apart.py -k "${TEST_K:-fused}" --tb=line -rfE 2>&1 | tail -4
       timeout ${BENCH_S:-200} python3 benchmarks/fused_linear_projections.py --splits "${SPLITS:-}" 2>&1 \
         | sed -n '/us per projection/,$p' | head -${TAIL:-12}
-      for dtype in bf16 fp8; do timeout ${BENCH_S:-200} python3 benchmarks/fused_ablation.py --dtype $dtype 2>&1 | tail -7; done
+      for dtype in bf16 fp8; do  # ABLATION_ADAPTERS: the tokens over that many adapters (default 1)
+        timeout ${BENCH_S:-200} python3 benchmarks/fused_ablation.py --dtype $dtype --adapters ${ABLATION_ADAPTERS:-1} \
+          2>&1 | tail -7
+      done
       [ -n "${ENGINE_TESTS:-}" ] && test_files 200 "-m gpu" $ENGINE_TESTS ;;
     fusedtests)  # 1 GPU: the fused linear's kernel GPU tests and the FP8 engine's (FUSED_TESTS: other files), a log
       # per file in $OUT, each file at most FILE_S seconds (default 280)
