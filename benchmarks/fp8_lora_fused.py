@@ -200,14 +200,14 @@ def sweep(stack: Stack, tokens: int, slots: int, device: str) -> list[list[str]]
     return table
 
 
-def stack_for(smoke: bool, layers: int) -> tuple[Stack, tuple]:
+def stack_for(smoke: bool, layers: int, slots: int = 8) -> tuple[Stack, tuple]:
     """The stack to time and (device, dtype, shape, layers, tokens, slots, card name): the 8B's on
     a GPU with PDL early, or a tiny one layer deep for --smoke (float32: the interpreter's bf16
-    arithmetic is wrong)."""
+    arithmetic is wrong); ``slots``: adapters its LoRA pools hold."""
     if smoke:
-        device, dtype, shape, layers, tokens, slots, name = "cpu", torch.float32, SHAPES["tiny"], 1, 8, 8, "CPU (smoke)"
+        device, dtype, shape, layers, tokens, name = "cpu", torch.float32, SHAPES["tiny"], 1, 8, "CPU (smoke)"
     else:
-        device, dtype, shape, tokens, slots = "cuda", torch.bfloat16, SHAPES["8b"], 64, 8
+        device, dtype, shape, tokens = "cuda", torch.bfloat16, SHAPES["8b"], 64
         name = torch.cuda.get_device_name()
         set_pdl("early")
     torch.manual_seed(0)

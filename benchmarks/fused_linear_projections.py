@@ -14,7 +14,9 @@ projection, with its tax over the plain decode GEMM of the same dtype. Variants:
   base pfC        the plain decode GEMM, each program asking L2 for its first C K chunks of weight
   fused 1 pfC     rows before its PDL wait (kernels/pdl.py set_prefetch), and the fused linear so
 Every variant with launch choices is checked against the same kernel's output without them before it is
-timed.
+timed. --resident R1,R2,...: a second table, one adapter's tokens while R adapters are resident. The fused
+linear's shrink covers the pool rows of every resident adapter (its row bucket), so idle ones cost it
+rows; the separate kernels (kernels+side: shrink on a second stream, then expand) read only the step's.
 """
 from __future__ import annotations
 
@@ -94,18 +96,49 @@ def table(stack: Stack, tokens: int, slots: int, device: str, layers: int,
     return out
 
 
+def resident_table(stack: Stack, tokens: int, slots: int, device: str, layers: int,
+                   residents: list[int]) -> list[list[str]]:
+    """One adapter's tokens: the separate kernels, and the fused linear covering the rows of R resident
+    adapters for each R."""
+    meta, base_meta = step_meta(tokens, 1, slots, device), step_meta(tokens, 1, slots, device)
+    base_meta.token_slots.fill_(-1)
+    _set(stack, {})
+    out = []
+    for dtype in ("fp8", "bf16"):
+        for i, kind in enumerate(KINDS):
+            projections = stack.projections[i::len(KINDS)]
+            base = time_ms(lambda: stack.run(f"{dtype} base", base_meta, 0, projections), device)
+            runs = [(f"{dtype} kernels+side", row_bucket(RANK, slots * RANK))]
+            runs += [(f"{dtype} fused", row_bucket(r * RANK, slots * RANK)) for r in residents]
+            cells = [f"{base * 1e3 / layers:.1f}"]
+            for variant, rows in runs:
+                ms = time_ms(lambda: stack.run(variant, meta, rows, projections), device)
+                cells.append(f"{ms * 1e3 / layers:.1f} ({(ms / base - 1) * 100:+.0f}%)")
+            out.append([dtype, kind, *cells])
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--splits", default="", help="comma-separated shrink split factors to add (e.g. 2,4,8)")
+    p.add_argument("--resident", default="", help="comma-separated counts of resident adapters for the "
+                   "one-adapter table (e.g. 1,8,64): the pool holds the largest")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code runs, figures mean nothing")
     args = p.parse_args()
-    stack, (device, _, shape, layers, tokens, slots, name) = stack_for(args.smoke, args.layers)
+    residents = [int(r) for r in args.resident.split(",") if r]
+    stack, (device, _, shape, layers, tokens, slots, name) = stack_for(args.smoke, args.layers,
+                                                                      max([8, *residents]))
     named = variants([int(f) for f in args.splits.split(",") if f])
     rows = table(stack, tokens, slots, device, layers, named)
     print(f"\n{name}; torch {torch.__version__}; {shape.name}, {layers} layers, B={tokens}, rank-{RANK} adapters; "
           "us per projection (one CUDA graph replay of the layers' projections of a kind; tax over base):")
     print_table(["dtype", "projection", "base us", *named], rows)
+    if residents:
+        print(f"\none adapter's {tokens} tokens while R adapters are resident (the fused linear covers their rows):")
+        print_table(["dtype", "projection", "base us", "kernels+side 1",
+                     *[f"fused 1 of {r}" for r in residents]],
+                    resident_table(stack, tokens, slots, device, layers, residents))
     for name, kernel in (("decode GEMM", _decode_gemm_kernel), ("fused linear", _stacked_fused_kernel)):
         if forms := forms_table(kernel):
             print(f"\n{name}: its compiled forms")

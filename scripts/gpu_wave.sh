@@ -156,8 +156,9 @@ for stage in "$@"; do
         tests/engine/test_warmup_gpu.py ;;
     fp8sweep)  # 1 GPU: fp8 fused's loop choices with one adapter (shrink loop, base stages: 2 programs a multiprocessor?)
       timeout ${STAGE_S:-200} python3 benchmarks/fp8_lora_fused.py --sweep 2>&1 | tail -30 ;;
-    projections)  # 1 GPU: the fused linear projection by projection, with and without rows specialised
-      timeout ${STAGE_S:-150} python3 benchmarks/fused_linear_projections.py 2>&1 | tail -12 ;;
+    projections)  # 1 GPU: the fused linear projection by projection; RESIDENT (e.g. 1,8,16,32,64): also one adapter's
+      # tokens while that many adapters are resident, against the separate kernels (the fused linear covers their rows)
+      timeout ${STAGE_S:-240} python3 benchmarks/fused_linear_projections.py --resident "${RESIDENT:-}" 2>&1 | grep "|" ;;
     lora8b)  # 1 GPU: the 8B's one-adapter tax, the fused linear (the default on Hopper) against the separate kernels
       # (each dtype's engines take about 90 s a workload with warm-up: STAGE_S/BUDGET_S for three)
       for dtype in ${DTYPES:-fp8 bfloat16}; do
