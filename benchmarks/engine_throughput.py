@@ -46,6 +46,7 @@ from benchmarks.random_adapters import (
     write_peft_lora,
 )
 from benchmarks.workloads import (
+    EXTRA_WORKLOADS,
     VARIANTS,
     WORKLOADS,
     Settings,
@@ -110,9 +111,9 @@ def parse_args(argv: list[str] | None) -> Config:
                    "tens of seconds less per workload; a row whose timed run then compiled or captured anything "
                    "says so in its note")
     a = p.parse_args(argv)
-    unknown = {w for w in split(a.workloads) if _base_workload(w) not in WORKLOADS}
+    unknown = {w for w in split(a.workloads) if _base_workload(w) not in WORKLOADS + EXTRA_WORKLOADS}
     if unknown:
-        p.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS)}, "
+        p.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(WORKLOADS + EXTRA_WORKLOADS)}, "
                 f"each optionally with a variant suffix ({', '.join(VARIANTS)})")
     if a.smoke:
         dtype = "fp8" if a.dtype == "fp8" else "float32"

@@ -24,6 +24,10 @@ from benchmarks.measure import ColdCheck, StepTrace, decode_summary, floor_for, 
 from benchmarks.random_adapters import BOTTLENECK_RANK, AdapterFactory, decode_read_bytes
 
 WORKLOADS = ("base", "one", "uniform8", "distinct", "zipf", "ranks", "families")
+# named only: every request on one adapter while RESIDENT_IDLE others stay resident, idle (their slots
+# placed before the run); the floor counts the one adapter only, so x floor shows what idle ones cost
+EXTRA_WORKLOADS = ("one-of-64",)
+RESIDENT_IDLE = 63
 # a workload name may end in a variant suffix: the same requests, an engine option changed
 # (+r64: the pool sized for rank 64, the engine's default, whatever the adapters' ranks;
 # +1s: LoRA shrinks on the compute stream, as before lora_side_stream became the default;
@@ -52,6 +56,7 @@ class Plan:
     max_rank: int = 16
     pool_rows: int = 16
     cold: bool = False  # evict every adapter after warm-up: the run includes its slot loads
+    resident: bool = False  # place every adapter in a slot before the warm-up (idle ones stay resident)
     engine_options: dict = field(default_factory=dict)  # EngineConfig fields of a variant
     note: str = ""
 
@@ -92,6 +97,11 @@ def plan(name: str, batch: int, factory: AdapterFactory, peft_dir: Path | dict, 
         if not isinstance(peft_dir, Path):
             raise RuntimeError(f"no PEFT LoRA directory: {peft_dir.get('error')}")
         return Plan(name, [PEFT_ID] * batch, files={PEFT_ID: peft_dir}, note="PEFT files")
+    if name == "one-of-64":
+        ids = [f"i{i}" for i in range(RESIDENT_IDLE + 1)]
+        adapters = {a: factory.lora(i) for i, a in enumerate(ids)}
+        return Plan(name, [ids[0]] * batch, adapters, max_loras=len(ids), pool_rows=16 * len(ids), resident=True,
+                    note=f"1 adapter used, {RESIDENT_IDLE} idle resident")
     if name == "uniform8":
         ids = [f"u{i % 8}" for i in range(batch)]
         return _lora_plan(name, ids, factory, {a: 16 for a in ids})
@@ -105,7 +115,7 @@ def plan(name: str, batch: int, factory: AdapterFactory, peft_dir: Path | dict, 
         return _zipf_plan(batch, factory, s)
     if name == "families":
         return _families_plan(batch, factory, bottleneck)
-    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS + EXTRA_WORKLOADS)}")
 
 
 def _lora_plan(name: str, ids: list[str], factory: AdapterFactory, ranks: dict[str, int]) -> Plan:
@@ -177,6 +187,20 @@ def register(engine: Engine, p: Plan) -> None:
         engine.add_adapter(adapter_id, adapter)
     for adapter_id, path in p.files.items():
         engine.load_adapter(adapter_id, path)
+    if p.resident:
+        for adapter_id in p.adapters:
+            _place(engine, adapter_id)
+
+
+def _place(engine: Engine, adapter_id: str, tries: int = 100) -> None:
+    """Leave the adapter resident and idle in a slot, its copies landed."""
+    for _ in range(tries):
+        slot = engine.slots.acquire(adapter_id, engine.adapters[adapter_id])
+        if slot is not None:
+            engine.slots.release(slot)
+            return
+        sync(engine.config.device)  # its copies still landing: ask again once they have
+    raise RuntimeError(f"no slot for {adapter_id!r} after {tries} tries")
 
 
 def warm_up(engine: Engine, trace: StepTrace, p: Plan, timed: list[list[int]], vocab: int, s: Settings) -> None:
