@@ -99,6 +99,7 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
         # per family (lora, ia3, bottleneck): host state a captured decode graph depends on (the
         # (IA)^3 and bottleneck ops read every slot's vectors, widths and activations on the device)
         self.runner.graph_signature = lambda: (self.lora_pool.graph_part(), (), ())
+        self.runner.step_scope = self.lora_pool.for_step  # the LoRA rows a step covers: its own adapters'
         self.prefix_cache = PrefixCache(self.blocks, config.enable_prefix_caching)
         self.kv_identities = KvIdentities(self.model_config.num_layers)
         self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release, self.prefix_cache)

@@ -10,6 +10,7 @@ runs step n.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -75,6 +76,7 @@ class ModelRunner:
         self.families_of = lambda slot: frozenset()  # slot -> families it holds; bound by the engine
         self.prefix_pages = lambda slot: []  # slot -> KV blocks of its prefix; bound by the engine
         self.graph_signature = lambda: ()  # host state a captured graph depends on; bound by the engine
+        self.step_scope = lambda lora_slots: nullcontext()  # host state set for one step; bound by the engine
 
     @property
     def graphs(self):
@@ -123,11 +125,12 @@ class ModelRunner:
         inputs.generating = [i for i in done if not requests[i].pooling]
         inputs.graph = self._graph_ready(inputs, batch)
         inputs.mixed = not inputs.graph and self._mixed_ready(inputs, batch)
-        if inputs.graph or inputs.mixed:
-            inputs.signature = self.graph_signature()
-        if self.lockstep is not None:
-            self.lockstep.step(inputs)
-        logits, last = self.device_part.forward(inputs)
+        with self.step_scope(inputs.family_slots[0]):
+            if inputs.graph or inputs.mixed:
+                inputs.signature = self.graph_signature()
+            if self.lockstep is not None:
+                self.lockstep.step(inputs)
+            logits, last = self.device_part.forward(inputs)
         self.last_logits = logits
         pooled = [last[i].float() if requests[i].pooling else None for i in done] if last is not None \
             else [None] * len(done)

@@ -265,3 +265,43 @@ def _assert_same_outputs(got, want, got_logits, want_logits, device: str) -> Non
         last = len(a.token_ids) - 1
         g, w = got_logits[a.request_id][last], want_logits[b.request_id][last]
         assert (g - w).norm() / w.norm() < LOGIT_TOLERANCE[device], a.adapter_id
+
+
+@pytest.mark.parametrize("mode", ["stacked", "fused"])
+def test_a_step_covers_its_own_adapters_rows_not_every_resident_one_s(setup, mode):
+    """Every adapter resident, then a step on the one placed first: the stacked GEMMs (and the
+    fused linear) cover the row bucket of that adapter's rows, not the pool's whole span, during
+    the step and only then; the tokens are the segmented kernels' engine's."""
+    import numpy as np
+
+    model_dir, adapter_dirs = setup
+    engine = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=8, lora_decode=mode, warmup=False)
+    kernels = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=8, lora_decode="kernels", warmup=False)
+    names = list(adapter_dirs)
+    for one in (engine, kernels):
+        for name, path in adapter_dirs.items():
+            one.load_adapter(name, path)
+    pool = engine.lora_pool
+    for name in names:  # every adapter resident (idle), the first at the pool's first rows
+        slot = engine.slots.acquire(name, engine.adapters[name])
+        engine.slots.release(slot)
+    first = engine.slots.slot_of[names[0]]
+    span = pool.stacked_rows()
+    with pool.for_step(np.array([first, -1, first])):
+        own = pool.stacked_rows()
+    assert 0 < own < span and pool.stacked_rows() == span
+    with pool.for_step(np.array([-1, -1])):
+        assert pool.stacked_rows() == 0
+
+    seen: list[int] = []
+    handle = engine.model.register_forward_pre_hook(lambda _module, _args: seen.append(pool.stacked_rows()))
+    prompts = _prompts(engine.model_config.vocab_size, 3, torch.Generator().manual_seed(8))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    got_logits, want_logits = record_logits(engine), record_logits(kernels)
+    try:
+        got = engine.generate(prompts, params, adapter_ids=[names[0]] * 3)
+    finally:
+        handle.remove()
+    want = kernels.generate(prompts, params, adapter_ids=[names[0]] * 3)
+    _assert_same_outputs(got, want, got_logits, want_logits, "cpu")
+    assert set(seen) == {own}, seen

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 
 from adapterserve.adapters_store.formats.families import Adapter
@@ -219,6 +220,23 @@ class LoraPool:
         if self.rows_in_use is None or rows not in self.row_buckets() or rows < self.rows_in_use.rows:
             raise ValueError(f"rows must be one of the stacked row buckets >= the rows in use, got {rows}")
         self.rows_in_use.rows = rows
+        try:
+            yield
+        finally:
+            self._update_rows_in_use()
+
+    @contextmanager
+    def for_step(self, lora_slots: np.ndarray) -> Iterator[None]:
+        """Run a step with the stacked GEMMs covering only the rows of its own adapters (the
+        bucket of their highest row; ``lora_slots``: each token's LoRA slot, -1 none), not every
+        resident adapter's: idle ones cost the step nothing but a row span below its own. The
+        bucket is one of row_buckets, so its decode graphs exist; the graph key reads it."""
+        if self.rows_in_use is None:
+            yield
+            return
+        used = np.unique(lora_slots[lora_slots >= 0]).tolist()
+        high = max((start + n for slot in used for start, n in self._rows.get(slot, {}).values()), default=0)
+        self.rows_in_use.rows = row_bucket(high, self.pool_rows)
         try:
             yield
         finally:

@@ -118,7 +118,8 @@ class WorkerState:
         for event in self._landing:
             torch.cuda.current_stream().wait_event(event)
         self._landing.clear()
-        self.device.forward(inputs)
+        with self.pools.lora.for_step(inputs.family_slots[0]):  # the rows rank 0's step covers
+            self.device.forward(inputs)
         self.device.keep_sampled(None, len(inputs.generating))
 
     def place(self, slot: int, adapter: Adapter | int, prefix_pages: list[int]) -> None:
