@@ -234,7 +234,7 @@ class LoraPool:
         if self.rows_in_use is None:
             yield
             return
-        used = np.unique(lora_slots[lora_slots >= 0]).tolist()
+        used = {slot for slot in lora_slots.tolist() if slot >= 0}
         high = max((start + n for slot in used for start, n in self._rows.get(slot, {}).values()), default=0)
         self.rows_in_use.rows = row_bucket(high, self.pool_rows)
         try:
