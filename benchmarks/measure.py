@@ -226,7 +226,7 @@ class ColdCheck:
 
     engine: Engine
     kernels: set[str] = field(default_factory=kernel_variants)
-    graphs: int = 0
+    graphs: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.graphs = captured_graphs(self.engine)

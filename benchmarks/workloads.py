@@ -19,6 +19,7 @@ from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.config import EngineConfig
 from adapterserve.engine.engine import Engine
 from adapterserve.engine.graphs import BUCKETS
+from adapterserve.engine.warmup import acquire_landed
 from benchmarks.backbone import Backbone
 from benchmarks.measure import ColdCheck, StepTrace, decode_summary, floor_for, run_requests, sync
 from benchmarks.random_adapters import BOTTLENECK_RANK, AdapterFactory, decode_read_bytes
@@ -192,15 +193,12 @@ def register(engine: Engine, p: Plan) -> None:
             _place(engine, adapter_id)
 
 
-def _place(engine: Engine, adapter_id: str, tries: int = 100) -> None:
+def _place(engine: Engine, adapter_id: str) -> None:
     """Leave the adapter resident and idle in a slot, its copies landed."""
-    for _ in range(tries):
-        slot = engine.slots.acquire(adapter_id, engine.adapters[adapter_id])
-        if slot is not None:
-            engine.slots.release(slot)
-            return
-        sync(engine.config.device)  # its copies still landing: ask again once they have
-    raise RuntimeError(f"no slot for {adapter_id!r} after {tries} tries")
+    slot = acquire_landed(engine, adapter_id, engine.adapters[adapter_id])
+    if slot is None:
+        raise RuntimeError(f"no slot for {adapter_id!r}")
+    engine.slots.release(slot)
 
 
 def warm_up(engine: Engine, trace: StepTrace, p: Plan, timed: list[list[int]], vocab: int, s: Settings) -> None:

@@ -211,7 +211,7 @@ def _rows(rows: int) -> str:
     return f" (stacked rows {rows})" if rows else ""
 
 
-def _acquire(engine, adapter_id: str, adapter: Adapter) -> int | None:
+def acquire_landed(engine, adapter_id: str, adapter: Adapter) -> int | None:
     """The adapter's slot, referenced once, its placement copies landed; None: no room."""
     for _ in range(100):
         slot = engine.slots.acquire(adapter_id, adapter)
@@ -225,7 +225,7 @@ def _place(engine, adapter_id: str, adapter: Adapter) -> None:
     """Leave the adapter resident (idle) with its copies landed, where there is room:
     requests added for it next are admitted at once, in the step the plan counts them in
     (else they wait for room, and the report names what that leaves unreached)."""
-    slot = _acquire(engine, adapter_id, adapter)
+    slot = acquire_landed(engine, adapter_id, adapter)
     if slot is not None:
         engine.slots.release(slot)
 

@@ -267,14 +267,6 @@ def paged_decode_attention(
     )
 
 
-def _switch(env: str, default: bool) -> bool:
-    """The environment variable ``env`` as 1 or 0, ``default`` where unset; any other value is refused."""
-    value = os.environ.get(env, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{env} must be 0 or 1, got {value!r}")
-    return default if value == "" else value == "1"
-
-
 def forced_splits() -> int | None:
     """ADAPTERSERVE_ATTENTION_SPLITS as parts per context, or None where unset; anything but a
     power of two from 1 to MAX_SPLITS is refused."""
@@ -287,8 +279,12 @@ def forced_splits() -> int | None:
 
 
 def attention_in_chain() -> bool:
-    """Whether decode attention takes the process's PDL mode: ADAPTERSERVE_ATTENTION_PDL, else PDL."""
-    return _switch(PDL_ENV, PDL)
+    """Whether decode attention takes the process's PDL mode: ADAPTERSERVE_ATTENTION_PDL=1 or 0
+    if set, else PDL (any other value is refused)."""
+    value = os.environ.get(PDL_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{PDL_ENV} must be 0 or 1, got {value!r}")
+    return PDL if value == "" else value == "1"
 
 
 def _pdl(q: torch.Tensor) -> dict:

@@ -236,11 +236,12 @@ class LoraPool:
             return
         used = {slot for slot in lora_slots.tolist() if slot >= 0}
         high = max((start + n for slot in used for start, n in self._rows.get(slot, {}).values()), default=0)
+        pool_bucket = self.rows_in_use.rows  # nothing is placed during a step: put back as it was
         self.rows_in_use.rows = row_bucket(high, self.pool_rows)
         try:
             yield
         finally:
-            self._update_rows_in_use()
+            self.rows_in_use.rows = pool_bucket
 
     def _update_rows_in_use(self) -> None:
         if self.rows_in_use is None:
