@@ -124,5 +124,13 @@ def test_bottlenecks_of_every_activation_replay_the_graphs_warm_up_captured(setu
     assert graphed.runner.graphs.replays > 0
     outs = [graphed_outs, eager.generate(prompts, params, adapter_ids=ids)]
     assert all(o.error is None for both in outs for o in both)
-    same = sum(a.token_ids == b.token_ids for a, b in zip(*outs))
-    assert same >= 0.9 * len(prompts), f"{same} of {len(prompts)} requests agree with the eager engine"
+    differ = [(name, len(p), _first_difference(a.token_ids, b.token_ids))
+              for name, p, a, b in zip(ids, prompts, *outs) if a.token_ids != b.token_ids]
+    # bf16 graphs and eager steps part at near-ties late in a sequence (a base request among them on the
+    # H200); a place without its op changes an adapter's tokens from the first
+    assert len(differ) <= 0.25 * len(prompts) and all(at >= 3 for *_, at in differ), \
+        f"(adapter, prompt length, first token that differs): {differ}"
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
