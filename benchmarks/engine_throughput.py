@@ -197,10 +197,10 @@ def run_model(name: str, cfg: Config, bandwidth: float, rows: list[dict], hotswa
             _run_batch(name, batch, backbone, factory, peft_dir, bottleneck, cfg, bandwidth, rows)
             if batch == order[0] and cfg.hotswap:
                 _run_hotswap(name, backbone, factory, cfg, hotswaps)
-                if name in cfg.hf_models:
-                    lora_bytes = decode_read_bytes(factory.lora(0), model.embed_tokens.weight.element_size())
-                    floor = floor_for(model, {f"a{i}": lora_bytes for i in range(cfg.hf_batch)}, bandwidth)
-                    _run_hf(name, ckpt, cfg, rows, floor)
+            if batch == order[0] and name in cfg.hf_models:  # with or without the hot-swap run
+                lora_bytes = decode_read_bytes(factory.lora(0), model.embed_tokens.weight.element_size())
+                floor = floor_for(model, {f"a{i}": lora_bytes for i in range(cfg.hf_batch)}, bandwidth)
+                _run_hf(name, ckpt, cfg, rows, floor)
         model = backbone = None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
