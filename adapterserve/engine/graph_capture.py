@@ -51,8 +51,8 @@ class CapturedSteps:
         signature = self._signature(bucket, signature)
         stacked = _stacked(families, signature)
         expands = ([expand or "tiled"] if expand or not stacked
-                   else reachable_expands(bucket, self.runner.num_slots, self.runner.lora_fused,
-                                          self.max_requests(bucket)))
+                   else reachable_expands(bucket, self.runner.num_slots, self.runner.fused_rows,
+                                          self.max_requests(bucket), _rows(signature)))
         captured = False
         for choice in expands:
             key = self._key(bucket, families, signature, choice)
@@ -74,7 +74,7 @@ class CapturedSteps:
         """The graph's key (_key), without the LoRA row bucket where it shapes nothing: with the
         fused linear's pool (A rows kept apart) a step the fused linear does not take runs the
         separate LoRA kernels, which read no row bucket, so one graph serves every bucket."""
-        if signature and not reads_row_bucket(expand, self.runner.lora_fused):
+        if signature and not reads_row_bucket(expand, self.runner.fused_rows):
             signature = ((), *signature[1:])
         return _key(bucket, families, signature, expand)
 
@@ -88,8 +88,8 @@ class CapturedSteps:
         """Replay the graph of the bucket (the buffers already filled), capturing it first
         if warm-up did not; off CUDA, run its forward eagerly. The logits buffer it wrote."""
         signature = self._signature(bucket, signature)
-        expand = (expand_for_slots(family_slots[0], self.runner.lora_fused, bucket) if _stacked(families, signature)
-                  else None)
+        expand = (expand_for_slots(family_slots[0], self.runner.fused_rows, bucket, _rows(signature))
+                  if _stacked(families, signature) else None)
         self.replays += 1
         self.capture(bucket, families, signature, expand)  # lazily, where warm-up did not
         if not self.capturable:
@@ -151,6 +151,11 @@ class CapturedSteps:
 def _stacked(families: tuple[bool, ...], signature: tuple) -> bool:
     """Whether a graph's LoRA rows run the stacked layout (its signature part, the row bucket, is set)."""
     return bool(families[0] and signature and signature[0])
+
+
+def _rows(signature: tuple) -> int:
+    """The stacked GEMMs' row bucket a signature holds (LoraPool.graph_part), 0 where none."""
+    return signature[0][1] if signature and signature[0] else 0
 
 
 def _key(bucket: int, families: tuple[bool, bool, bool], signature: tuple, expand: str = "tiled") -> tuple:

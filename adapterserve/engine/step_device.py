@@ -240,17 +240,23 @@ class StepDevice:
         )
         for family, slots in zip(TOKEN_FAMILIES, inputs.family_slots):
             if (slots >= 0).any():
-                expand = (expand_for_slots(slots, self.lora_fused) if family == "lora" and self._lora_stacked()
+                expand = (expand_for_slots(slots, self.fused_rows, rows=self._stacked_rows())
+                          if family == "lora" and self._lora_stacked()
                           else "tiled")
                 setattr(ctx, family, build_adapter_meta(to_device(slots, dev), self.num_slots, stacked_expand=expand))
         ids, sources = (to_device(v, dev, torch.long) for v in (inputs.ids, inputs.sources))
         return with_sampled_ids(ids, sources, self.sampled), to_device(inputs.positions, dev, torch.long), ctx
 
     @property
-    def lora_fused(self) -> bool:
-        """Whether steps with few adapters run the fused stacked linear (lora_decode="fused")."""
+    def fused_rows(self) -> int:
+        """The largest row bucket in which steps with few adapters run the fused stacked linear
+        (lora_decode="fused"; 0: never)."""
         stacked = next(self.model.adapter_linears())[1].stacked
-        return stacked is not None and stacked.rows_in_use.fused
+        return 0 if stacked is None else stacked.rows_in_use.fused_rows
+
+    def _stacked_rows(self) -> int:
+        """The row bucket the step's stacked GEMMs cover (LoraPool.for_step set it)."""
+        return next(self.model.adapter_linears())[1].stacked.rows_in_use.rows
 
     def _lora_stacked(self) -> bool:
         """Whether the LoRA pool stacks A under the weights (bound after this object is built),

@@ -277,7 +277,7 @@ def class_sizes(shape: EngineShape, minimum: int) -> list[int]:
     of one LoRA adapter: the stacked expand it chooses)."""
     sizes: dict[frozenset, int] = {}
     for tokens in range(max(2, minimum), shape.max_tokens + 1):
-        one = (choose_expand(1, tokens, shape.lora_fused),)
+        one = (choose_expand(1, tokens, shape.fused_rows),)
         sizes.setdefault(frozenset(segment_variants(shape, tokens, SEGMENT_FAMILIES, one)), tokens)
     return sorted(sizes.values())
 
@@ -298,7 +298,7 @@ def _tiled_beside_fused_tasks(run: _Runner, shape: EngineShape, scratch: dict[st
     fused linear, so the segment kernels' classes at those sizes need steps of
     FUSED_MAX_ADAPTERS + 1 distinct adapters: one per class."""
     count = FUSED_MAX_ADAPTERS + 1
-    if not shape.lora_fused or count > shape.max_num_seqs:
+    if not shape.fused_rows or count > shape.max_num_seqs:
         return []
     sizes = {}  # the segment kernels' classes -> the largest step of them
     for tokens in range(count, min(FUSED_MAX_TOKENS, shape.max_tokens) + 1):

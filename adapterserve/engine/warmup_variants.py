@@ -32,6 +32,7 @@ from adapterserve.kernels.decode_gemm import row_tile
 from adapterserve.kernels.metadata import default_block_m
 from adapterserve.kernels.segment_ops import use_gemv
 from adapterserve.kernels.stacked import (
+    EXPANDS,
     STACKED_MAX_TOKENS,
     expand_tiles,
     grouped_tiles,
@@ -62,8 +63,8 @@ class EngineShape:
     row_buckets: tuple[int, ...] = ()  # stacked LoRA: the GEMM row buckets adapters can make
     stacked_widths: tuple[int, ...] = ()  # stacked LoRA: output widths of the stacked linears
     lora_slots: int = 0  # adapter slots (max_loras): a step's distinct adapters are at most these
-    lora_fused: bool = False  # lora_decode="fused": A rows kept apart; steps with few adapters run the
-    # fused linear, the others the segment kernels
+    fused_rows: int = 0  # lora_decode="fused": A rows kept apart; steps with few adapters in a row bucket of
+    # at most this many rows run the fused linear, the others the segment kernels (0: no fused linear)
 
     @classmethod
     def of(cls, engine) -> "EngineShape":
@@ -78,7 +79,7 @@ class EngineShape:
                    tuple(graphs.buckets) if graphs is not None else None,
                    graphs.max_pages if graphs is not None else 0,
                    tuple(engine.lora_pool.row_buckets()), tuple(widths), cfg.max_loras,
-                   cfg.lora_decode_used == "fused")
+                   engine.lora_pool.fused_rows)
 
     def rank(self, family: str) -> int:
         return self.lora_rank if family == "lora" else self.bottleneck_rank
@@ -90,10 +91,12 @@ class EngineShape:
         """The stacked row buckets a decode graph of these families can be replayed with."""
         return self.row_buckets if "lora" in families and self.row_buckets else (0,)
 
-    def expands(self, num_tokens: int) -> tuple[str, ...]:
+    def expands(self, num_tokens: int, rows: int | None = None) -> tuple[str, ...]:
         """The stacked expands a step of num_tokens rows can choose (its distinct adapters:
-        at most one per request, so at most max_num_seqs)."""
-        return reachable_expands(num_tokens, self.lora_slots, self.lora_fused, self.max_num_seqs)
+        at most one per request, so at most max_num_seqs) in row bucket ``rows`` (None: in any)."""
+        chosen = {e for r in ((self.row_buckets or (0,)) if rows is None else (rows,))
+                  for e in reachable_expands(num_tokens, self.lora_slots, self.fused_rows, self.max_num_seqs, r)}
+        return tuple(e for e in EXPANDS if e in chosen)
 
 
 def width_class(width: int) -> str:
@@ -128,7 +131,7 @@ def segment_variants(shape: EngineShape, num_tokens: int, families: Iterable[str
     stacked = "lora" in families and runs_stacked(shape, num_tokens)
     chosen = (shape.expands(num_tokens) if expands is None else expands) if stacked else ()
     lora_segment = not stacked
-    if shape.lora_fused:  # A rows apart: the fused linear's steps; the others take the segment kernels
+    if shape.fused_rows:  # A rows apart: the fused linear's steps; the others take the segment kernels
         lora_segment = not stacked or any(e != "fused" for e in chosen)
         chosen = tuple(e for e in chosen if e == "fused")
     out: set[Variant] = {("segment", f, segment_class(num_tokens, shape.rank(f)))
@@ -153,16 +156,17 @@ def decode_variants(shape: EngineShape, batch: int, width: int, families: frozen
         bucket = shape.bucket(batch)
         stacked = "lora" in families and bool(shape.row_buckets)
         graph_rows = rows if stacked else 0
-        graph_expands = (expands or shape.expands(bucket)) if stacked else (None,)
+        graph_expands = (expands or shape.expands(bucket, graph_rows)) if stacked else (None,)
         return {*(("graph", bucket, families, _keyed_rows(shape, graph_rows, e), e) for e in graph_expands),
-                decode_attention(shape, bucket, shape.graph_pages), *segment_variants(shape, bucket, families, expands)}
+                decode_attention(shape, bucket, shape.graph_pages),
+                *segment_variants(shape, bucket, families, graph_expands if stacked else expands)}
     return {decode_attention(shape, batch, width), *segment_variants(shape, batch, families, expands)}
 
 
 def _keyed_rows(shape: EngineShape, rows: int, expand: str | None) -> int:
     """The row bucket a decode graph is keyed by: none for a step the fused linear does not take
     (the separate LoRA kernels read no row bucket: engine/graph_capture.py keys it so)."""
-    return rows if reads_row_bucket(expand, shape.lora_fused) else 0
+    return rows if reads_row_bucket(expand, shape.fused_rows) else 0
 
 
 def prefill_variants(shape: EngineShape, num_tokens: int, width: int, single: bool, multi: bool,

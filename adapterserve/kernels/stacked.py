@@ -14,10 +14,11 @@ tokens, best with many). Their tiles come from ``expand_tiles`` / ``grouped_tile
 host-only choosers warm-up calls too.
 
 With lora_decode="fused" a linear keeps its weight apart from its A rows instead (a buffer of
-A rows only, ``stack_apart``): a step of at most FUSED_MAX_ADAPTERS adapters runs GEMM, shrink
-and expand in one launch on both (kernels/stacked_fused.py, layers/fused_lora.py), the others
-the separate shrink and expand on the A rows (faster than the stacked GEMM and its expand from
-a few adapters on, BENCHMARKS.md). An FP8 weight is always kept apart.
+A rows only, ``stack_apart``): a step of at most FUSED_MAX_ADAPTERS adapters whose row bucket
+is at most ``fused_max_rows`` runs GEMM, shrink and expand in one launch on both
+(kernels/stacked_fused.py, layers/fused_lora.py), the others the separate shrink and expand on
+the A rows (faster than the stacked GEMM and its expand from a few adapters on, and than the
+fused linear over many rows, BENCHMARKS.md). An FP8 weight is always kept apart.
 
 ``rows`` is a host int from a few sizes (``row_bucket``): a CUDA graph captures one
 GEMM shape per size, and adapters placed in the low rows keep the GEMM short.
@@ -38,6 +39,11 @@ MIN_ROW_BUCKET = 16
 STACKED_MAX_TOKENS = 256  # larger batches (prefill) keep the segmented kernels
 FUSED_MAX_TOKENS = 64  # the fused linear's steps: at most this many tokens (decode_gemm.MAX_ROWS) ...
 FUSED_MAX_ADAPTERS = 2  # ... over at most this many distinct adapters (each adds a dot to every tile's tail)
+# ... whose row bucket is at most this many pool rows, by the weight's bytes per value: the fused linear's
+# shrink reads every row of the bucket, the separate kernels only the step's adapters' (fused_linear_projections.py
+# --resident on an H200: bf16 fused wins at 128 rows and loses at 256, FP8 wins at 16 and loses at 128; its 64
+# is between them, not measured)
+FUSED_MAX_ROWS = {1: 64, 2: 128, 4: 128}
 MAX_SLICES = 4  # as segment_common.MAX_SLICES: slices one expand launch covers
 # a step whose tokens use at least this many distinct adapters runs the grouped expand, fewer the
 # tiled one (benchmarks/fused_update.py prints the crossover)
@@ -84,38 +90,48 @@ def grouped_tiles(max_rank: int) -> GroupedTiles:
     return GroupedTiles(min(64, max(16, 1 << max(max_rank - 1, 0).bit_length())), 128, 512)
 
 
-def choose_expand(distinct_adapters: int, num_tokens: int = 1, fused: bool = False) -> str:
-    """The expand a step runs from its count of distinct adapters and of rows: "tiled" or
-    "grouped" after a stacked GEMM (lora_decode="stacked"); with ``fused`` (lora_decode="fused",
-    A rows kept apart) "fused", the whole linear in one launch (kernels/stacked_fused.py), or
-    for the steps it does not take the separate shrink and expand, named "tiled"."""
-    if fused:
-        few = distinct_adapters <= FUSED_MAX_ADAPTERS and num_tokens <= FUSED_MAX_TOKENS
+def fused_max_rows(weight_dtype: torch.dtype) -> int:
+    """The largest row bucket a step of the fused linear covers over weights of this dtype."""
+    return FUSED_MAX_ROWS[torch.empty((), dtype=weight_dtype).element_size()]
+
+
+def choose_expand(distinct_adapters: int, num_tokens: int = 1, fused_rows: int = 0, rows: int = 0) -> str:
+    """The expand a step runs from its count of distinct adapters and of tokens: "tiled" or
+    "grouped" after a stacked GEMM (lora_decode="stacked"); with ``fused_rows`` (lora_decode="fused",
+    A rows kept apart: the largest row bucket the fused linear covers, 0 for none) "fused", the
+    whole linear in one launch (kernels/stacked_fused.py), for few adapters in a row bucket
+    ``rows`` of at most fused_rows, or for the steps it does not take the separate shrink and
+    expand, named "tiled"."""
+    if fused_rows:
+        few = distinct_adapters <= FUSED_MAX_ADAPTERS and num_tokens <= FUSED_MAX_TOKENS and rows <= fused_rows
         return "fused" if few else "tiled"
     return "grouped" if distinct_adapters >= GROUPED_MIN_ADAPTERS else "tiled"
 
 
-def reads_row_bucket(expand: str | None, fused: bool) -> bool:
+def reads_row_bucket(expand: str | None, fused_rows: int) -> bool:
     """Whether a step's LoRA reads the stacked GEMMs' row bucket: always with the [W; A] layout;
     with the fused linear's pool (A rows kept apart) only in the fused linear's steps (the separate
     kernels its other steps run read none), so their CUDA graphs need not be keyed by it."""
-    return not fused or expand == "fused"
+    return not fused_rows or expand == "fused"
 
 
-def expand_for_slots(slots: Sequence[int] | np.ndarray, fused: bool = False, num_tokens: int | None = None) -> str:
+def expand_for_slots(slots: Sequence[int] | np.ndarray, fused_rows: int = 0, num_tokens: int | None = None,
+                     rows: int = 0) -> str:
     """choose_expand for a step's per-token adapter slots (host values, -1: none); num_tokens:
-    the rows the step's kernels see, when not one per slot (a graph's bucket)."""
+    the rows the step's kernels see, when not one per slot (a graph's bucket); rows: the step's
+    row bucket."""
     values = np.asarray(slots)
     return choose_expand(len(np.unique(values[values >= 0])), len(values) if num_tokens is None else num_tokens,
-                         fused)
+                         fused_rows, rows)
 
 
-def reachable_expands(num_tokens: int, num_slots: int, fused: bool = False, max_requests: int | None = None
-                      ) -> tuple[str, ...]:
-    """The expands a step of num_tokens rows over num_slots adapter slots can choose (its
-    distinct adapters: at most one per row, or per request where max_requests bounds them)."""
+def reachable_expands(num_tokens: int, num_slots: int, fused_rows: int = 0, max_requests: int | None = None,
+                      rows: int = 0) -> tuple[str, ...]:
+    """The expands a step of num_tokens rows over num_slots adapter slots can choose in row
+    bucket ``rows`` (its distinct adapters: at most one per row, or per request where
+    max_requests bounds them)."""
     most = min(num_tokens if max_requests is None else max_requests, num_tokens, num_slots)
-    chosen = {choose_expand(n, num_tokens, fused) for n in range(1, most + 1)}
+    chosen = {choose_expand(n, num_tokens, fused_rows, rows) for n in range(1, most + 1)}
     return tuple(e for e in EXPANDS if e in chosen)
 
 
@@ -123,10 +139,16 @@ def reachable_expands(num_tokens: int, num_slots: int, fused: bool = False, max_
 class RowsInUse:
     """Pool rows the stacked GEMMs cover (a row bucket; 0 = none in use). Shared by every
     stacked linear of an engine, written by the LoRA pool as adapters come and go.
-    fused: steps with few adapters run the fused linear (lora_decode="fused")."""
+    fused_rows: steps with few adapters in a row bucket of at most this many rows run the fused
+    linear (lora_decode="fused": fused_max_rows of the weights; 0 for none)."""
 
     rows: int = 0
-    fused: bool = False
+    fused_rows: int = 0
+
+    @property
+    def fused(self) -> bool:
+        """Whether the linears keep their weights apart from the A rows for the fused linear."""
+        return self.fused_rows > 0
 
 
 @dataclass

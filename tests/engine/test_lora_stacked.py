@@ -120,7 +120,8 @@ def test_stacked_expand_follows_the_step_s_distinct_adapters(setup, device, mode
     prompts = _prompts(stacked.model_config.vocab_size, len(ids), torch.Generator().manual_seed(6))
     params = [SamplingParams(max_tokens=2 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(len(ids))]
 
-    steps: list[tuple[int, int, str]] = []  # (distinct adapters, rows, expand) of each eager forward with LoRA rows
+    steps: list[tuple[int, int, int, str]] = []  # (distinct adapters, rows, row bucket, expand) of each eager
+    # forward with LoRA rows
 
     def record(_module, _args):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -128,7 +129,8 @@ def test_stacked_expand_follows_the_step_s_distinct_adapters(setup, device, mode
         meta = get_context().lora
         if meta is not None:
             slots = meta.token_slots
-            steps.append((len(set(slots[slots >= 0].tolist())), len(slots), meta.stacked_expand))
+            steps.append((len(set(slots[slots >= 0].tolist())), len(slots), stacked.lora_pool.stacked_rows(),
+                          meta.stacked_expand))
 
     handle = stacked.model.register_forward_pre_hook(record)
     got_logits, want_logits = record_logits(stacked), record_logits(kernels)
@@ -139,9 +141,11 @@ def test_stacked_expand_follows_the_step_s_distinct_adapters(setup, device, mode
     want = kernels.generate(prompts, params, adapter_ids=ids)
     _assert_same_outputs(got, want, got_logits, want_logits, device)
     fused = mode == "fused"
-    assert all(expand == choose_expand(distinct, rows, fused) for distinct, rows, expand in steps), steps
+    fused_rows = stacked.lora_pool.fused_rows
+    assert bool(fused_rows) == fused
+    assert all(expand == choose_expand(distinct, rows, fused_rows, bucket) for distinct, rows, bucket, expand in steps)
     graphs = stacked.runner.graphs
-    chosen = {step[2] for step in steps} | ({key[3] for key in graphs._graphs} if graphs is not None else set())
+    chosen = {step[3] for step in steps} | ({key[3] for key in graphs._graphs} if graphs is not None else set())
     assert ({"tiled", "fused"} if fused else {"tiled", "grouped"}) <= chosen, steps
 
 
@@ -305,3 +309,50 @@ def test_a_step_covers_its_own_adapters_rows_not_every_resident_one_s(setup, mod
     want = kernels.generate(prompts, params, adapter_ids=[names[0]] * 3)
     _assert_same_outputs(got, want, got_logits, want_logits, "cpu")
     assert set(seen) == {own}, seen
+
+
+def test_a_few_adapter_step_above_the_fused_rows_takes_the_separate_kernels(setup, monkeypatch):
+    """lora_decode="fused" with the fused linear's row limit set to 16 rows: decode steps on the
+    adapter placed first (row bucket 16) run the fused linear, those on the adapter placed last
+    (its rows above the limit) the separate kernels, which read only its rows; both give the
+    segmented kernels' engine's tokens and logits, through the decode graphs' path."""
+    import adapterserve.kernels.stacked as stacked
+    from adapterserve.engine.graphs import decode_graph_limits
+    from adapterserve.layers.context import get_context
+
+    monkeypatch.setattr(stacked, "FUSED_MAX_ROWS", {size: 16 for size in stacked.FUSED_MAX_ROWS})
+    model_dir, adapter_dirs = setup
+    engine = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=8, lora_decode="fused", warmup=False)
+    kernels = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=8, lora_decode="kernels", warmup=False)
+    names = list(adapter_dirs)
+    for one in (engine, kernels):
+        for name, path in adapter_dirs.items():
+            one.load_adapter(name, path)
+    for name in names:  # every adapter resident (idle), in order from the pool's first rows
+        engine.slots.release(engine.slots.acquire(name, engine.adapters[name]))
+    pool = engine.lora_pool
+    assert pool.fused_rows == 16
+    engine.runner.enable_cuda_graphs(*decode_graph_limits(engine.config, engine.max_model_len))  # eager twins here
+
+    steps: list[tuple[int, str]] = []  # (row bucket, expand) of each decode forward
+
+    def record(_module, args):
+        meta = get_context().lora
+        if meta is not None and args[0].shape[0] <= stacked.FUSED_MAX_TOKENS:
+            steps.append((pool.stacked_rows(), meta.stacked_expand))
+
+    prompts = _prompts(engine.model_config.vocab_size, 2, torch.Generator().manual_seed(9))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for adapter, expand in ((names[0], "fused"), (names[-1], "tiled")):
+        steps.clear()
+        handle = engine.model.register_forward_pre_hook(record)
+        got_logits, want_logits = record_logits(engine), record_logits(kernels)
+        try:
+            got = engine.generate(prompts, params, adapter_ids=[adapter] * 2)
+        finally:
+            handle.remove()
+        want = kernels.generate(prompts, params, adapter_ids=[adapter] * 2)
+        _assert_same_outputs(got, want, got_logits, want_logits, "cpu")
+        assert steps and {e for _, e in steps} == {expand}, (adapter, steps)
+        assert all((rows <= 16) == (expand == "fused") for rows, _ in steps), (adapter, steps)
+    assert engine.runner.graphs.replays > 0  # decode steps took the graph path (its eager twin on the CPU)

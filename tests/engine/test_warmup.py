@@ -184,11 +184,17 @@ def test_stacked_lora_warm_up_covers_its_row_buckets_and_expand_tiles(llama_dir,
     assert {v[4] for v in reachable(shape) if v[0] == "graph" and "lora" not in v[2]} == {None}
 
 
-def test_fused_lora_warm_up_covers_the_fused_linear(llama_dir, adapters):
+@pytest.mark.parametrize("fused_limit", [None, 16])
+def test_fused_lora_warm_up_covers_the_fused_linear(llama_dir, adapters, fused_limit, monkeypatch):
     """lora_decode="fused": warm-up reaches the fused linear beside the stacked expands, a
-    mixed run uses nothing it did not reach, and each bucket's graphs cover every choice."""
+    mixed run uses nothing it did not reach, and each bucket's graphs cover every choice. With
+    the fused linear's row limit at 16 rows (below the pool's 64), one-adapter decode buckets
+    also have the separate kernels' graphs, for adapters placed above it."""
+    import adapterserve.kernels.stacked as stacked
     from adapterserve.kernels.stacked import reachable_expands
 
+    if fused_limit:
+        monkeypatch.setattr(stacked, "FUSED_MAX_ROWS", {size: fused_limit for size in stacked.FUSED_MAX_ROWS})
     engine = Engine.from_pretrained(llama_dir, warmup="force", **dict(ENGINE, lora_decode="fused"))
     assert engine.warmup.missing == set(), sorted(map(str, engine.warmup.missing))
     assert "fused" in {v[1] for v in engine.warmup.reached if v[0] == "stacked"}
@@ -197,10 +203,12 @@ def test_fused_lora_warm_up_covers_the_fused_linear(llama_dir, adapters):
     assert seen <= engine.warmup.reached, sorted(map(str, seen - engine.warmup.reached))
     engine.runner.enable_cuda_graphs(*decode_graph_limits(engine.config, engine.max_model_len))
     shape = EngineShape.of(engine)
-    assert shape.lora_fused
+    assert shape.fused_rows
     graphs = {(v[1], v[4]) for v in reachable(shape) if v[0] == "graph" and "lora" in v[2]}
-    assert graphs == {(b, e) for b in (1, 2, 4) for e in reachable_expands(b, ENGINE["max_loras"], fused=True)}
+    assert graphs == {(b, e) for b in (1, 2, 4) for r in shape.row_buckets
+                      for e in reachable_expands(b, ENGINE["max_loras"], shape.fused_rows, rows=r)}
     assert ("fused" in {e for _, e in graphs}) and ("tiled" in {e for _, e in graphs})
+    assert ((1, "tiled") in graphs) == (fused_limit is not None and max(shape.row_buckets) > fused_limit)
 
 
 def test_fused_fp8_lora_warm_up_covers_the_fused_linear_and_the_segment_kernels(llama_dir, adapters):
@@ -210,7 +218,7 @@ def test_fused_fp8_lora_warm_up_covers_the_fused_linear_and_the_segment_kernels(
     engine = Engine.from_pretrained(llama_dir, warmup="force", **dict(ENGINE, lora_decode="fused", dtype="fp8"))
     assert engine.warmup.missing == set(), sorted(map(str, engine.warmup.missing))
     shape = EngineShape.of(engine)
-    assert shape.lora_fused and all(not linear.stacked.joint for _, linear in engine.model.adapter_linears())
+    assert shape.fused_rows and all(not linear.stacked.joint for _, linear in engine.model.adapter_linears())
     reached = engine.warmup.reached
     assert {v[1] for v in reached if v[0] == "stacked"} == {"fused"}
     assert {v[2] for v in reached if v[0] == "segment" and v[1] == "lora"} >= {"gemv", "dot16"}

@@ -225,34 +225,42 @@ def test_expand_choice_by_distinct_adapters():
     assert reachable_expands(n, n) == ("tiled", "grouped")
 
 
-def test_fused_choice_by_adapters_and_rows():
+def test_fused_choice_by_adapters_tokens_and_row_bucket():
     """lora_decode="fused": steps of at most FUSED_MAX_TOKENS rows over at most
-    FUSED_MAX_ADAPTERS distinct adapters run the fused linear; the rest the separate kernels,
-    named "tiled" (never "grouped": the A rows are apart, there is no stacked GEMM to expand)."""
+    FUSED_MAX_ADAPTERS distinct adapters, in a row bucket of at most the pool's fused_rows, run
+    the fused linear; the rest the separate kernels, named "tiled" (never "grouped": the A rows
+    are apart, there is no stacked GEMM to expand)."""
     from adapterserve.kernels.stacked import (
         FUSED_MAX_ADAPTERS,
         FUSED_MAX_TOKENS,
         GROUPED_MIN_ADAPTERS,
         choose_expand,
         expand_for_slots,
+        fused_max_rows,
         reachable_expands,
     )
 
-    f, rows = FUSED_MAX_ADAPTERS, FUSED_MAX_TOKENS
-    assert choose_expand(1, rows, fused=True) == "fused" == choose_expand(f, 1, fused=True)
-    assert choose_expand(f + 1, rows, fused=True) == "tiled"
-    assert choose_expand(1, rows + 1, fused=True) == "tiled"
-    assert choose_expand(GROUPED_MIN_ADAPTERS, rows, fused=True) == "tiled"
-    assert choose_expand(1, rows) == "tiled"  # not asked for: never fused
-    assert expand_for_slots([0] * 5 + [-1] * 3, fused=True) == "fused"
-    assert expand_for_slots([0] * (rows + 1), fused=True) == "tiled"  # every row counts, adapter or not
-    assert reachable_expands(64, 64, fused=True) == ("tiled", "fused")
-    assert reachable_expands(128, 64, fused=True) == ("tiled",)
-    assert reachable_expands(f, 64, fused=True) == ("fused",)
+    f, tokens, most = FUSED_MAX_ADAPTERS, FUSED_MAX_TOKENS, 64
+    assert choose_expand(1, tokens, most) == "fused" == choose_expand(f, 1, most)
+    assert choose_expand(f + 1, tokens, most) == "tiled"
+    assert choose_expand(1, tokens + 1, most) == "tiled"
+    assert choose_expand(GROUPED_MIN_ADAPTERS, tokens, most) == "tiled"
+    assert choose_expand(1, tokens) == "tiled"  # not asked for: never fused
+    assert choose_expand(1, tokens, most, rows=most) == "fused"
+    assert choose_expand(1, tokens, most, rows=2 * most) == "tiled"  # the shrink would read every row below
+    assert expand_for_slots([0] * 5 + [-1] * 3, most) == "fused"
+    assert expand_for_slots([0] * 5, most, rows=2 * most) == "tiled"
+    assert expand_for_slots([0] * (tokens + 1), most) == "tiled"  # every row counts, adapter or not
+    assert reachable_expands(64, 64, most) == ("tiled", "fused")
+    assert reachable_expands(128, 64, most) == ("tiled",)
+    assert reachable_expands(f, 64, most) == ("fused",)
+    assert reachable_expands(f, 64, most, rows=2 * most) == ("tiled",)
     # a graph's rows are its bucket; its requests (distinct adapters) may be fewer
-    assert reachable_expands(128, 64, fused=True, max_requests=f) == ("tiled",)
-    assert reachable_expands(64, 64, fused=True, max_requests=f) == ("fused",)
-    assert expand_for_slots([0] * 3, fused=True, num_tokens=rows + 1) == "tiled"
+    assert reachable_expands(128, 64, most, max_requests=f) == ("tiled",)
+    assert reachable_expands(64, 64, most, max_requests=f) == ("fused",)
+    assert expand_for_slots([0] * 3, most, num_tokens=tokens + 1) == "tiled"
+    # FP8 weights halve the base bytes, so the A rows' share of the read doubles: half the rows
+    assert fused_max_rows(torch.float8_e4m3fn) == fused_max_rows(torch.bfloat16) // 2 > 0
 
 
 def test_grouped_tiles_by_rank():

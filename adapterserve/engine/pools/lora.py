@@ -28,7 +28,7 @@ from adapterserve.engine.adapter_shard import linear_part
 from adapterserve.engine.host_copy import pinned_copy
 from adapterserve.engine.row_allocator import RowAllocator
 from adapterserve.kernels import LoraSlices
-from adapterserve.kernels.stacked import RowsInUse, row_bucket, stack_apart, stack_weight
+from adapterserve.kernels.stacked import RowsInUse, fused_max_rows, row_bucket, stack_apart, stack_weight
 from adapterserve.layers.linear import AdapterLinear
 
 
@@ -157,7 +157,8 @@ class LoraPool:
         for layer, linear in linears:
             roles[(linear.slice_kinds, linear.slice_widths, linear.in_features)].append((layer, linear))
         self.pool_rows = pool_rows
-        self.rows_in_use = RowsInUse(fused=fused) if stacked else None
+        weights = linears[0][1].weight.dtype if linears else dtype
+        self.rows_in_use = RowsInUse(fused_rows=fused_max_rows(weights) if fused else 0) if stacked else None
         self.stacks = [_Stack(group, num_slots, pool_rows, max_rank, dtype, device, self.rows_in_use)
                        for group in roles.values()]
         kinds = sorted({kind for stack in self.stacks for kind in stack.kinds})
@@ -199,6 +200,11 @@ class LoraPool:
         """Pool rows the stacked GEMMs cover now (0 without the stacked layout): a host
         value the captured decode graphs depend on."""
         return 0 if self.rows_in_use is None else self.rows_in_use.rows
+
+    @property
+    def fused_rows(self) -> int:
+        """The largest row bucket a step of the fused linear covers (0: no fused linear)."""
+        return 0 if self.rows_in_use is None else self.rows_in_use.fused_rows
 
     def graph_part(self) -> tuple:
         """The LoRA part of a decode graph's key: the stacked GEMMs' row bucket (their
