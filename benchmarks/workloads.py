@@ -26,8 +26,10 @@ from benchmarks.random_adapters import BOTTLENECK_RANK, AdapterFactory, decode_r
 
 WORKLOADS = ("base", "one", "uniform8", "distinct", "zipf", "ranks", "families")
 # named only: every request on one adapter while RESIDENT_IDLE others stay resident, idle (their slots
-# placed before the run); the floor counts the one adapter only, so x floor shows what idle ones cost
-EXTRA_WORKLOADS = ("one-of-64",)
+# placed before the run); the floor counts the one adapter only, so x floor shows what idle ones cost.
+# one-of-64: the used adapter placed first (the pool's lowest rows); one-over-64: placed last, above the
+# idle ones (its step's row bucket covers them all: the fused linear's row limit sends it to the separate kernels)
+EXTRA_WORKLOADS = ("one-of-64", "one-over-64")
 RESIDENT_IDLE = 63
 # a workload name may end in a variant suffix: the same requests, an engine option changed
 # (+r64: the pool sized for rank 64, the engine's default, whatever the adapters' ranks;
@@ -98,11 +100,12 @@ def plan(name: str, batch: int, factory: AdapterFactory, peft_dir: Path | dict, 
         if not isinstance(peft_dir, Path):
             raise RuntimeError(f"no PEFT LoRA directory: {peft_dir.get('error')}")
         return Plan(name, [PEFT_ID] * batch, files={PEFT_ID: peft_dir}, note="PEFT files")
-    if name == "one-of-64":
+    if name in EXTRA_WORKLOADS:
         ids = [f"i{i}" for i in range(RESIDENT_IDLE + 1)]
         adapters = {a: factory.lora(i) for i, a in enumerate(ids)}
-        return Plan(name, [ids[0]] * batch, adapters, max_loras=len(ids), pool_rows=16 * len(ids), resident=True,
-                    note=f"1 adapter used, {RESIDENT_IDLE} idle resident")
+        used, idle = (ids[0], "above") if name == "one-of-64" else (ids[-1], "below")
+        return Plan(name, [used] * batch, adapters, max_loras=len(ids), pool_rows=16 * len(ids), resident=True,
+                    note=f"1 adapter used, {RESIDENT_IDLE} idle resident {idle} it")
     if name == "uniform8":
         ids = [f"u{i % 8}" for i in range(batch)]
         return _lora_plan(name, ids, factory, {a: 16 for a in ids})

@@ -122,6 +122,15 @@ for stage in "$@"; do
         --workloads ${TABLE_WORKLOADS:-base,one,uniform8,distinct,zipf,ranks,families} \
         --out "$OUT/et8b_table_${TABLE_DTYPE:-bfloat16}.md" > "$OUT/table8b.log" 2>&1
       grep -E ": 8b|hf" "$OUT/table8b.log" | tail -16 ;;
+    rowlimit)  # 1 GPU: the fused linear's row limit: the engine GPU tests it touches, then one adapter above 63 idle
+      # ones (one-over-64: the separate kernels by the limit) against below them (fused) and the kernels alone, per dtype
+      test_files ${FILE_S:-150} "-m gpu" tests/engine/test_lora_stacked.py tests/engine/test_warmup_gpu.py
+      for dtype in ${DTYPES:-bfloat16 fp8}; do
+        timeout ${STAGE_S:-200} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --dtype $dtype \
+          --no-engine-warmup --hf-models '' --budget-s ${BUDGET_S:-170} --max-tokens 64 \
+          --workloads base,one-of-64,one-over-64,one-over-64+ke --out "$OUT/et8b_rowlimit_$dtype.md" \
+          > "$OUT/rowlimit_$dtype.log" 2>&1; grep -E ": 8b" "$OUT/rowlimit_$dtype.log" | tail -4
+      done ;;
     fp8engine)  # the 8B in FP8 (FP8_WORKLOADS), then bf16 base; logs in $OUT as they grow (a timeout keeps them)
       timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --dtype fp8 --hf-models '' \
         --budget-s ${FP8_BUDGET_S:-300} --workloads ${FP8_WORKLOADS:-base,one,distinct} --max-tokens ${MAX_TOKENS:-128} \
