@@ -50,6 +50,7 @@ class BottleneckPool:
     rank:      [S] int32, the width of each slot's adapter here (0: none at this place)
     activation: [S] int32, each slot's activation (kernels' ACT_CODES; read where rank > 0)
     ln_before: [S] bool, True where the adapter reads norm(x + r) (Pfeiffer)
+    ln_mix:    [S] ln_before as 1.0 / 0.0 in the pool's dtype (pre-LN decoders: h = x + ln_mix * r)
     workspace: [Tmax, R] scratch for the op; one tensor may serve every pool
     """
 
@@ -60,6 +61,7 @@ class BottleneckPool:
     rank: torch.Tensor
     activation: torch.Tensor
     ln_before: torch.Tensor
+    ln_mix: torch.Tensor
     workspace: torch.Tensor
 
     @classmethod
@@ -75,6 +77,7 @@ class BottleneckPool:
             rank=torch.zeros(num_slots, **codes),
             activation=torch.zeros(num_slots, **codes),
             ln_before=torch.zeros(num_slots, dtype=torch.bool, device=workspace.device),
+            ln_mix=torch.zeros(num_slots, **opts),
             workspace=workspace,
         )
 
@@ -96,6 +99,7 @@ class BottleneckPool:
         self.activation[slot] = ACT_CODES[module.activation]
         self.rank[slot] = r
         self.ln_before[slot] = ln_before
+        self.ln_mix[slot] = float(ln_before)
 
     def clear(self, slot: int) -> None:
         self.rank[slot] = 0
@@ -105,6 +109,7 @@ class BottleneckPool:
         self.up[slot].zero_()
         self.up_bias[slot].zero_()
         self.ln_before[slot] = False
+        self.ln_mix[slot] = 0.0
 
 
 def add_bottleneck_pools(
@@ -157,6 +162,18 @@ def residual_sublayer(
                        workspace, a)
     out = a + residual
     return norm(out) if norm is not None else out
+
+
+def add_sublayer(x: torch.Tensor, residual: torch.Tensor, pool: BottleneckPool) -> None:
+    """residual_sublayer without a norm (pre-LN decoders), in place: residual += x, then each
+    row's bottleneck update, read from h = x + r (original_ln_before) or x, is added into it.
+    Five launches where the out-of-place form takes ten; the sum rounds in the other order
+    ((r + x) + update against (x + update) + r)."""
+    meta = get_context().bottleneck
+    h = torch.addcmul(x, pool.ln_mix[meta.token_slots].unsqueeze(-1), residual)  # slot -1: any row's mix, unused
+    residual.add_(x)
+    bottleneck_adapter(h, pool.down, pool.down_bias, pool.up, pool.up_bias, pool.rank, pool.activation, meta,
+                       pool.workspace[: x.shape[0]], residual)
 
 
 def encoder_adapter_meta(row_slots: torch.Tensor, attention_mask: torch.Tensor, num_slots: int) -> AdapterBatchMeta:

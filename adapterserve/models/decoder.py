@@ -23,8 +23,8 @@ from adapterserve.kernels.fused import silu_mul
 from adapterserve.layers.attention import PagedAttention
 from adapterserve.layers.bottleneck import (
     BottleneckPool,
+    add_sublayer,
     bottlenecks_active,
-    residual_sublayer,
 )
 from adapterserve.layers.context import get_context
 from adapterserve.layers.linear import AdapterLinear, QuantizedRows, RMSNorm
@@ -71,7 +71,7 @@ class DecoderLayer(torch.nn.Module):
                                                  self.post_attention_layernorm, self.gate_up_proj)
         mlp_out = self.down_proj(*self._silu_mul(self.gate_up_proj(normed, quantized)))
         if bottlenecks_active(self.bottleneck_output):  # rows with adapters: added here, unfused
-            residual.copy_(residual_sublayer(mlp_out, residual, None, self.bottleneck_output))
+            add_sublayer(mlp_out, residual, self.bottleneck_output)
             return None, residual
         return mlp_out, residual
 
@@ -97,7 +97,7 @@ class DecoderLayer(torch.nn.Module):
         """residual += out (through each row's bottleneck adapter, if any); norm of the sum."""
         if not bottlenecks_active(pool):
             return cls._norm(norm, out, residual, consumer)
-        residual.copy_(residual_sublayer(out, residual, None, pool))
+        add_sublayer(out, residual, pool)
         return cls._norm(norm, None, residual, consumer)
 
     @staticmethod

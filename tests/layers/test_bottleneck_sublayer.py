@@ -1,0 +1,44 @@
+"""The decoders' in-place bottleneck sublayer (add_sublayer) against the out-of-place form it
+replaces (residual_sublayer without a norm): Houlsby and Pfeiffer slots of mixed widths and
+activations, slots without an adapter at this place, and base rows, in float32."""
+import pytest
+import torch
+
+from adapterserve.adapters_store.formats.types import BottleneckModule
+from adapterserve.kernels import build_adapter_meta
+from adapterserve.layers.bottleneck import BOTTLENECK_ACTIVATIONS, BottleneckPool, add_sublayer, residual_sublayer
+from adapterserve.layers.context import BatchContext, set_context
+
+DIM, SLOTS, WIDTH = 48, 5, 8
+
+
+def _pool(gen: torch.Generator) -> BottleneckPool:
+    pool = BottleneckPool.empty(SLOTS, WIDTH, DIM, torch.zeros(32, WIDTH))
+    for slot, (rank, ln_before) in enumerate([(8, False), (3, True), (0, False), (5, True)]):  # slot 4 stays empty
+        if rank:
+            randn = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+            module = BottleneckModule(randn(rank, DIM) / DIM ** 0.5, randn(rank) * 0.1, randn(rank, DIM) * 0.1,
+                                      randn(DIM) * 0.1, BOTTLENECK_ACTIVATIONS[slot % len(BOTTLENECK_ACTIVATIONS)])
+            pool.load(slot, module, ln_before)
+    return pool
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_in_place_sublayer_gives_the_out_of_place_form_s_residual(seed):
+    gen = torch.Generator().manual_seed(seed)
+    pool = _pool(gen)
+    slots = torch.randint(-1, SLOTS, (23,), generator=gen, dtype=torch.int32)
+    slots[:SLOTS + 1] = torch.arange(-1, SLOTS, dtype=torch.int32)  # every slot and a base row
+    x, residual = torch.randn(23, DIM, generator=gen), torch.randn(23, DIM, generator=gen)
+    set_context(BatchContext(attention=None, lora=None, ia3=None, bottleneck=build_adapter_meta(slots, SLOTS),
+                             lora_workspace=None, logits_rows=None))
+    try:
+        want = residual_sublayer(x, residual.clone(), None, pool)
+        got = residual.clone()
+        add_sublayer(x, got, pool)
+    finally:
+        set_context(None)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    unchanged = (slots < 0) | (slots == 2) | (slots == 4)  # base rows and slots with no adapter here
+    assert torch.equal(got[unchanged], (x + residual)[unchanged])
+    assert not torch.allclose(got[~unchanged], (x + residual)[~unchanged])
