@@ -107,13 +107,15 @@ class AdapterLinear(torch.nn.Module):
         self.side_stream: torch.cuda.Stream | None = None  # runs the LoRA shrink beside the base GEMM
         self.stacked: StackedWeight | None = None  # [W; A] buffer when the pool stacks A under the weight
 
-    def forward(self, x: torch.Tensor, quantized: QuantizedRows | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quantized: QuantizedRows | None = None, scratch_input: bool = False
+                ) -> torch.Tensor:
         """x: [T, K] -> y: [T, N]. quantized: x rounded to e4m3 per token (quantize_rows(x)),
-        given only where ``takes_quantized_input`` said so; adapters read x."""
+        given only where ``takes_quantized_input`` said so; adapters read x. scratch_input: the
+        caller reads x no more, so (IA)^3 input scales may be applied to it in place."""
         ctx = get_context()
         ia3 = ctx.ia3 if self.ia3_in is not None else None
         if ia3 is not None:
-            x = x.clone()
+            x = x if scratch_input else x.clone()
             ia3_scale(x, self.ia3_in, ia3)
             quantized = None  # it rounds the unscaled x
         if self.lora is not None and ctx.lora is not None:

@@ -69,7 +69,7 @@ class DecoderLayer(torch.nn.Module):
         attn_out = self.o_proj(self._attention(positions, self.qkv_proj(normed, quantized)))
         normed, quantized = self._close_sublayer(attn_out, residual, self.bottleneck_mh,
                                                  self.post_attention_layernorm, self.gate_up_proj)
-        mlp_out = self.down_proj(*self._silu_mul(self.gate_up_proj(normed, quantized)))
+        mlp_out = self.down_proj(*self._silu_mul(self.gate_up_proj(normed, quantized)), scratch_input=True)
         if bottlenecks_active(self.bottleneck_output):  # rows with adapters: added here, unfused
             add_sublayer(mlp_out, residual, self.bottleneck_output)
             return None, residual
