@@ -164,16 +164,16 @@ def residual_sublayer(
     return norm(out) if norm is not None else out
 
 
-def add_sublayer(x: torch.Tensor, residual: torch.Tensor, pool: BottleneckPool) -> None:
-    """residual_sublayer without a norm (pre-LN decoders), in place: residual += x, then each
-    row's bottleneck update, read from h = x + r (original_ln_before) or x, is added into it.
-    Five launches where the out-of-place form takes ten; the sum rounds in the other order
-    ((r + x) + update against (x + update) + r)."""
+def add_bottlenecks(x: torch.Tensor, residual: torch.Tensor, pool: BottleneckPool) -> None:
+    """For pre-LN decoders (residual_sublayer without a norm): x += each row's bottleneck update,
+    in place, read from h = x + r (original_ln_before) or x. The caller then adds x into the
+    residual as it does without adapters (fused with the next norm), which gives
+    residual_sublayer's sum, (x + update) + r; four launches where that form and a copy back took
+    ten beside the norm."""
     meta = get_context().bottleneck
     h = torch.addcmul(x, pool.ln_mix[meta.token_slots].unsqueeze(-1), residual)  # slot -1: any row's mix, unused
-    residual.add_(x)
     bottleneck_adapter(h, pool.down, pool.down_bias, pool.up, pool.up_bias, pool.rank, pool.activation, meta,
-                       pool.workspace[: x.shape[0]], residual)
+                       pool.workspace[: x.shape[0]], x)
 
 
 def encoder_adapter_meta(row_slots: torch.Tensor, attention_mask: torch.Tensor, num_slots: int) -> AdapterBatchMeta:

@@ -23,7 +23,7 @@ from adapterserve.kernels.fused import silu_mul
 from adapterserve.layers.attention import PagedAttention
 from adapterserve.layers.bottleneck import (
     BottleneckPool,
-    add_sublayer,
+    add_bottlenecks,
     bottlenecks_active,
 )
 from adapterserve.layers.context import get_context
@@ -70,9 +70,8 @@ class DecoderLayer(torch.nn.Module):
         normed, quantized = self._close_sublayer(attn_out, residual, self.bottleneck_mh,
                                                  self.post_attention_layernorm, self.gate_up_proj)
         mlp_out = self.down_proj(*self._silu_mul(self.gate_up_proj(normed, quantized)), scratch_input=True)
-        if bottlenecks_active(self.bottleneck_output):  # rows with adapters: added here, unfused
-            add_sublayer(mlp_out, residual, self.bottleneck_output)
-            return None, residual
+        if bottlenecks_active(self.bottleneck_output):  # rows with adapters: their updates added into mlp_out
+            add_bottlenecks(mlp_out, residual, self.bottleneck_output)
         return mlp_out, residual
 
     def _attention(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
@@ -95,10 +94,9 @@ class DecoderLayer(torch.nn.Module):
     def _close_sublayer(cls, out: torch.Tensor, residual: torch.Tensor, pool: BottleneckPool | None, norm: RMSNorm,
                         consumer: AdapterLinear) -> tuple[torch.Tensor, QuantizedRows | None]:
         """residual += out (through each row's bottleneck adapter, if any); norm of the sum."""
-        if not bottlenecks_active(pool):
-            return cls._norm(norm, out, residual, consumer)
-        add_sublayer(out, residual, pool)
-        return cls._norm(norm, None, residual, consumer)
+        if bottlenecks_active(pool):
+            add_bottlenecks(out, residual, pool)
+        return cls._norm(norm, out, residual, consumer)
 
     @staticmethod
     def _norm(norm: RMSNorm, pending: torch.Tensor | None, residual: torch.Tensor, consumer: AdapterLinear

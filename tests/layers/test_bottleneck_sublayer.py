@@ -1,12 +1,13 @@
-"""The decoders' in-place bottleneck sublayer (add_sublayer) against the out-of-place form it
-replaces (residual_sublayer without a norm): Houlsby and Pfeiffer slots of mixed widths and
-activations, slots without an adapter at this place, and base rows, in float32."""
+"""The decoders' bottleneck updates added into the sublayer's output (add_bottlenecks, the
+residual added after) against the out-of-place form they replace (residual_sublayer without a
+norm): Houlsby and Pfeiffer slots of mixed widths and activations, slots without an adapter at
+this place, and base rows, in float32: the same sums in the same order, so the same bits."""
 import pytest
 import torch
 
 from adapterserve.adapters_store.formats.types import BottleneckModule
 from adapterserve.kernels import build_adapter_meta
-from adapterserve.layers.bottleneck import BOTTLENECK_ACTIVATIONS, BottleneckPool, add_sublayer, residual_sublayer
+from adapterserve.layers.bottleneck import BOTTLENECK_ACTIVATIONS, BottleneckPool, add_bottlenecks, residual_sublayer
 from adapterserve.layers.context import BatchContext, set_context
 
 DIM, SLOTS, WIDTH = 48, 5, 8
@@ -24,7 +25,7 @@ def _pool(gen: torch.Generator) -> BottleneckPool:
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_in_place_sublayer_gives_the_out_of_place_form_s_residual(seed):
+def test_updates_added_into_the_output_give_the_out_of_place_form_s_sum(seed):
     gen = torch.Generator().manual_seed(seed)
     pool = _pool(gen)
     slots = torch.randint(-1, SLOTS, (23,), generator=gen, dtype=torch.int32)
@@ -33,12 +34,13 @@ def test_in_place_sublayer_gives_the_out_of_place_form_s_residual(seed):
     set_context(BatchContext(attention=None, lora=None, ia3=None, bottleneck=build_adapter_meta(slots, SLOTS),
                              lora_workspace=None, logits_rows=None))
     try:
-        want = residual_sublayer(x, residual.clone(), None, pool)
-        got = residual.clone()
-        add_sublayer(x, got, pool)
+        want = residual_sublayer(x, residual, None, pool)
+        out = x.clone()
+        add_bottlenecks(out, residual, pool)
+        got = out + residual
     finally:
         set_context(None)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got, want)
     unchanged = (slots < 0) | (slots == 2) | (slots == 4)  # base rows and slots with no adapter here
     assert torch.equal(got[unchanged], (x + residual)[unchanged])
     assert not torch.allclose(got[~unchanged], (x + residual)[~unchanged])
