@@ -2,7 +2,6 @@
 classes, decodes beside prompts, penalties, sampling) compiles no Triton kernel and
 captures no CUDA graph: the first requests after ready run compiled code."""
 import random
-import sys
 
 import pytest
 import torch
@@ -12,23 +11,13 @@ from adapterserve.adapters_store.formats.families import Adapter
 from adapterserve.adapters_store.formats.types import BottleneckAdapter, BottleneckModule
 from adapterserve.layers.bottleneck import BOTTLENECK_ACTIVATIONS
 from adapterserve.models.tiny import write_tiny_checkpoint
+from benchmarks.measure import kernel_variants
 from tests.helpers.families import family_configs, make_peft_adapter
 from tests.helpers.lora import make_peft_lora
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
-
-
-def compiled_variants() -> set[tuple[str, str]]:
-    """(kernel, specialisation key: argument types, int/pointer specialisations and
-    constexprs) of every variant the Triton kernels of adapterserve hold compiled."""
-    from triton.runtime.jit import JITFunction
-
-    kernels = {id(v): v for name, module in list(sys.modules.items()) if name.startswith("adapterserve.kernels")
-               for v in vars(module).values() if isinstance(v, JITFunction)}
-    return {(f"{fn.fn.__module__}.{fn.fn.__name__}", str(key))
-            for fn in kernels.values() for entry in fn.device_caches.values() for key in entry[0]}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +53,7 @@ def test_after_warm_up_a_mixed_batch_compiles_nothing(setup, config):
     assert report.graphs > 0
     for name, path in adapters.items():
         engine.load_adapter(name, path)
-    kernels, graphs = compiled_variants(), set(engine.runner.graphs._graphs)
+    kernels, graphs = kernel_variants(), set(engine.runner.graphs._graphs)
     assert kernels
     rng = random.Random(0)
     names = [None, *adapters]
@@ -76,8 +65,8 @@ def test_after_warm_up_a_mixed_batch_compiles_nothing(setup, config):
                 for i in range(len(prompts))]
     outputs = engine.generate(prompts, sampling, [names[i % len(names)] for i in range(len(prompts))])
     assert all(o.error is None for o in outputs)
-    late = sorted(compiled_variants() - kernels)
-    assert not late, "compiled after warm-up:\n" + "\n".join(f"{name} {key}" for name, key in late)
+    late = sorted(kernel_variants() - kernels)
+    assert not late, "compiled after warm-up:\n" + "\n".join(late)
     new_graphs = set(engine.runner.graphs._graphs) - graphs
     assert not new_graphs, f"decode graphs captured after warm-up (bucket, families, signature): {new_graphs}"
 
@@ -113,13 +102,13 @@ def test_bottlenecks_of_every_activation_replay_the_graphs_warm_up_captured(setu
     for engine in (graphed, eager):
         for name, adapter in adapters.items():
             engine.add_adapter(name, adapter)
-    kernels, graphs = compiled_variants(), set(graphed.runner.graphs._graphs)
+    kernels, graphs = kernel_variants(), set(graphed.runner.graphs._graphs)
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 2000) for _ in range(rng.choice([5, 40, 300]))] for _ in range(14)]
     ids = [*adapters, *adapters, None, None]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     graphed_outs = graphed.generate(prompts, params, adapter_ids=ids)
-    assert not sorted(compiled_variants() - kernels), "compiled after warm-up"  # before the eager engine compiles
+    assert not sorted(kernel_variants() - kernels), "compiled after warm-up"  # before the eager engine compiles
     assert set(graphed.runner.graphs._graphs) == graphs, "decode graphs captured after warm-up"
     assert graphed.runner.graphs.replays > 0
     outs = [graphed_outs, eager.generate(prompts, params, adapter_ids=ids)]
