@@ -30,7 +30,7 @@ from adapterserve.kernels import build_adapter_meta
 from adapterserve.kernels.attention import attention_in_chain, forced_splits, forced_tiles
 from adapterserve.kernels.kv_fp8 import copy_rows
 from adapterserve.kernels.pdl import ENV, pdl_mode, prefetch_setting, set_pdl, set_prefetch
-from adapterserve.kernels.stacked import expand_for_slots
+from adapterserve.kernels.stacked import RowsInUse, expand_for_slots
 from adapterserve.layers.base_gemm import DECODE_FP8
 from adapterserve.layers.context import BatchContext, VirtualTokens, set_context
 from adapterserve.layers.parallel import SINGLE, TensorParallel
@@ -238,11 +238,11 @@ class StepDevice:
             logits_rows=to_device(inputs.last_rows, dev, torch.long),
             virtual=self._virtual(inputs),
         )
+        stacked = self._rows_in_use()  # the step's row bucket (LoraPool.for_step set it)
         for family, slots in zip(TOKEN_FAMILIES, inputs.family_slots):
             if (slots >= 0).any():
-                expand = (expand_for_slots(slots, self.fused_rows, rows=self._stacked_rows())
-                          if family == "lora" and self._lora_stacked()
-                          else "tiled")
+                expand = (expand_for_slots(slots, stacked.fused_rows, rows=stacked.rows)
+                          if family == "lora" and stacked is not None else "tiled")
                 setattr(ctx, family, build_adapter_meta(to_device(slots, dev), self.num_slots, stacked_expand=expand))
         ids, sources = (to_device(v, dev, torch.long) for v in (inputs.ids, inputs.sources))
         return with_sampled_ids(ids, sources, self.sampled), to_device(inputs.positions, dev, torch.long), ctx
@@ -251,17 +251,14 @@ class StepDevice:
     def fused_rows(self) -> int:
         """The largest row bucket in which steps with few adapters run the fused stacked linear
         (lora_decode="fused"; 0: never)."""
+        stacked = self._rows_in_use()
+        return 0 if stacked is None else stacked.fused_rows
+
+    def _rows_in_use(self) -> RowsInUse | None:
+        """The stacked LoRA layout's shared row state, where the pool stacks A rows (bound after
+        this object is built: a step's expand is then chosen from its distinct adapters)."""
         stacked = next(self.model.adapter_linears())[1].stacked
-        return 0 if stacked is None else stacked.rows_in_use.fused_rows
-
-    def _stacked_rows(self) -> int:
-        """The row bucket the step's stacked GEMMs cover (LoraPool.for_step set it)."""
-        return next(self.model.adapter_linears())[1].stacked.rows_in_use.rows
-
-    def _lora_stacked(self) -> bool:
-        """Whether the LoRA pool stacks A under the weights (bound after this object is built),
-        so a step's expand is chosen from its distinct adapters."""
-        return next(self.model.adapter_linears())[1].stacked is not None
+        return None if stacked is None else stacked.rows_in_use
 
     def _virtual(self, inputs: StepInputs) -> VirtualTokens | None:
         if not inputs.virtual[0]:
