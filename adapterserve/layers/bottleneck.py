@@ -49,8 +49,8 @@ class BottleneckPool:
     up:        [S, R, D] rows of W_up^T, scaling folded in;  up_bias: [S, D]
     rank:      [S] int32, the width of each slot's adapter here (0: none at this place)
     activation: [S] int32, each slot's activation (kernels' ACT_CODES; read where rank > 0)
-    ln_before: [S] bool, True where the adapter reads norm(x + r) (Pfeiffer)
-    ln_mix:    [S] ln_before as 1.0 / 0.0 in the pool's dtype (pre-LN decoders: h = x + ln_mix * r)
+    ln_mix:    [S] 1.0 where the adapter reads norm(x + r) (original_ln_before: Pfeiffer), else 0.0, in
+               the pool's dtype (pre-LN decoders: h = x + ln_mix * r)
     workspace: [Tmax, R] scratch for the op; one tensor may serve every pool
     """
 
@@ -60,7 +60,6 @@ class BottleneckPool:
     up_bias: torch.Tensor
     rank: torch.Tensor
     activation: torch.Tensor
-    ln_before: torch.Tensor
     ln_mix: torch.Tensor
     workspace: torch.Tensor
 
@@ -76,7 +75,6 @@ class BottleneckPool:
             up_bias=torch.zeros(num_slots, dim, **opts),
             rank=torch.zeros(num_slots, **codes),
             activation=torch.zeros(num_slots, **codes),
-            ln_before=torch.zeros(num_slots, dtype=torch.bool, device=workspace.device),
             ln_mix=torch.zeros(num_slots, **opts),
             workspace=workspace,
         )
@@ -98,7 +96,6 @@ class BottleneckPool:
         self.up_bias[slot].copy_(module.up_bias)
         self.activation[slot] = ACT_CODES[module.activation]
         self.rank[slot] = r
-        self.ln_before[slot] = ln_before
         self.ln_mix[slot] = float(ln_before)
 
     def clear(self, slot: int) -> None:
@@ -108,7 +105,6 @@ class BottleneckPool:
         self.down_bias[slot].zero_()
         self.up[slot].zero_()
         self.up_bias[slot].zero_()
-        self.ln_before[slot] = False
         self.ln_mix[slot] = 0.0
 
 
@@ -155,7 +151,7 @@ def residual_sublayer(
         return norm(summed) if norm is not None else summed
     normed = norm(summed) if norm is not None else summed
     slots = meta.token_slots.long().clamp(min=0)
-    h = torch.where(pool.ln_before[slots].unsqueeze(-1), normed, x)
+    h = torch.where(pool.ln_mix[slots].unsqueeze(-1) != 0, normed, x)
     a = x.clone()
     workspace = pool.workspace[: x.shape[0]]
     bottleneck_adapter(h, pool.down, pool.down_bias, pool.up, pool.up_bias, pool.rank, pool.activation, meta,

@@ -117,7 +117,7 @@ def _slot_tensors(pools: PoolSet, model, slot: int) -> dict[str, torch.Tensor]:
     for layer_index, layer in enumerate(model.layers):
         for place in ("mh", "output"):
             pool = getattr(layer, f"bottleneck_{place}")
-            for field in ("down", "down_bias", "up", "up_bias", "ln_before"):
+            for field in ("down", "down_bias", "up", "up_bias", "ln_mix"):
                 out[f"bottleneck.{layer_index}.{place}.{field}"] = getattr(pool, field)[slot]
     out["prompt"] = pools.prompt.embeddings[slot]
     blocks = torch.tensor(pools.prefix.pages.get(slot, []), dtype=torch.long)
