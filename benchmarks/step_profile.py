@@ -27,9 +27,9 @@ from adapterserve.adapters_store.formats.types import LoraAdapter, LoraModule
 from adapterserve.kernels import metadata
 from benchmarks.checkpoints import SHAPES, scratch_dir, write_random_checkpoint
 from benchmarks.random_adapters import AdapterFactory
+from benchmarks.workloads import families_plan, register
 
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FAMILIES = ("lora", "ia3", "prompt", "prefix", "bottleneck", None)  # "families": request i on FAMILIES[i % 6]
 
 
 def _adapter(engine: Engine, seed: int, rank: int = 16) -> LoraAdapter:
@@ -41,18 +41,6 @@ def _adapter(engine: Engine, seed: int, rank: int = 16) -> LoraAdapter:
             modules[(layer, kind)] = LoraModule(torch.randn(rank, i, generator=gen) / i ** 0.5,
                                                 torch.randn(o, rank, generator=gen) * 0.01, 2.0)
     return LoraAdapter(modules)
-
-
-def _family_adapters(engine: Engine, factory: AdapterFactory, batch: int) -> list[str | None]:
-    """engine_throughput's "families" workload: request i on a distinct adapter of FAMILIES[i % 6]
-    (None: base); the adapters added to the engine, their ids returned."""
-    ids: list[str | None] = []
-    for i in range(batch):
-        family = FAMILIES[i % len(FAMILIES)]
-        ids.append(None if family is None else f"f{i}-{family}")
-        if family is not None:
-            engine.add_adapter(ids[-1], factory.family(family, i))
-    return ids
 
 
 def _timed(fn, sink: list[float]):
@@ -189,8 +177,10 @@ def main() -> None:
         for i, name in enumerate(mixed):
             engine.add_adapter(name, _adapter(engine, 1000 + i, ranks[i % len(ranks)]))
         workloads[f"{ranked} ranks 8/16/64"] = mixed
-    if "families" in chosen:
-        workloads["families"] = _family_adapters(engine, AdapterFactory(shape, "cuda"), args.batch)
+    if "families" in chosen:  # engine_throughput's plan: a distinct adapter of each family in turn, and base rows
+        families = families_plan(args.batch, AdapterFactory(shape, "cuda"), bottleneck=True)
+        register(engine, families)
+        workloads["families"] = families.adapter_ids
     if args.kernels:
         _print_kernels({w: kernel_profile(engine, args.batch, a, args.steps) for w, a in workloads.items()},
                        args.top, f"{args.dtype}, PDL {args.pdl}, metadata {_metadata_build()}")

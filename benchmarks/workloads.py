@@ -118,7 +118,7 @@ def plan(name: str, batch: int, factory: AdapterFactory, peft_dir: Path | dict, 
     if name == "zipf":
         return _zipf_plan(batch, factory, s)
     if name == "families":
-        return _families_plan(batch, factory, bottleneck)
+        return families_plan(batch, factory, bottleneck)
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS + EXTRA_WORKLOADS)}")
 
 
@@ -138,7 +138,7 @@ def _zipf_plan(batch: int, factory: AdapterFactory, s: Settings) -> Plan:
                 note=f"{len(set(ids))} distinct/{s.zipf_adapters}, {slots} slots")
 
 
-def _families_plan(batch: int, factory: AdapterFactory, bottleneck: bool) -> Plan:
+def families_plan(batch: int, factory: AdapterFactory, bottleneck: bool) -> Plan:
     families = ["lora", "ia3", "prompt", "prefix"] + (["bottleneck"] if bottleneck else []) + ["base"]
     ids: list[str | None] = []
     adapters: dict[str, Adapter] = {}
