@@ -271,6 +271,20 @@ def _assert_same_outputs(got, want, got_logits, want_logits, device: str) -> Non
         assert (g - w).norm() / w.norm() < LOGIT_TOLERANCE[device], a.adapter_id
 
 
+def _every_adapter_resident(setup, mode: str) -> tuple[Engine, Engine, list[str]]:
+    """An engine of this lora_decode with every adapter of setup resident and idle, placed in
+    order from the pool's first rows, a segmented kernels' engine with them loaded, their names."""
+    model_dir, adapter_dirs = setup
+    engine = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=8, lora_decode=mode, warmup=False)
+    kernels = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=8, lora_decode="kernels", warmup=False)
+    for one in (engine, kernels):
+        for name, path in adapter_dirs.items():
+            one.load_adapter(name, path)
+    for name in adapter_dirs:
+        engine.slots.release(engine.slots.acquire(name, engine.adapters[name]))
+    return engine, kernels, list(adapter_dirs)
+
+
 @pytest.mark.parametrize("mode", ["stacked", "fused"])
 def test_a_step_covers_its_own_adapters_rows_not_every_resident_one_s(setup, mode):
     """Every adapter resident, then a step on the one placed first: the stacked GEMMs (and the
@@ -278,17 +292,8 @@ def test_a_step_covers_its_own_adapters_rows_not_every_resident_one_s(setup, mod
     the step and only then; the tokens are the segmented kernels' engine's."""
     import numpy as np
 
-    model_dir, adapter_dirs = setup
-    engine = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=8, lora_decode=mode, warmup=False)
-    kernels = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=8, lora_decode="kernels", warmup=False)
-    names = list(adapter_dirs)
-    for one in (engine, kernels):
-        for name, path in adapter_dirs.items():
-            one.load_adapter(name, path)
+    engine, kernels, names = _every_adapter_resident(setup, mode)
     pool = engine.lora_pool
-    for name in names:  # every adapter resident (idle), the first at the pool's first rows
-        slot = engine.slots.acquire(name, engine.adapters[name])
-        engine.slots.release(slot)
     first = engine.slots.slot_of[names[0]]
     span = pool.stacked_rows()
     with pool.for_step(np.array([first, -1, first])):
@@ -321,15 +326,7 @@ def test_a_few_adapter_step_above_the_fused_rows_takes_the_separate_kernels(setu
     from adapterserve.layers.context import get_context
 
     monkeypatch.setattr(stacked, "FUSED_MAX_ROWS", {size: 16 for size in stacked.FUSED_MAX_ROWS})
-    model_dir, adapter_dirs = setup
-    engine = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=8, lora_decode="fused", warmup=False)
-    kernels = Engine.from_pretrained(model_dir, max_lora_rank=64, max_loras=8, lora_decode="kernels", warmup=False)
-    names = list(adapter_dirs)
-    for one in (engine, kernels):
-        for name, path in adapter_dirs.items():
-            one.load_adapter(name, path)
-    for name in names:  # every adapter resident (idle), in order from the pool's first rows
-        engine.slots.release(engine.slots.acquire(name, engine.adapters[name]))
+    engine, kernels, names = _every_adapter_resident(setup, "fused")
     pool = engine.lora_pool
     assert pool.fused_rows == 16
     engine.runner.enable_cuda_graphs(*decode_graph_limits(engine.config, engine.max_model_len))  # eager twins here
