@@ -14,9 +14,10 @@ projection, with its tax over the plain decode GEMM of the same dtype. Variants:
   base pfC        the plain decode GEMM, each program asking L2 for its first C K chunks of weight
   fused 1 pfC     rows before its PDL wait (kernels/pdl.py set_prefetch), and the fused linear so
 Every variant with launch choices is checked against the same kernel's output without them before it is
-timed. --resident R1,R2,...: a second table, one adapter's tokens while R adapters are resident. The fused
-linear's shrink covers the pool rows of every resident adapter (its row bucket), so idle ones cost it
-rows; the separate kernels (kernels+side: shrink on a second stream, then expand) read only the step's.
+timed. --resident R1,R2,...: a second table, one adapter's tokens with the fused linear's shrink covering
+a row bucket of R adapters' rows (the span of a step's adapters: the step's windows begin at its lowest
+rows, so idle adapters cost it none, but two far apart cost all the rows between them); the separate
+kernels (kernels+side: shrink on a second stream, then expand) read only the step's.
 """
 from __future__ import annotations
 

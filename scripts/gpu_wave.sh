@@ -131,6 +131,16 @@ for stage in "$@"; do
           --workloads base,one-of-64,one-over-64,one-over-64+ke --out "$OUT/et8b_rowlimit_$dtype.md" \
           > "$OUT/rowlimit_$dtype.log" 2>&1; grep -E ": 8b" "$OUT/rowlimit_$dtype.log" | tail -4
       done ;;
+    window)  # 1 GPU: the fused linear's row windows (each slice's from the step's lowest row): its kernel and
+      # engine GPU tests, then one adapter above 63 idle ones (one-over-64) against one alone, per dtype
+      test_files ${FILE_S:-150} "-m gpu" tests/kernels/test_stacked_fused.py tests/kernels/test_stacked_fused_apart.py \
+        tests/models/test_fp8_lora_fused_gpu.py tests/engine/test_lora_stacked.py ${WINDOW_TESTS:-}
+      for dtype in ${DTYPES:-bfloat16 fp8}; do
+        timeout ${STAGE_S:-150} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --dtype $dtype \
+          --no-engine-warmup --hf-models '' --budget-s ${BUDGET_S:-120} \
+          --workloads ${WINDOW_WORKLOADS:-base,one,one-over-64} --out "$OUT/et8b_window_$dtype.md" \
+          > "$OUT/window_$dtype.log" 2>&1; grep -E ": 8b" "$OUT/window_$dtype.log" | tail -4
+      done ;;
     fp8engine)  # the 8B in FP8 (FP8_WORKLOADS), then bf16 base; logs in $OUT as they grow (a timeout keeps them)
       timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --dtype fp8 --hf-models '' \
         --budget-s ${FP8_BUDGET_S:-300} --workloads ${FP8_WORKLOADS:-base,one,distinct} --max-tokens ${MAX_TOKENS:-128} \

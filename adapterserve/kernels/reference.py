@@ -77,28 +77,53 @@ def lora_expand(v: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, y: to
 
 
 def stacked_expand(out: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, y: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> None:
+                   bias: torch.Tensor | None = None, bases: list[int] | None = None) -> None:
     """The layer output from a stacked GEMM's output (see kernels/stacked.py): the twin of
-    both Triton expands, the tiled and the grouped one (same semantics).
+    both Triton expands, the tiled and the grouped one (same semantics), and of the fused
+    linear's (whose shrink covers a window of pool rows from each slice's ``bases``).
 
     out: [T, N + rows * n_slices]; y: [T, N] written whole; bias: [N] or None.
     Semantics: y[t, off_s : off_s1] = out[t, off_s : off_s1] + bias + sum over j < r of
-    out[t, N + (row0 + j) * n_slices + s] * B[row0 + j, off_s : off_s1].
+    out[t, N + (row0 - base_s + j) * n_slices + s] * B[row0 + j, off_s : off_s1], r cut
+    where the window's rows end (base_s 0 without bases).
     """
     rows = check_stacked(out, lora, meta, y, bias)
     n, n_slices, offsets = lora.out_offsets[-1], lora.num_slices, lora.out_offsets
     result = out[:, :n].float() + (bias.float() if bias is not None else 0.0)
     for slot, tokens in _segments(meta):
         for s in range(n_slices):
-            row0, r = int(lora.row_start[s, slot]), int(lora.rank[s, slot])
-            r = min(r, lora.max_rank, rows - row0)
+            row0, r, base = int(lora.row_start[s, slot]), int(lora.rank[s, slot]), bases[s] if bases else 0
+            r = min(r, lora.max_rank, base + rows - row0)
             if r <= 0:
                 continue
-            cols = n + (row0 + torch.arange(r, device=out.device)) * n_slices + s
+            if row0 < base:
+                raise ValueError(f"slot {slot}'s rows begin at {row0}, below its window's first row {base}")
+            cols = n + (row0 - base + torch.arange(r, device=out.device)) * n_slices + s
             v = out[tokens][:, cols].float()
             b = lora.b[row0 : row0 + r, offsets[s] : offsets[s + 1]].float()
             result[tokens, offsets[s] : offsets[s + 1]] += v @ b
     y.copy_(result.to(y.dtype))
+
+
+def window_bases(lora: LoraSlices, meta: AdapterBatchMeta, rows: int, pool_rows: int) -> list[int]:
+    """The first pool row of each slice's window of ``rows`` rows in a fused linear
+    (kernels/stacked_fused.py): the lowest row of that slice a token of the step uses, lowered so
+    the window ends within the pool's ``pool_rows`` rows (host sync)."""
+    slots = meta.token_slots[meta.token_slots >= 0].long()
+    bases = []
+    for starts, ranks in zip(lora.row_start[:, slots], lora.rank[:, slots]):
+        used = starts[ranks > 0]
+        lo = int(used.min()) if used.numel() else pool_rows
+        bases.append(max(min(lo, pool_rows - rows), 0))
+    return bases
+
+
+def window_rows(bases: list[int], rows: int) -> torch.Tensor:
+    """The A rows (pool row r of slice s at r * n_slices + s) of windows of ``rows`` rows from
+    ``bases``, in the order of the shrink values they give."""
+    n_slices = len(bases)
+    columns = torch.arange(rows * n_slices)
+    return columns + torch.tensor(bases)[columns % n_slices] * n_slices
 
 
 def bottleneck_adapter(

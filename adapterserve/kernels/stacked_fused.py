@@ -91,17 +91,39 @@ def _wait_for(flag_ptr, target):
 
 
 @triton.jit
-def _expand(acc, s_rows, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl, stride_br, stride_bn,
+def _window_bases(rank_ptr, row_start_ptr, slots_ptr, t, tmask, sl, cols, rows, pool_rows, stride_rs, stride_rslot,
+                  NUM_SLICES: tl.constexpr):
+    """The first pool row of each slice's window of ``rows`` rows: the lowest row of that slice any
+    token of the tile uses, lowered where the window would pass the pool's end (reference.window_bases).
+    Returns slice sl's and, per column of shrink values (pool row r of slice s at r * NUM_SLICES + s),
+    its slice's."""
+    slot = tl.load(slots_ptr + t, mask=tmask, other=-1)
+    safe = tl.maximum(slot, 0)
+    own = 0
+    per_column = tl.zeros_like(cols)
+    for s in tl.static_range(NUM_SLICES):
+        rank = tl.load(rank_ptr + s * stride_rs + safe * stride_rslot)
+        row0 = tl.load(row_start_ptr + s * stride_rs + safe * stride_rslot)
+        lo = tl.min(tl.where((slot >= 0) & (rank > 0), row0, pool_rows), axis=0)
+        base = tl.maximum(tl.minimum(lo, pool_rows - rows), 0)
+        own = tl.where(sl == s, base, own)
+        per_column = tl.where(cols % NUM_SLICES == s, base, per_column)
+    return own, per_column
+
+
+@triton.jit
+def _expand(acc, s_rows, s_shift, b_ptr, b_first, row0, end, lo, hi, n, nmask, sl, stride_br, stride_bn,
             NUM_SLICES: tl.constexpr, IEEE: tl.constexpr, CHUNK_ROWS: tl.constexpr):
     """acc + each token's update on columns n of slice sl (the tiled expand's walk); b_first:
-    the B rows of the first chunk, loaded earlier."""
+    the B rows of the first chunk, loaded earlier; s_shift: the shrink column of pool row 0 (the
+    shrink values begin at the window's first row)."""
     if lo < hi:
         rr, uses, row_used = _chunk_rows(lo, row0, end, CHUNK_ROWS)
-        acc = _dot(acc, _shrink_rows(s_rows, rr, uses, 0, sl, 1, NUM_SLICES), b_first, IEEE)
+        acc = _dot(acc, _shrink_rows(s_rows, rr, uses, s_shift, sl, 1, NUM_SLICES), b_first, IEEE)
     for r0 in range(lo + CHUNK_ROWS, hi, CHUNK_ROWS):
         rr, uses, row_used = _chunk_rows(r0, row0, end, CHUNK_ROWS)
         if tl.max(row_used.to(tl.int32), axis=0) > 0:
-            acc = _chunk_dot(acc, s_rows, b_ptr, rr, uses, row_used, n, nmask, 0, sl,
+            acc = _chunk_dot(acc, s_rows, b_ptr, rr, uses, row_used, n, nmask, s_shift, sl,
                              1, stride_br, stride_bn, NUM_SLICES, IEEE)
     return acc
 
@@ -130,7 +152,8 @@ def _columns(pid, a_tiles, a_width, c1, c2, c3, c4, NUM_SLICES: tl.constexpr, BL
 @triton.jit(do_not_specialize=["M", "a_tiles"])
 def _stacked_fused_kernel(
     x_ptr, w_ptr, y_ptr, s_ptr, part_ptr, part_a_ptr, count_ptr, b_ptr, bias_ptr, rank_ptr, row_start_ptr,
-    slots_ptr, xb_ptr, a_ptr, xs_ptr, ws_ptr, M, K, k_per_split, a_k_per_split, n_out, rows, max_rank, a_tiles,
+    slots_ptr, xb_ptr, a_ptr, xs_ptr, ws_ptr, M, K, k_per_split, a_k_per_split, n_out, rows, pool_rows, max_rank,
+    a_tiles,
     b_tiles,
     c1, c2, c3, c4, stride_xm, stride_wn, stride_ym, stride_sm, stride_br, stride_bn, stride_rs, stride_rslot,
     stride_xbm, stride_an,
@@ -147,8 +170,12 @@ def _stacked_fused_kernel(
     span = tl.where(is_shrink, a_k_per_split, k_per_split)
     k_start = pid_k * span
     k_end = tl.minimum(k_start + span, K)
-    if HAS_LORA:  # the tokens' rows and the first chunk of B: no activation, before the wait
-        row0, end, lo, hi = token_rows(rank_ptr, row_start_ptr, slots_ptr, rm, rm < M, sl, rows, max_rank,
+    a_cols = cols  # a shrink tile's A rows: its columns, each moved to its slice's window
+    if HAS_LORA:  # the windows, the tokens' rows and the first chunk of B: no activation, before the wait
+        base, column_base = _window_bases(rank_ptr, row_start_ptr, slots_ptr, rm, rm < M, sl, cols, rows, pool_rows,
+                                          stride_rs, stride_rslot, NUM_SLICES)
+        a_cols = cols + column_base * NUM_SLICES
+        row0, end, lo, hi = token_rows(rank_ptr, row_start_ptr, slots_ptr, rm, rm < M, sl, base + rows, max_rank,
                                         stride_rs, stride_rslot)
         hi = tl.where(is_shrink, lo, hi)  # a shrink tile's columns are no B columns: it reads none
         rr, uses, row_used = _chunk_rows(lo, row0, end, CHUNK_ROWS)
@@ -163,7 +190,7 @@ def _stacked_fused_kernel(
                      NUM_STAGES, BASE_IEEE)
     elif A_STAGES > 0:  # an e4m3 base: a K loop (and shared memory) of its own for the shrink tiles
         if is_shrink:
-            acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, a_ptr + cols[:, None] * stride_an, rm, M, n_mask,
+            acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, a_ptr + a_cols[:, None] * stride_an, rm, M, n_mask,
                          k_start, k_end, A_BLOCK_K, A_STAGES, IEEE)
         else:
             acc = k_loop(acc, xb_ptr + rm[:, None] * stride_xbm, w_rows, rm, M, n_mask, k_start, k_end, BLOCK_K,
@@ -171,7 +198,8 @@ def _stacked_fused_kernel(
     else:  # a weight in the activations' dtype: one K loop over each tile's own rows
         # the base and stride chosen as scalars: a choice between two pointer tensors hides their alignment
         # from Triton 3.9's pipeliner, which then loads the weight rows synchronously (tests/kernels/pipeline_ptx.py)
-        rows_of_tile = tl.where(is_shrink, a_ptr, w_ptr) + cols[:, None] * tl.where(is_shrink, stride_an, stride_wn)
+        tile_rows = tl.where(is_shrink, a_cols, cols)
+        rows_of_tile = tl.where(is_shrink, a_ptr, w_ptr) + tile_rows[:, None] * tl.where(is_shrink, stride_an, stride_wn)
         acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, rows_of_tile, rm, M, n_mask, k_start, k_end, BLOCK_K,
                      NUM_STAGES, IEEE)
     out_mask = (rm[:, None] < M) & n_mask[None, :]
@@ -190,8 +218,8 @@ def _stacked_fused_kernel(
             total = scaled(total, xs_ptr, ws_ptr, rm, cols, n_mask, M, X_SCALED, W_SCALED)
             if HAS_LORA:
                 _wait_for(step, a_tiles)
-                total = _expand(total, s_ptr + rm[:, None] * stride_sm, b_ptr, b_first, row0, end, lo, hi, cols,
-                                n_mask, sl, stride_br, stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS)
+                total = _expand(total, s_ptr + rm[:, None] * stride_sm, -base * NUM_SLICES, b_ptr, b_first, row0, end,
+                                lo, hi, cols, n_mask, sl, stride_br, stride_bn, NUM_SLICES, IEEE, CHUNK_ROWS)
             if HAS_BIAS:
                 total += tl.load(bias_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + rm[:, None] * stride_ym + cols[None, :], total.to(y_ptr.dtype.element_ty),
@@ -208,8 +236,9 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
                   bias: torch.Tensor | None = None, config: DecodeGemmConfig | None = None,
                   apart: BaseApart | None = None, shrink: ShrinkTiles | None = None) -> torch.Tensor:
     """x: [T, K] (T <= 64) -> the layer output [T, N]: x @ W.T + each token's own LoRA update
-    from pool rows [0, rows) (semantics of stacked_gemm then reference.stacked_expand), one
-    launch. B has the LoRA scaling folded in; tokens with slot -1 get the base output. With
+    from a window of ``rows`` pool rows per slice that begins at the lowest row the tokens use
+    there (reference.window_bases; semantics of a GEMM over the window's A rows then
+    reference.stacked_expand from the window's first row), one launch. B has the LoRA scaling folded in; tokens with slot -1 get the base output. With
     ``apart`` (a buffer of A rows only), W is its weight: an e4m3 one's product is
     fp8_decode_gemm's (W8A8 on the rounded activations, or weight-only). shrink: the shrink
     tiles' K loop (default: shrink_tiles'). With rows 0 the launch has base tiles only."""
@@ -240,7 +269,8 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
         x, weight, y, s, partials, partials_a, split_counters(x.device), lora.b, bias if bias is not None else y,
         lora.rank, lora.row_start, meta.token_slots, base_x, a_rows, y if x_scale is None else x_scale,
         y if weight_scale is None else weight_scale, m, k, split_span(k, split, config.block_k),
-        split_span(k, shrink.split, shrink.block_k or config.block_k), n_out, rows, lora.max_rank, a_tiles, b_tiles,
+        split_span(k, shrink.split, shrink.block_k or config.block_k), n_out, rows, stacked.pool_rows, lora.max_rank,
+        a_tiles, b_tiles,
         *c,
         x.stride(0), weight.stride(0), y.stride(0), s.stride(0), lora.b.stride(0), lora.b.stride(1),
         lora.rank.stride(0), lora.rank.stride(1), base_x.stride(0), a_rows.stride(0),

@@ -31,7 +31,8 @@ def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
                       stacked: StackedWeight, lora: LoraSlices, meta: AdapterBatchMeta, rows: int,
                       bias: torch.Tensor | None, fp8_gemm: str, quantized: QuantizedRows | None = None
                       ) -> torch.Tensor:
-    """x: [T, K] (T <= 64) -> x W^T (+ bias) + each token's LoRA update from pool rows [0, rows).
+    """x: [T, K] (T <= 64) -> x W^T (+ bias) + each token's LoRA update from a window of ``rows``
+    pool rows per slice at the lowest row its tokens use there (reference.window_bases).
     weight: [N, K] in x's dtype, or e4m3 with weight_scale [N]; stacked: its A rows kept apart;
     quantized: x's per-token e4m3 rounding when the op before made it."""
     if x.is_cuda and weight.shape[0] * weight.stride(0) < INDEX_LIMIT:
@@ -46,7 +47,8 @@ def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
             return stacked_fused(x, stacked, lora, meta, rows, bias, fp8_fused_config(*weight.shape),
                                  BaseApart(weight, weight_scale, rounded))
     base = base_linear(x, weight, weight_scale, None, fp8_gemm, quantized)
-    shrink = F.linear(x, stacked.a_rows()[: rows * stacked.n_slices])
+    bases = reference.window_bases(lora, meta, rows, stacked.pool_rows)
+    shrink = F.linear(x, stacked.a_rows()[reference.window_rows(bases, rows).to(x.device)])
     y = torch.empty_like(base)
-    reference.stacked_expand(torch.cat([base, shrink], dim=1), lora, meta, y, bias)
+    reference.stacked_expand(torch.cat([base, shrink], dim=1), lora, meta, y, bias, bases)
     return y

@@ -318,9 +318,10 @@ def test_a_step_covers_its_own_adapters_rows_not_every_resident_one_s(setup, mod
 
 def test_a_few_adapter_step_above_the_fused_rows_takes_the_separate_kernels(setup, monkeypatch):
     """lora_decode="fused" with the fused linear's row limit set to 16 rows: decode steps on the
-    adapter placed first (row bucket 16) run the fused linear, those on the adapter placed last
-    (its rows above the limit) the separate kernels, which read only its rows; both give the
-    segmented kernels' engine's tokens and logits, through the decode graphs' path."""
+    adapter placed first, and on the one placed last above the others, run the fused linear over
+    a window of 16 rows from their own lowest row; steps on both at once (their rows' span above
+    the limit) the separate kernels, which read only their rows. All give the segmented kernels'
+    engine's tokens and logits, through the decode graphs' path."""
     import adapterserve.kernels.stacked as stacked
     from adapterserve.engine.graphs import decode_graph_limits
     from adapterserve.layers.context import get_context
@@ -328,7 +329,7 @@ def test_a_few_adapter_step_above_the_fused_rows_takes_the_separate_kernels(setu
     monkeypatch.setattr(stacked, "FUSED_MAX_ROWS", {size: 16 for size in stacked.FUSED_MAX_ROWS})
     engine, kernels, names = _every_adapter_resident(setup, "fused")
     pool = engine.lora_pool
-    assert pool.fused_rows == 16
+    assert pool.fused_rows == 16 and pool.stacked_rows() > 16
     engine.runner.enable_cuda_graphs(*decode_graph_limits(engine.config, engine.max_model_len))  # eager twins here
 
     steps: list[tuple[int, str]] = []  # (row bucket, expand) of each decode forward
@@ -340,16 +341,16 @@ def test_a_few_adapter_step_above_the_fused_rows_takes_the_separate_kernels(setu
 
     prompts = _prompts(engine.model_config.vocab_size, 2, torch.Generator().manual_seed(9))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    for adapter, expand in ((names[0], "fused"), (names[-1], "tiled")):
+    for adapters, expand in (([names[0]] * 2, "fused"), ([names[-1]] * 2, "fused"), ([names[0], names[-1]], "tiled")):
         steps.clear()
         handle = engine.model.register_forward_pre_hook(record)
         got_logits, want_logits = record_logits(engine), record_logits(kernels)
         try:
-            got = engine.generate(prompts, params, adapter_ids=[adapter] * 2)
+            got = engine.generate(prompts, params, adapter_ids=adapters)
         finally:
             handle.remove()
-        want = kernels.generate(prompts, params, adapter_ids=[adapter] * 2)
+        want = kernels.generate(prompts, params, adapter_ids=adapters)
         _assert_same_outputs(got, want, got_logits, want_logits, "cpu")
-        assert steps and {e for _, e in steps} == {expand}, (adapter, steps)
-        assert all((rows <= 16) == (expand == "fused") for rows, _ in steps), (adapter, steps)
+        assert steps and {e for _, e in steps} == {expand}, (adapters, steps)
+        assert all((rows <= 16) == (expand == "fused") for rows, _ in steps), (adapters, steps)
     assert engine.runner.graphs.replays > 0  # decode steps took the graph path (its eager twin on the CPU)

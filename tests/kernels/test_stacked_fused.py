@@ -9,11 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from adapterserve.kernels import reference
 from adapterserve.kernels.decode_gemm import DecodeGemmConfig
 from adapterserve.kernels.lora_slices import LoraSlices
 from adapterserve.kernels.metadata import build_adapter_meta
 from adapterserve.kernels.split_counters import split_counters
+from adapterserve.kernels.stacked import row_bucket
 from adapterserve.kernels.stacked_fused import stacked_fused
+from adapterserve.layers.fused_lora import fused_lora_linear
 
 from .cases import (
     check_close,
@@ -26,7 +29,7 @@ from .cases import (
     needs_cuda,
     pdl_replays,
 )
-from .test_stacked import CPU_CASES, GPU_CASES, _oracle, _stacked_case
+from .test_stacked import CPU_CASES, GPU_CASES, _high_water, _oracle, _stacked_case
 
 CPU_FUSED = [c for c in CPU_CASES if c[1] <= 64]
 # at most 64 tokens, and gate|up at decode size (wide outputs take other tiles: decode_config, fp8_fused_config)
@@ -62,6 +65,41 @@ def _run(case, dtype, device, config):
 @pytest.mark.parametrize("case", CPU_FUSED, ids=str)
 def test_fused_interpreted(case, dtype, split):
     _run(case, dtype, "cpu", DecodeGemmConfig(block_n=16, block_k=32, split_k=split))
+
+
+def _top_slots_case(case, dtype, gen, count: int):
+    """The case's pool with tokens on its ``count`` slots whose rows sit highest (their lowest row
+    over the slices) and on no adapter, and the row bucket of those slots' widest span on a slice:
+    windows far above pool row 0."""
+    x, stacked, lora, bias, _, _ = _stacked_case(case, dtype, gen)
+    lowest = torch.where(lora.rank > 0, lora.row_start, stacked.pool_rows).min(0).values
+    top = lowest.argsort(descending=True)[:count]
+    slots = torch.cat([top, torch.tensor([-1])]).repeat(x.shape[0])[: x.shape[0]].to(torch.int32)
+    spans = []
+    for starts, ranks in zip(lora.row_start[:, top], lora.rank[:, top]):
+        live = ranks > 0
+        if live.any():
+            spans.append(int((starts + ranks)[live].max() - starts[live].min()))
+    return x, stacked, lora, bias, slots, row_bucket(max(spans), stacked.pool_rows)
+
+
+@interpreted
+@pytest.mark.parametrize("case,count", [(CPU_FUSED[1], 1), (CPU_FUSED[3], 1), (CPU_FUSED[3], 2)],
+                         ids=["3-slices-one-adapter", "1-slice-one-adapter", "1-slice-two-adapters"])
+def test_fused_window_begins_at_the_step_s_lowest_row(case, count):
+    """Tokens of the pool's highest adapters, the launch covering only the bucket of their rows'
+    span: each slice's window begins at their lowest row there (or ends at the pool's end), so every
+    token gets its whole update, as the oracle's and the CPU twin's (layers/fused_lora.py)."""
+    gen, seed = fresh_generator()
+    x, stacked, lora, bias, slots, rows = _top_slots_case(case, torch.float32, gen, count)
+    meta = build_adapter_meta(slots, lora.rank.shape[1])
+    bases = reference.window_bases(lora, meta, rows, stacked.pool_rows)
+    assert min(bases) > 0 and rows < row_bucket(_high_water(lora), stacked.pool_rows), (bases, rows)
+    ref = _oracle(x, stacked, lora, bias, slots)
+    y = stacked_fused(x, stacked, lora, meta, rows, bias, SMALL)
+    check_close(y, ref, torch.float32, seed, f"window {case}")
+    twin = fused_lora_linear(x, stacked.weight(), None, stacked, lora, meta, rows, bias, "auto")
+    check_close(twin, ref, torch.float32, seed, f"twin window {case}")
 
 
 @interpreted

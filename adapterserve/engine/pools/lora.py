@@ -233,21 +233,35 @@ class LoraPool:
 
     @contextmanager
     def for_step(self, lora_slots: np.ndarray) -> Iterator[None]:
-        """Run a step with the stacked GEMMs covering only the rows of its own adapters (the
-        bucket of their highest row; ``lora_slots``: each token's LoRA slot, -1 none), not every
-        resident adapter's: idle ones cost the step nothing but a row span below its own. The
-        bucket is one of row_buckets, so its decode graphs exist; the graph key reads it."""
+        """Run a step with the stacked GEMMs covering only the rows of its own adapters
+        (``lora_slots``: each token's LoRA slot, -1 none), not every resident adapter's: the
+        bucket of ``_step_rows``. With the fused linear, whose windows begin at the step's lowest
+        rows (kernels/stacked_fused.py), idle adapters then cost its step nothing wherever they
+        sit. The bucket is one of row_buckets, so its decode graphs exist; the graph key reads it."""
         if self.rows_in_use is None:
             yield
             return
         used = {slot for slot in lora_slots.tolist() if slot >= 0}
-        high = max((start + n for slot in used for start, n in self._rows.get(slot, {}).values()), default=0)
         pool_bucket = self.rows_in_use.rows  # nothing is placed during a step: put back as it was
-        self.rows_in_use.rows = row_bucket(high, self.pool_rows)
+        self.rows_in_use.rows = row_bucket(self._step_rows(used), self.pool_rows)
         try:
             yield
         finally:
             self.rows_in_use.rows = pool_bucket
+
+    def _step_rows(self, used: set[int]) -> int:
+        """The pool rows a step on the ``used`` slots covers: their highest row (a [W; A] GEMM reads
+        from row 0), or with the fused linear their widest span on one kind (each slice's window
+        begins at its own lowest row)."""
+        spans: dict[str, list[tuple[int, int]]] = defaultdict(list)
+        for slot in used:
+            for kind, (start, n) in self._rows.get(slot, {}).items():
+                if n:
+                    spans[kind].append((start, start + n))
+        if not self.rows_in_use.fused:
+            return max((end for kind in spans.values() for _, end in kind), default=0)
+        return max((max(end for _, end in kind) - min(start for start, _ in kind) for kind in spans.values()),
+                   default=0)
 
     def _update_rows_in_use(self) -> None:
         if self.rows_in_use is None:
