@@ -21,7 +21,9 @@ the A rows (faster than the stacked GEMM and its expand from a few adapters on, 
 fused linear over many rows, BENCHMARKS.md). An FP8 weight is always kept apart.
 
 ``rows`` is a host int from a few sizes (``row_bucket``): a CUDA graph captures one
-GEMM shape per size, and adapters placed in the low rows keep the GEMM short.
+GEMM shape per size. A [W; A] GEMM covers pool rows [0, rows), so adapters placed in the low
+rows keep it short; the fused linear covers a window of ``rows`` rows per slice from the
+step's lowest row there (LoraPool.for_step buckets the span of the step's adapters).
 """
 from __future__ import annotations
 

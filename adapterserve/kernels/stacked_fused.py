@@ -1,8 +1,9 @@
 """The stacked LoRA linear of a decode step in one launch: base GEMM, shrink and expand.
 
 One Triton grid over two sets of rows, split over K like the decode GEMM
-(kernels/decode_gemm.py): the A rows of every adapter in use, then the weight's rows, tiled
-per slice (kernels/stacked.py: both in one [W; A] buffer, or the A rows apart). A shrink
+(kernels/decode_gemm.py): the A rows of a window of pool rows per slice (from the lowest row
+the step's tokens use there, so idle adapters below or above cost nothing), then the weight's
+rows, tiled per slice (kernels/stacked.py: both in one [W; A] buffer, or the A rows apart). A shrink
 tile stores the tokens' shrink values and counts itself done. A base tile, once its K sum
 is whole, waits until every shrink tile is done, then adds its tokens' updates as the
 tiled expand does (kernels/stacked_tiled.py: a tensor-core dot per 16 pool rows its
@@ -199,7 +200,8 @@ def _stacked_fused_kernel(
         # the base and stride chosen as scalars: a choice between two pointer tensors hides their alignment
         # from Triton 3.9's pipeliner, which then loads the weight rows synchronously (tests/kernels/pipeline_ptx.py)
         tile_rows = tl.where(is_shrink, a_cols, cols)
-        rows_of_tile = tl.where(is_shrink, a_ptr, w_ptr) + tile_rows[:, None] * tl.where(is_shrink, stride_an, stride_wn)
+        rows_of_tile = (tl.where(is_shrink, a_ptr, w_ptr)
+                        + tile_rows[:, None] * tl.where(is_shrink, stride_an, stride_wn))
         acc = k_loop(acc, x_ptr + rm[:, None] * stride_xm, rows_of_tile, rm, M, n_mask, k_start, k_end, BLOCK_K,
                      NUM_STAGES, IEEE)
     out_mask = (rm[:, None] < M) & n_mask[None, :]
@@ -237,8 +239,9 @@ def stacked_fused(x: torch.Tensor, stacked: StackedWeight, lora: LoraSlices, met
                   apart: BaseApart | None = None, shrink: ShrinkTiles | None = None) -> torch.Tensor:
     """x: [T, K] (T <= 64) -> the layer output [T, N]: x @ W.T + each token's own LoRA update
     from a window of ``rows`` pool rows per slice that begins at the lowest row the tokens use
-    there (reference.window_bases; semantics of a GEMM over the window's A rows then
-    reference.stacked_expand from the window's first row), one launch. B has the LoRA scaling folded in; tokens with slot -1 get the base output. With
+    there (reference.window_bases; semantics of a GEMM over the windows' A rows then
+    reference.stacked_expand from the windows' first rows), one launch. B has the LoRA scaling
+    folded in; tokens with slot -1 get the base output. With
     ``apart`` (a buffer of A rows only), W is its weight: an e4m3 one's product is
     fp8_decode_gemm's (W8A8 on the rounded activations, or weight-only). shrink: the shrink
     tiles' K loop (default: shrink_tiles'). With rows 0 the launch has base tiles only."""
