@@ -64,8 +64,8 @@ class EngineConfig:
                       then the segmented shrink and expand), "stacked" (A rows stored under
                       the base weight: one GEMM yields base output and shrink, one launch the
                       expand; not with fp8 weights), "fused" (A rows kept apart from the
-                      weight: a step of at most 64 tokens over at most 2 adapters in the pool's
-                      first rows, stacked.FUSED_MAX_ROWS, runs each linear's base product, shrink
+                      weight: a step of at most 64 tokens over at most 2 adapters whose rows span
+                      at most stacked.FUSED_MAX_ROWS pool rows runs each linear's base product, shrink
                       and expand in one launch, kernels/stacked_fused.py; other steps run the
                       "kernels" path) or "auto"
                       ("fused" on CUDA devices of sm_90 on, where it measured faster in both

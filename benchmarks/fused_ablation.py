@@ -18,8 +18,8 @@ module with its source edited (ABLATIONS), loaded from a file of its own:
                       times one atomic read in place of the wait)
   no expand           one adapter; output tiles neither wait nor add the update (shrink tiles run)
   no shrink tiles     one adapter; no shrink tiles launched; output tiles add the update
-  rows known          one adapter; the tokens' pool rows (0-15) taken as known, not read (slot, then
-                      rank and row start): what a per-step table of them could save at most (not
+  rows known          one adapter; the tokens' pool rows (0-15) and the windows taken as known, not read
+                      (slot, then rank and row start): what a per-step table of them could save at most (not
                       run with more adapters: the rows it assumes would be wrong)
   prologue only       one adapter; no shrink tiles, no wait, no update: the tokens' rows and the
                       first B chunk loaded, the counters kept
@@ -49,16 +49,18 @@ from benchmarks.fused_update import print_table, step_meta, time_ms
 NO_WAIT = ("_wait_for(step, a_tiles)", "pass")
 NO_EXPAND = ("if HAS_LORA:\n                _wait_for(step, a_tiles)", "if HAS_LORA * 0:\n                _wait_for(step, a_tiles)")
 NO_COUNT = ('if tl.atomic_add(step + 1, 1, sem="relaxed") == b_tiles - 1:', "if tile < 0:")
-ROWS_KNOWN = ("""row0, end, lo, hi = token_rows(rank_ptr, row_start_ptr, slots_ptr, rm, rm < M, sl, rows, max_rank,
+ROWS_KNOWN = (("""base, column_base = _window_bases(rank_ptr, row_start_ptr, slots_ptr, rm, rm < M, sl, cols, rows, pool_rows,
+                                          stride_rs, stride_rslot, NUM_SLICES)""", "base, column_base = 0, cols * 0"),
+              ("""row0, end, lo, hi = token_rows(rank_ptr, row_start_ptr, slots_ptr, rm, rm < M, sl, base + rows, max_rank,
                                         stride_rs, stride_rslot)""",
-              "row0 = rm * 0\n        end = row0 + 16\n        lo = tl.min(row0, axis=0)\n        hi = tl.max(end, axis=0)")
+               "row0 = rm * 0\n        end = row0 + 16\n        lo = tl.min(row0, axis=0)\n        hi = tl.max(end, axis=0)"))
 NO_SHRINK_TILES = ("a_tiles = triton.cdiv(a_width, config.block_n)", "a_tiles = 0")
 ABLATIONS = {  # name: the source edits of the copy
     "no wait": (NO_WAIT,),
     "no count": (NO_COUNT,),
     "no expand": (NO_EXPAND,),
     "no shrink tiles": (NO_SHRINK_TILES,),
-    "rows known": (ROWS_KNOWN,),
+    "rows known": ROWS_KNOWN,
     "prologue only": (NO_SHRINK_TILES, NO_EXPAND),
 }
 
