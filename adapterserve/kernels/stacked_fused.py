@@ -154,8 +154,7 @@ def _columns(pid, a_tiles, a_width, c1, c2, c3, c4, NUM_SLICES: tl.constexpr, BL
 def _stacked_fused_kernel(
     x_ptr, w_ptr, y_ptr, s_ptr, part_ptr, part_a_ptr, count_ptr, b_ptr, bias_ptr, rank_ptr, row_start_ptr,
     slots_ptr, xb_ptr, a_ptr, xs_ptr, ws_ptr, M, K, k_per_split, a_k_per_split, n_out, rows, pool_rows, max_rank,
-    a_tiles,
-    b_tiles,
+    a_tiles, b_tiles,
     c1, c2, c3, c4, stride_xm, stride_wn, stride_ym, stride_sm, stride_br, stride_bn, stride_rs, stride_rslot,
     stride_xbm, stride_an,
     NUM_SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,

@@ -65,11 +65,14 @@ class DecoderLayer(torch.nn.Module):
         norm after it; with an FP8 backbone whose kernel rounds activations to e4m3, so is
         the quantization of q|k|v's and gate|up's input (and down's, in SiLU-mul).
         Returns this layer's (pending, residual)."""
+        # each linear's input is a fresh output read by it alone: (IA)^3 input scales go on it in place
         normed, quantized = self._norm(self.input_layernorm, pending, residual, self.qkv_proj)
-        attn_out = self.o_proj(self._attention(positions, self.qkv_proj(normed, quantized)))
+        qkv = self.qkv_proj(normed, quantized, scratch_input=True)
+        attn_out = self.o_proj(self._attention(positions, qkv), scratch_input=True)
         normed, quantized = self._close_sublayer(attn_out, residual, self.bottleneck_mh,
                                                  self.post_attention_layernorm, self.gate_up_proj)
-        mlp_out = self.down_proj(*self._silu_mul(self.gate_up_proj(normed, quantized)), scratch_input=True)
+        gate_up = self.gate_up_proj(normed, quantized, scratch_input=True)
+        mlp_out = self.down_proj(*self._silu_mul(gate_up), scratch_input=True)
         if bottlenecks_active(self.bottleneck_output):  # rows with adapters: their updates added into mlp_out
             add_bottlenecks(mlp_out, residual, self.bottleneck_output)
         return mlp_out, residual
