@@ -49,8 +49,9 @@ class BottleneckPool:
     up:        [S, R, D] rows of W_up^T, scaling folded in;  up_bias: [S, D]
     rank:      [S] int32, the width of each slot's adapter here (0: none at this place)
     activation: [S] int32, each slot's activation (kernels' ACT_CODES; read where rank > 0)
-    ln_mix:    [S] 1.0 where the adapter reads norm(x + r) (original_ln_before: Pfeiffer), else 0.0, in
-               the pool's dtype (pre-LN decoders: h = x + ln_mix * r)
+    ln_mix:    [S] 1.0 where the slot's adapter reads norm(x + r) (original_ln_before: Pfeiffer), else 0.0,
+               in the pool's dtype (pre-LN decoders: h = x + ln_mix * r); a model's pools share one
+               (add_bottleneck_pools: a property of the adapter, read only where rank > 0)
     workspace: [Tmax, R] scratch for the op; one tensor may serve every pool
     """
 
@@ -64,8 +65,9 @@ class BottleneckPool:
     workspace: torch.Tensor
 
     @classmethod
-    def empty(cls, num_slots: int, max_rank: int, dim: int, workspace: torch.Tensor) -> "BottleneckPool":
-        """Zeroed pool on the workspace's device and dtype."""
+    def empty(cls, num_slots: int, max_rank: int, dim: int, workspace: torch.Tensor,
+              ln_mix: torch.Tensor | None = None) -> "BottleneckPool":
+        """Zeroed pool on the workspace's device and dtype (ln_mix: one shared with other pools)."""
         opts = dict(dtype=workspace.dtype, device=workspace.device)
         codes = dict(dtype=torch.int32, device=workspace.device)
         return cls(
@@ -75,13 +77,15 @@ class BottleneckPool:
             up_bias=torch.zeros(num_slots, dim, **opts),
             rank=torch.zeros(num_slots, **codes),
             activation=torch.zeros(num_slots, **codes),
-            ln_mix=torch.zeros(num_slots, **opts),
+            ln_mix=torch.zeros(num_slots, **opts) if ln_mix is None else ln_mix,
             workspace=workspace,
         )
 
     def load(self, slot: int, module: BottleneckModule | None, ln_before: bool) -> None:
-        """Copy one adapter's weights for this place into ``slot`` (None: no adapter here)."""
+        """Copy one adapter's weights for this place into ``slot`` (None: no adapter here; its
+        ln_mix is still the adapter's, as in the other places that share it)."""
         self.clear(slot)
+        self.ln_mix[slot] = float(ln_before)
         if module is None:
             return
         r = module.rank
@@ -96,7 +100,6 @@ class BottleneckPool:
         self.up_bias[slot].copy_(module.up_bias)
         self.activation[slot] = ACT_CODES[module.activation]
         self.rank[slot] = r
-        self.ln_mix[slot] = float(ln_before)
 
     def clear(self, slot: int) -> None:
         self.rank[slot] = 0
@@ -112,11 +115,13 @@ def add_bottleneck_pools(
     layers: Sequence[torch.nn.Module], dim: int, num_slots: int, max_rank: int, max_tokens: int,
     dtype: torch.dtype, device: torch.device | str,
 ) -> None:
-    """Give every layer an empty pool per place (``bottleneck_mh``, ``bottleneck_output``), one shared workspace."""
+    """Give every layer an empty pool per place (``bottleneck_mh``, ``bottleneck_output``), one shared
+    workspace and one shared ln_mix (a step gathers its rows' mixes once: ``add_bottlenecks``)."""
     workspace = torch.zeros(max_tokens, max_rank, dtype=dtype, device=device)
+    ln_mix = torch.zeros(num_slots, dtype=dtype, device=device)
     for layer in layers:
         for place in BOTTLENECK_POSITIONS:
-            setattr(layer, f"bottleneck_{place}", BottleneckPool.empty(num_slots, max_rank, dim, workspace))
+            setattr(layer, f"bottleneck_{place}", BottleneckPool.empty(num_slots, max_rank, dim, workspace, ln_mix))
 
 
 def load_bottleneck(layers: Sequence[torch.nn.Module], slot: int, adapter: BottleneckAdapter | None) -> None:
@@ -167,9 +172,19 @@ def add_bottlenecks(x: torch.Tensor, residual: torch.Tensor, pool: BottleneckPoo
     residual_sublayer's sum, (x + update) + r; four launches where that form and a copy back took
     ten beside the norm."""
     meta = get_context().bottleneck
-    h = torch.addcmul(x, pool.ln_mix[meta.token_slots].unsqueeze(-1), residual)  # slot -1: any row's mix, unused
+    h = torch.addcmul(x, _rows_mix(pool), residual)
     bottleneck_adapter(h, pool.down, pool.down_bias, pool.up, pool.up_bias, pool.rank, pool.activation, meta,
                        pool.workspace[: x.shape[0]], x)
+
+
+def _rows_mix(pool: BottleneckPool) -> torch.Tensor:
+    """[T, 1] each row's ln_mix (slot -1: any row's mix, unused), gathered once a step for the pools
+    that share one ln_mix (add_bottleneck_pools), not once a place: two launches a place fewer."""
+    ctx = get_context()
+    key = pool.ln_mix.data_ptr()
+    if ctx.bottleneck_mix is None or ctx.bottleneck_mix[0] != key:
+        ctx.bottleneck_mix = (key, pool.ln_mix[ctx.bottleneck.token_slots].unsqueeze(-1))
+    return ctx.bottleneck_mix[1]
 
 
 def encoder_adapter_meta(row_slots: torch.Tensor, attention_mask: torch.Tensor, num_slots: int) -> AdapterBatchMeta:

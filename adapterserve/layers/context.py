@@ -78,6 +78,7 @@ class BatchContext:
     ia3: AdapterBatchMeta | None = None
     bottleneck: AdapterBatchMeta | None = None
     virtual: VirtualTokens | None = None
+    bottleneck_mix: tuple[int, torch.Tensor] | None = None  # the step's rows' ln_mix: (its pools' ln_mix, [T, 1])
 
 
 # Per thread, so engines stepping in different threads never see each other's batch.

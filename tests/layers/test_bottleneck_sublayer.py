@@ -44,3 +44,34 @@ def test_updates_added_into_the_output_give_the_out_of_place_form_s_sum(seed):
     unchanged = (slots < 0) | (slots == 2) | (slots == 4)  # base rows and slots with no adapter here
     assert torch.equal(got[unchanged], (x + residual)[unchanged])
     assert not torch.allclose(got[~unchanged], (x + residual)[~unchanged])
+
+
+def test_pools_sharing_ln_mix_gather_the_step_s_mixes_once():
+    """Two places' pools sharing one ln_mix (as add_bottleneck_pools makes them), the second without
+    the Pfeiffer adapter's module: the shared mix stays the adapter's after both loads, a step gathers
+    its rows' mixes once for both places, and each place's result is its unshared twin's."""
+    gen = torch.Generator().manual_seed(3)
+    alone = _pool(gen)
+    shared = BottleneckPool.empty(SLOTS, WIDTH, DIM, alone.workspace)
+    for name in ("down", "down_bias", "up", "up_bias", "rank", "activation", "ln_mix"):
+        getattr(shared, name).copy_(getattr(alone, name))
+    other = BottleneckPool.empty(SLOTS, WIDTH, DIM, alone.workspace, shared.ln_mix)
+    other.load(1, None, True)  # slot 1 (Pfeiffer) has no module at this place
+    assert shared.ln_mix[1] == 1.0 and other.rank[1] == 0
+    slots = torch.arange(-1, SLOTS, dtype=torch.int32).repeat(3)
+    x, residual = torch.randn(len(slots), DIM, generator=gen), torch.randn(len(slots), DIM, generator=gen)
+    ctx = BatchContext(attention=None, lora=None, ia3=None, bottleneck=build_adapter_meta(slots, SLOTS),
+                       lora_workspace=None, logits_rows=None)
+    set_context(ctx)
+    try:
+        want = residual_sublayer(x, residual, None, alone)
+        out = x.clone()
+        add_bottlenecks(out, residual, shared)
+        mixes = ctx.bottleneck_mix[1]
+        untouched = x.clone()
+        add_bottlenecks(untouched, residual, other)  # no module in any slot: nothing added
+        assert ctx.bottleneck_mix[1] is mixes  # gathered once for both places
+    finally:
+        set_context(None)
+    assert torch.equal(out + residual, want)
+    assert torch.equal(untouched, x)
