@@ -19,9 +19,12 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 # fp8 (e4m3, per-channel scales) against the unquantized float32 model, first-token logits:
 # relative L2 error per prompt. e4m3 keeps 3 mantissa bits: each weight moves by up to 1/16 of
 # itself, each projection's output by about 2.7% (RMS; test_fp8_kernels checks a layer). This
-# tiny random model, built to have peaked attention, amplifies that over its layers: measured
-# mean 0.12, max 0.24 over 100 random prompts. A wrong scale or layout gives errors near 1.
-LOGIT_REL_TOL = 0.35
+# tiny random model, built to have peaked attention, amplifies that over its layers, with a long
+# tail: over 60,000 random prompts (this test's five a run, 12,000 runs) mean 0.10, 99.9th
+# percentile about 0.35, max 0.50; the mean of a run's five at most 0.20. A wrong scale or
+# layout gives errors near 1 on every prompt.
+LOGIT_REL_TOL = 0.7  # each prompt
+LOGIT_REL_MEAN_TOL = 0.3  # the mean of a run's prompts
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +80,9 @@ def test_fp8_logits_stay_near_the_unquantized_model(setup):
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     got_logits, want_logits = record_logits(fp8), record_logits(full)
     got, want = fp8.generate(prompts, one, adapter_ids=ids), full.generate(prompts, one, adapter_ids=ids)
+    rels = []
     for g, w in zip(got, want):
         ours, theirs = got_logits[g.request_id][0], want_logits[w.request_id][0]
-        rel = ((ours - theirs).norm() / theirs.norm()).item()
-        assert 0 < rel < LOGIT_REL_TOL, rel  # not zero: the weights really are quantized
+        rels.append(((ours - theirs).norm() / theirs.norm()).item())
+    assert all(0 < rel < LOGIT_REL_TOL for rel in rels), rels  # not zero: the weights really are quantized
+    assert sum(rels) / len(rels) < LOGIT_REL_MEAN_TOL, rels
