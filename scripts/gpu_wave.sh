@@ -141,6 +141,15 @@ for stage in "$@"; do
           --workloads ${WINDOW_WORKLOADS:-base,one,one-over-64} --out "$OUT/et8b_window_$dtype.md" \
           > "$OUT/window_$dtype.log" 2>&1; grep -E ": 8b" "$OUT/window_$dtype.log" | tail -4
       done ;;
+    families)  # 1 GPU: the host-level cuts of steps with (IA)^3 and bottleneck rows (scratch inputs, one ln_mix
+      # gather a step): the engine GPU tests that run those rows, then base and families per dtype (FAMILY_TESTS)
+      test_files ${FILE_S:-170} "-m gpu" ${FAMILY_TESTS:-tests/engine/test_gpu.py tests/engine/test_mixed_graphs_gpu.py \
+        tests/engine/test_warmup_gpu.py tests/models/test_fp8_gpu.py}
+      for dtype in ${DTYPES:-bfloat16 fp8}; do
+        TABLE_DTYPE=$dtype TABLE_WORKLOADS=${FAMILY_WORKLOADS:-base,families} STAGE_S=${TABLE_S:-150} \
+          TABLE_BUDGET_S=${TABLE_BUDGET_S:-130} bash "$0" table8b | grep ": 8b"
+        cp "$OUT/table8b.log" "$OUT/families_$dtype.log"
+      done ;;
     fp8engine)  # the 8B in FP8 (FP8_WORKLOADS), then bf16 base; logs in $OUT as they grow (a timeout keeps them)
       timeout ${STAGE_S:-330} python3 benchmarks/engine_throughput.py --models 8b --no-hotswap --dtype fp8 --hf-models '' \
         --budget-s ${FP8_BUDGET_S:-300} --workloads ${FP8_WORKLOADS:-base,one,distinct} --max-tokens ${MAX_TOKENS:-128} \
