@@ -132,14 +132,7 @@ def test_stacked_expand_follows_the_step_s_distinct_adapters(setup, device, mode
             steps.append((len(set(slots[slots >= 0].tolist())), len(slots), stacked.lora_pool.stacked_rows(),
                           meta.stacked_expand))
 
-    handle = stacked.model.register_forward_pre_hook(record)
-    got_logits, want_logits = record_logits(stacked), record_logits(kernels)
-    try:
-        got = stacked.generate(prompts, params, adapter_ids=ids)
-    finally:
-        handle.remove()
-    want = kernels.generate(prompts, params, adapter_ids=ids)
-    _assert_same_outputs(got, want, got_logits, want_logits, device)
+    _hooked_run_matches(stacked, kernels, record, prompts, params, ids, device)
     fused = mode == "fused"
     fused_rows = stacked.lora_pool.fused_rows
     assert bool(fused_rows) == fused
@@ -271,6 +264,19 @@ def _assert_same_outputs(got, want, got_logits, want_logits, device: str) -> Non
         assert (g - w).norm() / w.norm() < LOGIT_TOLERANCE[device], a.adapter_id
 
 
+def _hooked_run_matches(engine: Engine, kernels: Engine, hook, prompts, params, adapter_ids, device: str) -> None:
+    """engine generates with ``hook`` on its model's forward; kernels (the reference) without it:
+    the same tokens and logits (_assert_same_outputs)."""
+    handle = engine.model.register_forward_pre_hook(hook)
+    got_logits, want_logits = record_logits(engine), record_logits(kernels)
+    try:
+        got = engine.generate(prompts, params, adapter_ids=adapter_ids)
+    finally:
+        handle.remove()
+    want = kernels.generate(prompts, params, adapter_ids=adapter_ids)
+    _assert_same_outputs(got, want, got_logits, want_logits, device)
+
+
 def _every_adapter_resident(setup, mode: str) -> tuple[Engine, Engine, list[str]]:
     """An engine of this lora_decode with every adapter of setup resident and idle, placed in
     order from the pool's first rows, a segmented kernels' engine with them loaded, their names."""
@@ -303,16 +309,10 @@ def test_a_step_covers_its_own_adapters_rows_not_every_resident_one_s(setup, mod
         assert pool.stacked_rows() == 0
 
     seen: list[int] = []
-    handle = engine.model.register_forward_pre_hook(lambda _module, _args: seen.append(pool.stacked_rows()))
     prompts = _prompts(engine.model_config.vocab_size, 3, torch.Generator().manual_seed(8))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    got_logits, want_logits = record_logits(engine), record_logits(kernels)
-    try:
-        got = engine.generate(prompts, params, adapter_ids=[names[0]] * 3)
-    finally:
-        handle.remove()
-    want = kernels.generate(prompts, params, adapter_ids=[names[0]] * 3)
-    _assert_same_outputs(got, want, got_logits, want_logits, "cpu")
+    _hooked_run_matches(engine, kernels, lambda _module, _args: seen.append(pool.stacked_rows()), prompts, params,
+                        [names[0]] * 3, "cpu")
     assert set(seen) == {own}, seen
 
 
@@ -343,14 +343,7 @@ def test_a_few_adapter_step_above_the_fused_rows_takes_the_separate_kernels(setu
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for adapters, expand in (([names[0]] * 2, "fused"), ([names[-1]] * 2, "fused"), ([names[0], names[-1]], "tiled")):
         steps.clear()
-        handle = engine.model.register_forward_pre_hook(record)
-        got_logits, want_logits = record_logits(engine), record_logits(kernels)
-        try:
-            got = engine.generate(prompts, params, adapter_ids=adapters)
-        finally:
-            handle.remove()
-        want = kernels.generate(prompts, params, adapter_ids=adapters)
-        _assert_same_outputs(got, want, got_logits, want_logits, "cpu")
+        _hooked_run_matches(engine, kernels, record, prompts, params, adapters, "cpu")
         assert steps and {e for _, e in steps} == {expand}, (adapters, steps)
         assert all((rows <= 16) == (expand == "fused") for rows, _ in steps), (adapters, steps)
     assert engine.runner.graphs.replays > 0  # decode steps took the graph path (its eager twin on the CPU)
