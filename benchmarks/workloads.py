@@ -28,7 +28,7 @@ WORKLOADS = ("base", "one", "uniform8", "distinct", "zipf", "ranks", "families")
 # named only: every request on one adapter while RESIDENT_IDLE others stay resident, idle (their slots
 # placed before the run); the floor counts the one adapter only, so x floor shows what idle ones cost.
 # one-of-64: the used adapter placed first (the pool's lowest rows); one-over-64: placed last, above the
-# idle ones (its step's row bucket covers them all: the fused linear's row limit sends it to the separate kernels)
+# idle ones (the fused linear's window then begins at its rows: kernels/stacked_fused.py)
 EXTRA_WORKLOADS = ("one-of-64", "one-over-64")
 RESIDENT_IDLE = 63
 # a workload name may end in a variant suffix: the same requests, an engine option changed

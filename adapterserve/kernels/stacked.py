@@ -42,9 +42,9 @@ STACKED_MAX_TOKENS = 256  # larger batches (prefill) keep the segmented kernels
 FUSED_MAX_TOKENS = 64  # the fused linear's steps: at most this many tokens (decode_gemm.MAX_ROWS) ...
 FUSED_MAX_ADAPTERS = 2  # ... over at most this many distinct adapters (each adds a dot to every tile's tail)
 # ... whose row bucket is at most this many pool rows, by the weight's bytes per value: the fused linear's
-# shrink reads every row of the bucket, the separate kernels only the step's adapters' (fused_linear_projections.py
-# --resident on an H200: bf16 fused wins at 128 rows and loses at 256, FP8 wins at 16 and loses at 128; its 64
-# is between them, not measured)
+# shrink reads every row of the bucket of its adapters' span, the separate kernels only the step's adapters'
+# (fused_linear_projections.py --resident on an H200: bf16 fused wins at 128 rows and loses at 256, FP8 wins
+# at 16 and loses at 128; its 64 is between them, not measured)
 FUSED_MAX_ROWS = {1: 64, 2: 128, 4: 128}
 MAX_SLICES = 4  # as segment_common.MAX_SLICES: slices one expand launch covers
 # a step whose tokens use at least this many distinct adapters runs the grouped expand, fewer the
