@@ -25,10 +25,13 @@ def bottleneck_adapter(
     meta: AdapterBatchMeta,
     workspace: torch.Tensor,
     out: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    ln_mix: torch.Tensor | None = None,
 ) -> None:
     """Bottleneck adapter per slot, added into out.
 
-    h:         [T, D] adapter input
+    h:         [T, D] adapter input (with residual: h[t] + ln_mix[slot] * residual[t], formed
+               by the down-projection as it reads, which needs its CUDA-core kernel: use_gemv)
     down:      [S, R, D] rows of W_down;  down_bias: [S, R]
     up:        [S, R, D] rows of W_up^T;  up_bias:   [S, D]
     rank:      [S] int32 bottleneck width of each slot
@@ -50,5 +53,7 @@ def bottleneck_adapter(
         raise ValueError(f"activation must hold int32 codes of ACT_CODES, got {activation.dtype}")
     ranks = rank.view(1, num_slots)
     ws = workspace.unsqueeze(0)
-    seg_down(h, down[:1], down.stride(0), ranks, None, meta, ws, width, bias=down_bias, activation=activation)
+    mixed = None if residual is None else (residual, ln_mix)
+    seg_down(h, down[:1], down.stride(0), ranks, None, meta, ws, width, bias=down_bias, activation=activation,
+             mixed=mixed)
     seg_up(ws, up[0], up.stride(0), ranks, None, (0, dim), meta, out, width, bias=up_bias)

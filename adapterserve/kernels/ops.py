@@ -51,14 +51,16 @@ def stacked_expand(out: torch.Tensor, lora: LoraSlices, meta: AdapterBatchMeta, 
         stacked_expand_tiled(out, lora, meta, y, bias)
 
 
-def bottleneck_adapter(h, down, down_bias, up, up_bias, rank, activation, meta, workspace, out) -> None:
+def bottleneck_adapter(h, down, down_bias, up, up_bias, rank, activation, meta, workspace, out, residual=None,
+                       ln_mix=None) -> None:
     """See reference.bottleneck_adapter."""
+    args = (h, down, down_bias, up, up_bias, rank, activation, meta, workspace, out, residual, ln_mix)
     if _on_gpu(h):
         from adapterserve.kernels import bottleneck
 
-        bottleneck.bottleneck_adapter(h, down, down_bias, up, up_bias, rank, activation, meta, workspace, out)
+        bottleneck.bottleneck_adapter(*args)
     else:
-        reference.bottleneck_adapter(h, down, down_bias, up, up_bias, rank, activation, meta, workspace, out)
+        reference.bottleneck_adapter(*args)
 
 
 def ia3_scale(x: torch.Tensor, scales: torch.Tensor, meta: AdapterBatchMeta) -> None:

@@ -137,10 +137,13 @@ def bottleneck_adapter(
     meta: AdapterBatchMeta,
     workspace: torch.Tensor,
     out: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    ln_mix: torch.Tensor | None = None,
 ) -> None:
     """Bottleneck adapter per slot, added into out.
 
-    h:         [T, D] adapter input
+    h:         [T, D] adapter input; with residual [T, D] and ln_mix [S], the input is
+               h[t] + ln_mix[slot] * residual[t] (formed in float32; h may then be out itself)
     down:      [S, R, D] rows of W_down;  down_bias: [S, R]
     up:        [S, R, D] rows of W_up^T;  up_bias:   [S, D]
     rank:      [S] int32 bottleneck width of each slot
@@ -154,7 +157,10 @@ def bottleneck_adapter(
         r = int(rank[slot])
         if r == 0:
             continue
-        z = h[tokens].float() @ down[slot, :r].float().T + down_bias[slot, :r].float()
+        x = h[tokens].float()
+        if residual is not None:
+            x = x + ln_mix[slot].float() * residual[tokens].float()
+        z = x @ down[slot, :r].float().T + down_bias[slot, :r].float()
         z = ACTIVATIONS[ACT_NAMES[int(activation[slot])]](z)
         workspace[tokens, :r] = z.to(workspace.dtype)
         update = z @ up[slot, :r].float() + up_bias[slot].float()

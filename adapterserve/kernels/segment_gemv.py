@@ -7,7 +7,8 @@ program ever loops over a slot's tokens; tokens of one adapter read its rows fro
 after the first. Each program streams its rows through registers, loading the next
 chunk while the current one is used.
 
-``seg_down_gemv``: ROWS packed rank rows of one token per program.
+``seg_down_gemv``: ROWS packed rank rows of one token per program (HAS_MIX: of the
+input x + mix[slot] * residual, a pre-LN bottleneck's, formed as it is read).
 ``seg_up_gemv``: BLOCK_N columns of one slice of one token, the slot's rank rows
 BLOCK_R at a time, so each token pays its own adapter's rank (not the pool's largest).
 """
@@ -31,6 +32,7 @@ def seg_down_gemv(
     NUM_SLICES: tl.constexpr, HAS_ROW_START: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr, A_ALIGN: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr = 0,
+    res_ptr=None, mix_ptr=None, stride_rest=0, stride_resk=0, HAS_MIX: tl.constexpr = 0,
 ):
     t, cb = tl.program_id(0).to(tl.int64), tl.program_id(1)
     slot = tl.load(slots_ptr + t)
@@ -53,13 +55,18 @@ def seg_down_gemv(
     kk = tl.arange(0, BLOCK_K)
     a_cur = tl.load(a_rows[:, None] + kk[None, :] * stride_ak, mask=valid[:, None] & (kk < K)[None, :], other=0.0)
     pdl_wait(USE_PDL)  # the slot's first chunk of A read before the wait, x after it
-    x_cur = tl.load(x_row + kk * stride_xk, mask=kk < K, other=0.0)
+    mix = 0.0
+    res_row = x_row
+    if HAS_MIX:  # the input is x + mix[slot] * residual, formed here in float32
+        mix = tl.load(mix_ptr + slot).to(tl.float32)
+        res_row = res_ptr + t * stride_rest
+    x_cur = _input_chunk(x_row, res_row, mix, kk, K, stride_xk, stride_resk, HAS_MIX)
     acc = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
     for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
         k = k0 + kk  # prefetch chunk k0 while chunk k0 - BLOCK_K is used
         a_next = tl.load(a_rows[:, None] + k[None, :] * stride_ak, mask=valid[:, None] & (k < K)[None, :], other=0.0)
-        x_next = tl.load(x_row + k * stride_xk, mask=k < K, other=0.0)
-        acc += a_cur.to(tl.float32) * x_cur.to(tl.float32)[None, :]
+        x_next = _input_chunk(x_row, res_row, mix, k, K, stride_xk, stride_resk, HAS_MIX)
+        acc += a_cur.to(tl.float32) * x_cur[None, :]
         a_cur, x_cur = a_next, x_next
     res = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -67,6 +74,15 @@ def seg_down_gemv(
         res += tl.load(bias_ptr + slot * stride_bias + j, mask=valid, other=0.0).to(tl.float32)
     res = activate_slot(res, codes_ptr, slot, ACT)
     tl.store(out_ptr + t * stride_ot + o_off, res.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _input_chunk(x_row, res_row, mix, k, K, stride_xk, stride_resk, HAS_MIX: tl.constexpr):
+    """Elements k of a token's input row in float32: x, or x + mix * residual."""
+    x = tl.load(x_row + k * stride_xk, mask=k < K, other=0.0).to(tl.float32)
+    if HAS_MIX:
+        x += mix * tl.load(res_row + k * stride_resk, mask=k < K, other=0.0).to(tl.float32)
+    return x
 
 
 @triton.jit

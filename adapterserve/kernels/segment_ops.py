@@ -143,13 +143,16 @@ def seg_down(
     bias: torch.Tensor | None = None,
     activation: str | torch.Tensor = "none",
     config: DownConfig | None = None,
+    mixed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Packed-rank down-projection over slot tiles.
 
     x: [T, K]; a: [n_slices, rows, K] (a row of slot `slot` lives at
     slot * a_slot_stride + row_start[s, slot] + r); rank, row_start: [n_slices, S];
     out: [n_slices, T, >= max_rank]; bias: [S, >= max_rank] (one slice only);
-    activation: a name of ACT_CODES, or [S] int32 codes of ACT_CODES, one per slot.
+    activation: a name of ACT_CODES, or [S] int32 codes of ACT_CODES, one per slot;
+    mixed: (residual [T, K], mix [S]): the input is x[t] + mix[slot] * residual[t] (the
+    CUDA-core kernel only: ``use_gemv``).
     Semantics: out[s, t, r] = act(x[t] @ a[s, row(slot[t], r)] + bias[slot, r]), r < rank[s, slot].
     """
     _check_tiles(meta)
@@ -157,6 +160,9 @@ def seg_down(
     if t == 0 or meta.max_tiles == 0:
         return
     cfg = config or down_config(meta, n_slices, max_rank, x.is_cuda, k)
+    if mixed is not None and (not cfg.gemv or mixed[0].shape != x.shape):
+        raise ValueError(f"a mixed input (x + mix * residual) needs the CUDA-core shrink (use_gemv) and a residual "
+                         f"like x {tuple(x.shape)}, got {tuple(mixed[0].shape)}")
     rows = cfg.rows or cfg.block_r
     by_slot = isinstance(activation, torch.Tensor)
     args = (
@@ -175,13 +181,24 @@ def seg_down(
         gemv_args = args[:7] + (meta.token_slots,) + args[11:]
         grid = (t, grid[1])
         seg_down_gemv[grid](*gemv_args, **flags, ROWS=rows, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=1,
-                            **pdl_args(x))
+                            **pdl_args(x), **_mixed_args(mixed))
         return
     seg_down_dot[grid](
         *args, **flags, EVEN_K=k % cfg.block_k == 0, DOT_PRECISION=_precision(a.dtype),
         BLOCK_M=meta.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, ROWS=rows,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _mixed_args(mixed: tuple[torch.Tensor, torch.Tensor] | None) -> dict:
+    """seg_down_gemv's arguments of a mixed input (x + mix[slot] * residual), none without one."""
+    if mixed is None:
+        return {}
+    residual, mix = mixed
+    if mix.dim() != 1 or mix.stride(0) != 1:
+        raise ValueError(f"mix must be one contiguous value per slot, got {tuple(mix.shape)}")
+    return dict(res_ptr=residual, mix_ptr=mix, stride_rest=residual.stride(0), stride_resk=residual.stride(1),
+                HAS_MIX=1)
 
 
 def seg_up(

@@ -35,6 +35,7 @@ from adapterserve.kernels import (
     build_adapter_meta,
 )
 from adapterserve.kernels.segment_common import ACT_CODES
+from adapterserve.kernels.segment_ops import use_gemv
 from adapterserve.layers.context import get_context
 
 # Canonical activation names of the bottleneck op (one op call serves them all: a code per slot).
@@ -169,12 +170,17 @@ def add_bottlenecks(x: torch.Tensor, residual: torch.Tensor, pool: BottleneckPoo
     """For pre-LN decoders (residual_sublayer without a norm): x += each row's bottleneck update,
     in place, read from h = x + r (original_ln_before) or x. The caller then adds x into the
     residual as it does without adapters (fused with the next norm), which gives
-    residual_sublayer's sum, (x + update) + r; four launches where that form and a copy back took
-    ten beside the norm."""
+    residual_sublayer's sum, (x + update) + r. Decode-sized steps: two launches, the shrink
+    forming h as it reads x and r; wider ones form h first (the step's mixes gathered once)."""
     meta = get_context().bottleneck
+    workspace = pool.workspace[: x.shape[0]]
+    if use_gemv(x.shape[0], pool.down.shape[1]):  # the CUDA-core shrink forms h as it reads: no launch for it
+        bottleneck_adapter(x, pool.down, pool.down_bias, pool.up, pool.up_bias, pool.rank, pool.activation, meta,
+                           workspace, x, residual, pool.ln_mix)
+        return
     h = torch.addcmul(x, _rows_mix(pool), residual)
     bottleneck_adapter(h, pool.down, pool.down_bias, pool.up, pool.up_bias, pool.rank, pool.activation, meta,
-                       pool.workspace[: x.shape[0]], x)
+                       workspace, x)
 
 
 def _rows_mix(pool: BottleneckPool) -> torch.Tensor:

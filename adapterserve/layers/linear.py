@@ -102,7 +102,7 @@ class AdapterLinear(torch.nn.Module):
             else None
         )
         self.lora: LoraSlices | None = None
-        self.ia3_in: torch.Tensor | None = None  # [S, K] (IA)^3 input scales
+        self.ia3_in: torch.Tensor | None = None  # [S, K] (IA)^3 input scales (none on fused projections)
         self.ia3_out: torch.Tensor | None = None  # [S, N] (IA)^3 output scales
         self.side_stream: torch.cuda.Stream | None = None  # runs the LoRA shrink beside the base GEMM
         self.stacked: StackedWeight | None = None  # [W; A] buffer when the pool stacks A under the weight
@@ -113,8 +113,8 @@ class AdapterLinear(torch.nn.Module):
         given only where ``takes_quantized_input`` said so; adapters read x. scratch_input: the
         caller reads x no more, so (IA)^3 input scales may be applied to it in place."""
         ctx = get_context()
-        ia3 = ctx.ia3 if self.ia3_in is not None else None
-        if ia3 is not None:
+        ia3 = ctx.ia3 if self.ia3_out is not None else None
+        if ia3 is not None and self.ia3_in is not None:  # fused projections have none (Ia3Pool)
             x = x if scratch_input else x.clone()
             ia3_scale(x, self.ia3_in, ia3)
             quantized = None  # it rounds the unscaled x

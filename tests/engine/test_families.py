@@ -85,3 +85,30 @@ def test_fused_feedforward_ia3_is_refused(setup, tmp_path):
     with pytest.raises(AdapterError, match="up_proj"):
         engine.load_adapter("x", bad)
     assert engine.list_adapters() == []
+
+
+def test_ia3_steps_scale_no_fused_projection_s_input(setup, monkeypatch):
+    """Fused projections (q|k|v, gate|up) share their input, which no adapter may scale, so a step
+    with (IA)^3 rows launches no scale there: per layer four output scales and the inputs of o and
+    down, the only projections that stand alone."""
+    from adapterserve.layers import linear as linear_module
+
+    model_dir, adapter_dirs = setup
+    engine = Engine.from_pretrained(model_dir, max_loras=2)
+    engine.load_adapter("ia3", adapter_dirs["ia3"])
+    owners = {}
+    for _, linear in engine.model.adapter_linears():
+        owners[id(linear.ia3_out)] = (linear.slice_kinds, "out")
+        assert (linear.ia3_in is None) == (len(linear.slice_kinds) > 1)
+        if linear.ia3_in is not None:
+            owners[id(linear.ia3_in)] = (linear.slice_kinds, "in")
+    scaled = []
+    original = linear_module.ia3_scale
+    monkeypatch.setattr(linear_module, "ia3_scale", lambda x, scales, meta: (scaled.append(owners[id(scales)]),
+                                                                            original(x, scales, meta)))
+    engine.generate([[4, 8, 15]], SamplingParams(max_tokens=1, temperature=0.0), adapter_ids=["ia3"])
+    layers = engine.model_config.num_layers
+    assert sorted(set(scaled)) == sorted({(("q_proj", "k_proj", "v_proj"), "out"), (("o_proj",), "out"),
+                                          (("gate_proj", "up_proj"), "out"), (("down_proj",), "out"),
+                                          (("o_proj",), "in"), (("down_proj",), "in")})
+    assert len(scaled) == 6 * layers

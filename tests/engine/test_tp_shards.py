@@ -112,7 +112,8 @@ def _slot_tensors(pools: PoolSet, model, slot: int) -> dict[str, torch.Tensor]:
             out[f"lora.a.{kind}"] = torch.stack([a[s, start : start + rank] for a in stack.a_layers])
             out[f"lora.b.{kind}"] = stack.b[:, start : start + rank, stack.offsets[s] : stack.offsets[s + 1]]
     for layer, linear in pools.ia3.linears:
-        out[f"ia3.in.{layer}.{linear.slice_kinds}"] = linear.ia3_in[slot]
+        if linear.ia3_in is not None:
+            out[f"ia3.in.{layer}.{linear.slice_kinds}"] = linear.ia3_in[slot]
         out[f"ia3.out.{layer}.{linear.slice_kinds}"] = linear.ia3_out[slot]
     for layer_index, layer in enumerate(model.layers):
         for place in ("mh", "output"):

@@ -8,6 +8,7 @@ import torch
 from adapterserve.kernels import reference
 from adapterserve.kernels.metadata import build_adapter_meta
 from adapterserve.kernels.segment_common import ACT_CODES
+from adapterserve.kernels.segment_ops import GEMV_MAX_RANK, GEMV_TOKENS
 
 from .cases import NAN, PATTERNS, check_close, fresh_generator, gpu, interpreted, needs_cuda, token_slots
 
@@ -33,6 +34,9 @@ GPU_CASES = [(p, 64, 32, 4096, 256, "relu", 0.1) for p in PATTERNS] + [
     ("distinct", 64, 64, 4096, 64, "mixed", 0.1),
     ("zipf", 1024, 16, 4096, 64, "mixed", 0.0),
 ]
+# the mixed input (pre-LN decoders): decode batches on the CUDA-core kernels, the 8B's width
+MIXED_GPU_CASES = [(p, 64, 32, 4096, GEMV_MAX_RANK, "mixed", 0.1) for p in PATTERNS] + [
+    c for c in GPU_CASES if c[1] <= GEMV_TOKENS and c[4] <= GEMV_MAX_RANK]
 
 
 def _weights(s: int, d: int, r: int, gen: torch.Generator):
@@ -56,7 +60,9 @@ def _codes(act: str, s: int, gen: torch.Generator) -> torch.Tensor:
     return torch.tensor([ACT_CODES[ACTIVATIONS[i]] for i in names.tolist()], dtype=torch.int32)
 
 
-def _run(case, dtype, device):
+def _run(case, dtype, device, mixed: bool = False):
+    """One launch against the reference; mixed: the pre-LN decoders' form, the input read from
+    out itself plus each slot's ln_mix (0, 1 or a fraction) times a residual."""
     from adapterserve.kernels import bottleneck
 
     pattern, t, s, d, r, act, no_adapter = case
@@ -66,15 +72,23 @@ def _run(case, dtype, device):
     slots = token_slots(pattern, t, s, gen, no_adapter)
     h = torch.randn(t, d, generator=gen)
     out0 = torch.randn(t, d, generator=gen).to(dtype)
+    residual = torch.randn(t, d, generator=gen).to(dtype)
+    ln_mix = torch.tensor([0.0, 1.0, 0.37])[torch.randint(3, (s,), generator=gen)].to(dtype)
     ws = torch.full((t, r), NAN, dtype=dtype, device=device)
     out = out0.clone().to(device)
     args = [w.to(device, dtype) for w in (h, down, down_bias, up, up_bias)]
     meta = build_adapter_meta(slots.to(device), s)
-    bottleneck.bottleneck_adapter(*args, rank.to(device), codes.to(device), meta, ws, out)
+    if mixed:
+        args[0] = out
+        extra = (residual.to(device), ln_mix.to(device))
+    bottleneck.bottleneck_adapter(*args, rank.to(device), codes.to(device), meta, ws, out, *(extra if mixed else ()))
     ref_ws = torch.full((t, r), NAN)
     ref = out0.float().clone()
     cpu = [w.to(dtype).float() for w in (h, down, down_bias, up, up_bias)]
-    reference.bottleneck_adapter(*cpu, rank, codes, build_adapter_meta(slots, s), ref_ws, ref)
+    if mixed:
+        cpu[0] = ref
+    reference.bottleneck_adapter(*cpu, rank, codes, build_adapter_meta(slots, s), ref_ws, ref,
+                                 *((residual.float(), ln_mix.float()) if mixed else ()))
     slot_rank = torch.where(slots >= 0, rank[slots.long().clamp(min=0)], 0)
     defined = torch.arange(r)[None, :] < slot_rank[:, None]
     ws, out, touched = ws.cpu(), out.cpu(), slot_rank > 0
@@ -90,6 +104,26 @@ def _run(case, dtype, device):
 @pytest.mark.parametrize("case", CPU_CASES, ids=str)
 def test_bottleneck_interpreted(case, dtype):
     _run(case, dtype, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [c for c in CPU_CASES if c[1] <= GEMV_TOKENS and c[4] <= GEMV_MAX_RANK], ids=str)
+def test_mixed_input_interpreted(case, dtype):
+    _run(case, dtype, "cpu", mixed=True)
+
+
+@interpreted
+def test_mixed_input_needs_the_cuda_core_kernel():
+    from adapterserve.kernels import bottleneck
+
+    t, d = GEMV_TOKENS + 1, 8
+    meta = build_adapter_meta(torch.zeros(t, dtype=torch.int32), 1)
+    w, x = torch.zeros(1, 4, d), torch.zeros(t, d)
+    with pytest.raises(ValueError, match="CUDA-core"):
+        bottleneck.bottleneck_adapter(x, w, torch.zeros(1, 4), w, torch.zeros(1, d), torch.ones(1, dtype=torch.int32),
+                                      torch.ones(1, dtype=torch.int32), meta, torch.zeros(t, 4), x, torch.zeros(t, d),
+                                      torch.ones(1))
 
 
 @interpreted
@@ -117,3 +151,10 @@ def test_activation_codes_must_be_one_int32_per_slot(codes):
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 def test_bottleneck_gpu_bf16(case):
     _run(case, torch.bfloat16, "cuda")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("case", MIXED_GPU_CASES, ids=str)
+def test_mixed_input_gpu_bf16(case):
+    _run(case, torch.bfloat16, "cuda", mixed=True)

@@ -1,4 +1,6 @@
-"""(IA)^3 pools: per linear, one input-scale and one output-scale row per slot.
+"""(IA)^3 pools: per linear, one output-scale row per slot, and one input-scale row on
+linears of one projection (fused ones share their input: no adapter may scale it, so no
+step launches a scale there).
 
 Rows of slots without (IA)^3 stay at 1; the ia3 op only touches tokens whose
 adapter is (IA)^3, so other families never pay for it. On tensor-parallel linears each
@@ -24,7 +26,8 @@ class Ia3Pool:
                  device: torch.device | str) -> None:
         self.linears = linears
         for _, linear in linears:
-            linear.ia3_in = torch.ones(num_slots, linear.in_features, dtype=dtype, device=device)
+            if len(linear.slice_kinds) == 1:
+                linear.ia3_in = torch.ones(num_slots, linear.in_features, dtype=dtype, device=device)
             linear.ia3_out = torch.ones(num_slots, linear.weight.shape[0], dtype=dtype, device=device)
 
     def rules(self) -> dict[str, Any]:
@@ -42,6 +45,8 @@ class Ia3Pool:
                 for index, (kind, width) in enumerate(zip(linear.slice_kinds, linear.slice_widths)):
                     scale = ia3.scales.get((layer, kind))
                     if scale is not None and kind in ia3.feedforward:
+                        if linear.ia3_in is None:  # check_ia3 refuses these on upload and registration
+                            raise ValueError(f"(IA)^3 input scales on {kind}, fused in {linear.slice_kinds}")
                         linear.ia3_in[slot] = spans.input_part(scale, 0).to(linear.ia3_in.device,
                                                                              linear.ia3_in.dtype)
                     elif scale is not None:
@@ -53,5 +58,6 @@ class Ia3Pool:
 
     def clear(self, slot: int) -> None:
         for _, linear in self.linears:
-            linear.ia3_in[slot] = 1
+            if linear.ia3_in is not None:
+                linear.ia3_in[slot] = 1
             linear.ia3_out[slot] = 1
