@@ -29,8 +29,12 @@ WORKLOADS = ("base", "one", "uniform8", "distinct", "zipf", "ranks", "families")
 # placed before the run); the floor counts the one adapter only, so x floor shows what idle ones cost.
 # one-of-64: the used adapter placed first (the pool's lowest rows); one-over-64: placed last, above the
 # idle ones (the fused linear's window then begins at its rows: kernels/stacked_fused.py)
-EXTRA_WORKLOADS = ("one-of-64", "one-over-64")
+IDLE_WORKLOADS = ("one-of-64", "one-over-64")
 RESIDENT_IDLE = 63
+# named only: families' requests of one family (fam-lora, fam-ia3, ...) on their adapters, the rest on
+# the base model: what each family adds to a families step
+FAMILY_PARTS = ("lora", "ia3", "prompt", "prefix", "bottleneck")
+EXTRA_WORKLOADS = IDLE_WORKLOADS + tuple(f"fam-{f}" for f in FAMILY_PARTS)
 # a workload name may end in a variant suffix: the same requests, an engine option changed
 # (+r64: the pool sized for rank 64, the engine's default, whatever the adapters' ranks;
 # +1s: LoRA shrinks on the compute stream, as before lora_side_stream became the default;
@@ -100,7 +104,7 @@ def plan(name: str, batch: int, factory: AdapterFactory, peft_dir: Path | dict, 
         if not isinstance(peft_dir, Path):
             raise RuntimeError(f"no PEFT LoRA directory: {peft_dir.get('error')}")
         return Plan(name, [PEFT_ID] * batch, files={PEFT_ID: peft_dir}, note="PEFT files")
-    if name in EXTRA_WORKLOADS:
+    if name in IDLE_WORKLOADS:
         ids = [f"i{i}" for i in range(RESIDENT_IDLE + 1)]
         adapters = {a: factory.lora(i) for i, a in enumerate(ids)}
         used, idle = (ids[0], "above") if name == "one-of-64" else (ids[-1], "below")
@@ -119,6 +123,8 @@ def plan(name: str, batch: int, factory: AdapterFactory, peft_dir: Path | dict, 
         return _zipf_plan(batch, factory, s)
     if name == "families":
         return families_plan(batch, factory, bottleneck)
+    if name in EXTRA_WORKLOADS:  # fam-<family>
+        return families_plan(batch, factory, bottleneck, only=name.removeprefix("fam-"))
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS + EXTRA_WORKLOADS)}")
 
 
@@ -138,20 +144,25 @@ def _zipf_plan(batch: int, factory: AdapterFactory, s: Settings) -> Plan:
                 note=f"{len(set(ids))} distinct/{s.zipf_adapters}, {slots} slots")
 
 
-def families_plan(batch: int, factory: AdapterFactory, bottleneck: bool) -> Plan:
+def families_plan(batch: int, factory: AdapterFactory, bottleneck: bool, only: str | None = None) -> Plan:
+    """A distinct adapter of each family in turn, and base rows; only: that family's rows keep their
+    adapters, the others run on the base model."""
     families = ["lora", "ia3", "prompt", "prefix"] + (["bottleneck"] if bottleneck else []) + ["base"]
+    if only is not None and only not in families:
+        raise ValueError(f"this engine has no {only} adapters")
     ids: list[str | None] = []
     adapters: dict[str, Adapter] = {}
     for i in range(batch):
         family = families[i % len(families)]
-        if family == "base":
+        if family == "base" or only not in (None, family):
             ids.append(None)
             continue
         ids.append(f"f{i}-{family}")
         adapters[ids[-1]] = factory.family(family, i)
     loras = sum(a.lora is not None for a in adapters.values())
     note = "+".join(families) + ("" if bottleneck else "; no bottleneck in engine")
-    return Plan("families", ids, adapters, max_loras=max(1, len(adapters)), pool_rows=16 * max(1, loras), note=note)
+    note = note if only is None else f"the {only} rows of families"
+    return Plan("families" if only is None else f"fam-{only}", ids, adapters, max_loras=max(1, len(adapters)), pool_rows=16 * max(1, loras), note=note)
 
 
 def engine_config(p: Plan, prompts: list[list[int]], virtual: list[int], s: Settings) -> EngineConfig:
