@@ -83,7 +83,7 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
         copy_stream = torch.cuda.Stream(device=config.device) if on_gpu else None
         pools = build_pools(config, model, self.blocks)
         self.lora_pool, self.bottleneck_pools, self.head_pool = pools.lora, pools.bottleneck, pools.head
-        self.prefix_pool = pools.prefix
+        self.prefix_pool, self.pools = pools.prefix, pools
         self.slots = AdapterSlots(config.max_loras, pools.all(), copy_stream=copy_stream, mirror=lockstep)
         if lockstep is not None:
             lockstep.prefix_pages = lambda slot: self.prefix_pool.pages.get(slot, [])
@@ -96,10 +96,8 @@ class Engine(AdapterHost, AsyncFront, SyncFront):
         use_kernel_options(model, config)
         if config.cuda_graphs and on_gpu:
             self.runner.enable_cuda_graphs(*graph_limits(config, self.max_model_len))
-        # per family (lora, ia3, bottleneck): host state a captured decode graph depends on (the
-        # (IA)^3 and bottleneck ops read every slot's vectors, widths and activations on the device)
-        self.runner.graph_signature = lambda: (self.lora_pool.graph_part(), (), ())
-        self.runner.step_scope = self.lora_pool.for_step  # the LoRA rows a step covers: its own adapters'
+        self.runner.graph_signature = pools.graph_signature
+        self.runner.step_scope = pools.for_step  # a step's LoRA rows and (IA)^3 scales: its own adapters'
         self.prefix_cache = PrefixCache(self.blocks, config.enable_prefix_caching)
         self.kv_identities = KvIdentities(self.model_config.num_layers)
         self.scheduler = Scheduler(config, self.blocks, self._acquire_slot, self.slots.release, self.prefix_cache)

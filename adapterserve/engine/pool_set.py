@@ -2,7 +2,11 @@
 rank: each rank's pools hold its shard of every placed adapter."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+
+import numpy as np
 
 from adapterserve.config import STACKED_DECODES, EngineConfig
 from adapterserve.engine.kv_cache import BlockManager
@@ -28,6 +32,25 @@ class PoolSet:
         """In placement order (a slot's placement is all of them or none)."""
         pools = [self.lora, self.bottleneck, self.head, self.ia3, self.prompt, self.prefix]
         return [pool for pool in pools if pool is not None]
+
+    @contextmanager
+    def for_step(self, family_slots: np.ndarray) -> Iterator[None]:
+        """The host state one step sets (family_slots: [3, T] each token's lora, ia3 and
+        bottleneck slot): the LoRA rows its adapters cover, the (IA)^3 scales they need."""
+        with self.lora.for_step(family_slots[0]), self.ia3.for_step(family_slots[1]):
+            yield
+
+    def graph_signature(self) -> tuple:
+        """Per family (lora, ia3, bottleneck): the host state a captured decode graph depends
+        on (the bottleneck ops read every slot's widths and activations on the device)."""
+        return self.lora.graph_part(), self.ia3.graph_part(), ()
+
+    @contextmanager
+    def covering(self, rows: int, tier: str) -> Iterator[None]:
+        """Host state as a step covering ``rows`` stacked LoRA rows (0: as they are) with the
+        (IA)^3 ``tier`` would set: warm-up captures each such graph in it."""
+        with self.lora.covering(rows) if rows else nullcontext(), self.ia3.covering(tier):
+            yield
 
 
 def build_pools(config: EngineConfig, model: DecoderModel, blocks: BlockManager, with_head: bool = True) -> PoolSet:

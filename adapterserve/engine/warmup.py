@@ -28,7 +28,6 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -112,8 +111,8 @@ def warm_up(engine) -> WarmupReport:
     reached: set[Variant] = set()
     tasks = _tasks(engine, shape, reached)
     task_seconds: dict[str, float] = {}
-    hook = engine.model.register_forward_pre_hook(lambda _module, args: reached.update(
-        context_variants(shape, get_context(), args[0].shape[0], engine.lora_pool.stacked_rows())))
+    hook = engine.model.register_forward_pre_hook(lambda _module, args: reached.update(context_variants(
+        shape, get_context(), args[0].shape[0], engine.lora_pool.stacked_rows(), engine.pools.ia3.graph_part())))
     try:
         for i, (label, task) in enumerate(tasks, 1):
             log.info("warm-up %d/%d: %s", i, len(tasks), label)
@@ -187,20 +186,20 @@ def _graph_tasks(engine, shape: EngineShape) -> list:
     """One task per (family mix, stacked rows) of graph_plan, all the graphs' buckets each. No
     adapter need be resident: the ops read every slot's state on the device, so a graph with
     bottleneck rows serves bottlenecks of every activation."""
-    groups: dict[tuple[frozenset[str], int], list[int]] = {}
-    for bucket, families, rows in graph_plan(shape):
-        groups.setdefault((families, rows), []).append(bucket)
-    return [(f"graphs {_names(f)}{_rows(r)}, decode buckets {b[0]}..{b[-1]}",
-             lambda f=f, r=r, b=b: _capture(engine, b, f, r)) for (f, r), b in groups.items()]
+    groups: dict[tuple[frozenset[str], int, str | None], list[int]] = {}
+    for bucket, families, rows, tier in graph_plan(shape):
+        groups.setdefault((families, rows, tier), []).append(bucket)
+    return [(f"graphs {_names(f)}{_rows(r)}{_tier(t)}, decode buckets {b[0]}..{b[-1]}",
+             lambda f=f, r=r, t=t, b=b: _capture(engine, b, f, r, t)) for (f, r, t), b in groups.items()]
 
 
-def _capture(engine, buckets: list[int], families: frozenset[str], rows: int) -> None:
+def _capture(engine, buckets: list[int], families: frozenset[str], rows: int, tier: str | None) -> None:
     """Capture these decode buckets' graphs, and every mixed-step bucket's, with the stacked
-    GEMMs covering `rows` pool rows (as when adapters fill them) and the signature the
-    engine would then replay with."""
+    GEMMs covering `rows` pool rows (as when adapters fill them), the (IA)^3 scales of ``tier``
+    (None: no (IA)^3 rows), and the signature the engine would then replay with."""
     flags = tuple(f in families for f in TOKEN_FAMILIES)
     mixed = engine.runner.mixed_graphs
-    with engine.lora_pool.covering(rows) if rows else nullcontext():
+    with engine.pools.covering(rows, tier or "all"):
         for bucket in buckets:
             engine.runner.capture_graph(bucket, flags, rows)  # on every tensor-parallel rank
         for bucket in mixed.buckets if mixed is not None else ():
@@ -209,6 +208,10 @@ def _capture(engine, buckets: list[int], families: frozenset[str], rows: int) ->
 
 def _rows(rows: int) -> str:
     return f" (stacked rows {rows})" if rows else ""
+
+
+def _tier(tier: str | None) -> str:
+    return f" ((IA)^3 {tier} scales)" if tier else ""
 
 
 def acquire_landed(engine, adapter_id: str, adapter: Adapter) -> int | None:

@@ -11,10 +11,12 @@ only, so warm-up (engine/warmup.py) and the real path cannot disagree:
     ("ia3",)                                             the (IA)^3 scale
     ("decode_attention", splits, block_n, width)         paged decode (split-KV choice)
     ("prefill_attention", "single" | "multi", width)     paged prefill, its two launches
-    ("graph", bucket, families, rows, expand)            a captured decode step (rows: the stacked
+    ("graph", bucket, families, rows, expand, tier)      a captured decode step (rows: the stacked
                                                          GEMM's row bucket, 0 unless stacked LoRA or
                                                          the fused linear's steps; expand: its
-                                                         stacked expand, else None)
+                                                         stacked expand, else None; tier: the (IA)^3
+                                                         scales it launches, layers/ia3_places.py,
+                                                         None without (IA)^3 rows)
     ("penalties", (repetition, frequency, presence))     the sampler's penalty pass
 
 ``width`` is the class Triton specialises a block table's row stride on ("1", "16k":
@@ -65,6 +67,7 @@ class EngineShape:
     lora_slots: int = 0  # adapter slots (max_loras): a step's distinct adapters are at most these
     fused_rows: int = 0  # lora_decode="fused": A rows kept apart; steps with few adapters in a row bucket of
     # at most this many rows run the fused linear, the others the segment kernels (0: no fused linear)
+    ia3_tiers: tuple[str, ...] = ()  # the (IA)^3 tiers a step can take (a decode graph each)
 
     @classmethod
     def of(cls, engine) -> "EngineShape":
@@ -79,7 +82,7 @@ class EngineShape:
                    tuple(graphs.buckets) if graphs is not None else None,
                    graphs.max_pages if graphs is not None else 0,
                    tuple(engine.lora_pool.row_buckets()), tuple(widths), cfg.max_loras,
-                   engine.lora_pool.fused_rows)
+                   engine.lora_pool.fused_rows, engine.pools.ia3.tiers() if "ia3" in families else ())
 
     def rank(self, family: str) -> int:
         return self.lora_rank if family == "lora" else self.bottleneck_rank
@@ -90,6 +93,10 @@ class EngineShape:
     def graph_rows(self, families: frozenset[str]) -> tuple[int, ...]:
         """The stacked row buckets a decode graph of these families can be replayed with."""
         return self.row_buckets if "lora" in families and self.row_buckets else (0,)
+
+    def graph_tiers(self, families: frozenset[str]) -> tuple[str | None, ...]:
+        """The (IA)^3 tiers a decode graph of these families can be replayed with (None: no such rows)."""
+        return self.ia3_tiers if "ia3" in families and self.ia3_tiers else (None,)
 
     def expands(self, num_tokens: int, rows: int | None = None) -> tuple[str, ...]:
         """The stacked expands a step of num_tokens rows can choose (its distinct adapters:
@@ -148,16 +155,17 @@ def decode_attention(shape: EngineShape, batch: int, width: int) -> Variant:
 
 
 def decode_variants(shape: EngineShape, batch: int, width: int, families: frozenset[str], rows: int = 0,
-                    expands: tuple[str, ...] | None = None) -> set[Variant]:
+                    expands: tuple[str, ...] | None = None, tier: str | None = None) -> set[Variant]:
     """A step of `batch` one-token rows: a graph replay of its bucket, or an eager launch.
     rows: the stacked GEMM's row bucket at the step (0 unless stacked LoRA); expands: the
-    stacked expands it may run (None: every one it can choose)."""
+    stacked expands it may run (None: every one it can choose); tier: its (IA)^3 tier."""
     if shape.buckets is not None:
         bucket = shape.bucket(batch)
         stacked = "lora" in families and bool(shape.row_buckets)
         graph_rows = rows if stacked else 0
         graph_expands = (expands or shape.expands(bucket, graph_rows)) if stacked else (None,)
-        return {*(("graph", bucket, families, _keyed_rows(shape, graph_rows, e), e) for e in graph_expands),
+        tier = tier if "ia3" in families and shape.ia3_tiers else None
+        return {*(("graph", bucket, families, _keyed_rows(shape, graph_rows, e), e, tier) for e in graph_expands),
                 decode_attention(shape, bucket, shape.graph_pages),
                 *segment_variants(shape, bucket, families, graph_expands if stacked else expands)}
     return {decode_attention(shape, batch, width), *segment_variants(shape, batch, families, expands)}
@@ -176,15 +184,16 @@ def prefill_variants(shape: EngineShape, num_tokens: int, width: int, single: bo
             *segment_variants(shape, num_tokens, families, expands)}
 
 
-def context_variants(shape: EngineShape, ctx: BatchContext, num_tokens: int, rows: int = 0) -> set[Variant]:
+def context_variants(shape: EngineShape, ctx: BatchContext, num_tokens: int, rows: int = 0,
+                     tier: str | None = None) -> set[Variant]:
     """The variants a forward pass over this step's context launches (as on a GPU);
-    rows: the stacked GEMM's row bucket at the step."""
+    rows: the stacked GEMM's row bucket at the step; tier: its (IA)^3 tier."""
     families = frozenset(f for f in ("lora", "ia3", "bottleneck") if getattr(ctx, f) is not None)
     expands = (ctx.lora.stacked_expand,) if ctx.lora is not None else ()
     meta = ctx.attention
     width = int(meta.block_tables.shape[1])
     if meta.decode:
-        return decode_variants(shape, num_tokens, width, families, rows, expands)
+        return decode_variants(shape, num_tokens, width, families, rows, expands, tier)
     tiles = meta.tiles
     return prefill_variants(shape, num_tokens, width, tiles.single.shape[0] > 0, tiles.multi.shape[0] > 0, families,
                             expands)
@@ -195,11 +204,12 @@ def family_sets(families: Iterable[str]) -> list[frozenset[str]]:
     return [frozenset(c) for n in range(len(families) + 1) for c in combinations(families, n)]
 
 
-def graph_plan(shape: EngineShape) -> list[tuple[int, frozenset[str], int]]:
-    """Every decode graph (bucket, families, stacked rows) the engine can replay: the
-    buckets are the DecodeGraphs' own (EngineShape.buckets)."""
-    return [(bucket, families, rows) for families in family_sets(shape.families)
-            for rows in shape.graph_rows(families) for bucket in shape.buckets or ()]
+def graph_plan(shape: EngineShape) -> list[tuple[int, frozenset[str], int, str | None]]:
+    """Every decode graph (bucket, families, stacked rows, (IA)^3 tier) the engine can replay:
+    the buckets are the DecodeGraphs' own (EngineShape.buckets)."""
+    return [(bucket, families, rows, tier) for families in family_sets(shape.families)
+            for rows in shape.graph_rows(families) for tier in shape.graph_tiers(families)
+            for bucket in shape.buckets or ()]
 
 
 def reachable(shape: EngineShape) -> set[Variant]:
@@ -207,8 +217,8 @@ def reachable(shape: EngineShape) -> set[Variant]:
     out: set[Variant] = {("penalties", use) for use in PENALTY_USES}
     every = frozenset(shape.families)
     if shape.buckets is not None:
-        for bucket, families, rows in graph_plan(shape):
-            out |= decode_variants(shape, bucket, shape.graph_pages, families, rows)
+        for bucket, families, rows, tier in graph_plan(shape):
+            out |= decode_variants(shape, bucket, shape.graph_pages, families, rows, tier=tier)
     else:
         for batch, width in product(range(1, shape.max_num_seqs + 1), range(1, shape.max_pages + 1)):
             out |= decode_variants(shape, batch, width, every)

@@ -37,6 +37,7 @@ from adapterserve.layers.base_gemm import (
 )
 from adapterserve.layers.context import get_context
 from adapterserve.layers.fused_lora import fused_lora_linear
+from adapterserve.layers.ia3_places import Ia3Places
 from adapterserve.layers.linear_spans import LinearLayout
 from adapterserve.layers.parallel import SINGLE, TensorParallel
 
@@ -104,6 +105,7 @@ class AdapterLinear(torch.nn.Module):
         self.lora: LoraSlices | None = None
         self.ia3_in: torch.Tensor | None = None  # [S, K] (IA)^3 input scales (none on fused projections)
         self.ia3_out: torch.Tensor | None = None  # [S, N] (IA)^3 output scales
+        self.ia3_places: Ia3Places | None = None  # which scales a step launches (None: all); the pool's
         self.side_stream: torch.cuda.Stream | None = None  # runs the LoRA shrink beside the base GEMM
         self.stacked: StackedWeight | None = None  # [W; A] buffer when the pool stacks A under the weight
 
@@ -114,7 +116,7 @@ class AdapterLinear(torch.nn.Module):
         caller reads x no more, so (IA)^3 input scales may be applied to it in place."""
         ctx = get_context()
         ia3 = ctx.ia3 if self.ia3_out is not None else None
-        if ia3 is not None and self.ia3_in is not None:  # fused projections have none (Ia3Pool)
+        if ia3 is not None and self.ia3_in is not None and self._ia3_scales("in"):  # none on fused projections
             x = x if scratch_input else x.clone()
             ia3_scale(x, self.ia3_in, ia3)
             quantized = None  # it rounds the unscaled x
@@ -126,9 +128,13 @@ class AdapterLinear(torch.nn.Module):
             self.tp.all_reduce_(y)
             if self.bias is not None:
                 y.add_(self.bias)
-        if ia3 is not None:
+        if ia3 is not None and self._ia3_scales("out"):
             ia3_scale(y, self.ia3_out, ia3)
         return y
+
+    def _ia3_scales(self, side: str) -> bool:
+        """Whether this step's (IA)^3 tier launches this linear's ``side`` scale."""
+        return self.ia3_places is None or self.ia3_places.scales(self.slice_kinds, side)
 
     def takes_quantized_input(self, tokens: int) -> bool:
         """Whether this batch's input should come quantized with it (one fused launch in the
@@ -136,7 +142,7 @@ class AdapterLinear(torch.nn.Module):
         rows scaling the input first."""
         if self.weight_scale is None or not self.fuse_input_quant:
             return False
-        if self.ia3_in is not None and get_context().ia3 is not None:
+        if self.ia3_in is not None and get_context().ia3 is not None and self._ia3_scales("in"):
             return False
         return resolve_fp8_gemm(self.fp8_gemm, self.weight.device, tokens) in ACTIVATION_QUANTIZING
 

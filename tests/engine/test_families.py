@@ -87,28 +87,40 @@ def test_fused_feedforward_ia3_is_refused(setup, tmp_path):
     assert engine.list_adapters() == []
 
 
-def test_ia3_steps_scale_no_fused_projection_s_input(setup, monkeypatch):
-    """Fused projections (q|k|v, gate|up) share their input, which no adapter may scale, so a step
-    with (IA)^3 rows launches no scale there: per layer four output scales and the inputs of o and
-    down, the only projections that stand alone."""
+@pytest.mark.parametrize("names", [("ia3",), ("ia3-attn",), ("ia3", "ia3-attn")], ids="+".join)
+def test_ia3_steps_launch_only_the_scales_their_adapters_need(setup, names, monkeypatch):
+    """A step whose (IA)^3 adapters scale only PEFT's default places (keys, values, down's input)
+    launches those two scales a layer; one scaling any other place launches every scale but
+    the fused projections' inputs (q|k|v and gate|up share theirs: no adapter may scale it).
+    Each request's tokens and logits are PEFT's, run alone."""
     from adapterserve.layers import linear as linear_module
 
     model_dir, adapter_dirs = setup
     engine = Engine.from_pretrained(model_dir, max_loras=2)
-    engine.load_adapter("ia3", adapter_dirs["ia3"])
+    for name in names:
+        engine.load_adapter(name, adapter_dirs[name])
     owners = {}
     for _, linear in engine.model.adapter_linears():
-        owners[id(linear.ia3_out)] = (linear.slice_kinds, "out")
+        owners[id(linear.ia3_out)] = (linear.slice_kinds[0], "out")
         assert (linear.ia3_in is None) == (len(linear.slice_kinds) > 1)
         if linear.ia3_in is not None:
-            owners[id(linear.ia3_in)] = (linear.slice_kinds, "in")
+            owners[id(linear.ia3_in)] = (linear.slice_kinds[0], "in")
     scaled = []
     original = linear_module.ia3_scale
     monkeypatch.setattr(linear_module, "ia3_scale", lambda x, scales, meta: (scaled.append(owners[id(scales)]),
                                                                             original(x, scales, meta)))
-    engine.generate([[4, 8, 15]], SamplingParams(max_tokens=1, temperature=0.0), adapter_ids=["ia3"])
-    layers = engine.model_config.num_layers
-    assert sorted(set(scaled)) == sorted({(("q_proj", "k_proj", "v_proj"), "out"), (("o_proj",), "out"),
-                                          (("gate_proj", "up_proj"), "out"), (("down_proj",), "out"),
-                                          (("o_proj",), "in"), (("down_proj",), "in")})
-    assert len(scaled) == 6 * layers
+    prompts = [[4, 8, 15, 16], [23, 42, 7]][: len(names)]
+    captured = record_logits(engine)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                           adapter_ids=list(names))  # a prefill step and two decode steps
+    peft_only = names == ("ia3",)
+    want = {("q_proj", "out"), ("down_proj", "in")} if peft_only else {
+        ("q_proj", "out"), ("o_proj", "out"), ("gate_proj", "out"), ("down_proj", "out"), ("o_proj", "in"),
+        ("down_proj", "in")}
+    assert set(scaled) == want and len(scaled) == len(want) * engine.model_config.num_layers * 3
+    for name, prompt, out in zip(names, prompts, outs):
+        model = PeftModel.from_pretrained(load_base(model_dir), adapter_dirs[name]).eval()
+        tokens, logits = greedy_by_forward(model, prompt, 3, set())
+        assert out.token_ids == tokens, name
+        rel = (captured[out.request_id][2] - logits).norm() / logits.norm()
+        assert rel < 1e-4, (name, rel.item())

@@ -153,7 +153,7 @@ def test_decode_graphs_cover_exactly_the_decode_batches_a_step_can_hold(llama_di
         handle.remove()
     engine.runner.enable_cuda_graphs(*decode_graph_limits(engine.config, engine.max_model_len))
     graphs = engine.runner.graphs
-    planned = {bucket for bucket, _, _ in graph_plan(EngineShape.of(engine))}
+    planned = {bucket for bucket, *_ in graph_plan(EngineShape.of(engine))}
     assert max(sizes) == 12 and graphs.buckets[-1] == 12
     assert planned == {graphs.bucket_of(n) for n in range(1, 13)}
     assert max(planned) <= engine.runner.lora_workspace.shape[1]
@@ -175,8 +175,8 @@ def test_stacked_lora_warm_up_covers_its_row_buckets_and_expand_tiles(llama_dir,
     shape = EngineShape.of(engine)
     assert shape.row_buckets == (16, 32, 64)  # pool rows: max_loras 4 x rank 16
     plan = graph_plan(shape)
-    assert {rows for _, families, rows in plan if "lora" in families} == {16, 32, 64}
-    assert {rows for _, families, rows in plan if "lora" not in families} == {0}
+    assert {rows for _, families, rows, _ in plan if "lora" in families} == {16, 32, 64}
+    assert {rows for _, families, rows, _ in plan if "lora" not in families} == {0}
     # a graph per stacked expand a bucket's rows can choose (the grouped one from 4 distinct adapters)
     graphs = {(v[1], v[4]) for v in reachable(shape) if v[0] == "graph" and "lora" in v[2]}
     assert graphs == {(b, e) for b in (1, 2, 4) for e in ("tiled", "grouped")

@@ -1,6 +1,7 @@
 """(IA)^3 pools: per linear, one output-scale row per slot, and one input-scale row on
 linears of one projection (fused ones share their input: no adapter may scale it, so no
-step launches a scale there).
+step launches a scale there). A step launches the scales of the smallest tier covering the
+places its adapters scale (layers/ia3_places.py): PEFT's defaults, or every place.
 
 Rows of slots without (IA)^3 stay at 1; the ia3 op only touches tokens whose
 adapter is (IA)^3, so other families never pay for it. On tensor-parallel linears each
@@ -10,12 +11,16 @@ a whole adapter or all of an AdapterShard cut for it.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
-from adapterserve.adapters_store.formats.families import Adapter
+from adapterserve.adapters_store.formats.families import Adapter, Ia3Adapter
 from adapterserve.engine.adapter_shard import linear_part
+from adapterserve.layers.ia3_places import TIERS, Ia3Places, Place, tier_covering
 from adapterserve.layers.linear import AdapterLinear
 
 
@@ -25,7 +30,10 @@ class Ia3Pool:
     def __init__(self, linears: list[tuple[int, AdapterLinear]], num_slots: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
         self.linears = linears
+        self.places = Ia3Places()  # the tier a step launches scales for, read by every linear
+        self._slot_places: dict[int, frozenset[Place]] = {}
         for _, linear in linears:
+            linear.ia3_places = self.places
             if len(linear.slice_kinds) == 1:
                 linear.ia3_in = torch.ones(num_slots, linear.in_features, dtype=dtype, device=device)
             linear.ia3_out = torch.ones(num_slots, linear.weight.shape[0], dtype=dtype, device=device)
@@ -35,10 +43,33 @@ class Ia3Pool:
         fused = {kind for _, linear in self.linears if len(linear.slice_kinds) > 1 for kind in linear.slice_kinds}
         return {"ia3_fused_kinds": frozenset(fused)}
 
+    def graph_part(self) -> str:
+        """The (IA)^3 part of a decode graph's key: the tier in force (its graphs launch its scales)."""
+        return self.places.tier
+
+    @contextmanager
+    def for_step(self, ia3_slots: np.ndarray) -> Iterator[None]:
+        """Run a step launching only the scales of the smallest tier covering its adapters'
+        places (``ia3_slots``: each token's (IA)^3 slot, -1 none)."""
+        used = {slot for slot in ia3_slots.tolist() if slot >= 0}
+        places = frozenset().union(*(self._slot_places.get(slot, frozenset()) for slot in used))
+        with self.places.using(tier_covering(places)):
+            yield
+
+    def covering(self, tier: str):
+        """Run as if a step's adapters needed ``tier`` (warm-up captures each tier's graphs in it)."""
+        return self.places.using(tier)
+
+    @staticmethod
+    def tiers() -> tuple[str, ...]:
+        return tuple(TIERS)
+
     def place(self, slot: int, adapter: Adapter) -> bool:
         if adapter.ia3 is None:
+            self._slot_places.pop(slot, None)
             return True
         ia3 = adapter.ia3
+        self._slot_places[slot] = _places(ia3)
         with torch.no_grad():
             for layer, linear in self.linears:
                 spans, offset = linear_part(linear, adapter), 0
@@ -57,7 +88,13 @@ class Ia3Pool:
         return True
 
     def clear(self, slot: int) -> None:
+        self._slot_places.pop(slot, None)
         for _, linear in self.linears:
             if linear.ia3_in is not None:
                 linear.ia3_in[slot] = 1
             linear.ia3_out[slot] = 1
+
+
+def _places(ia3: Ia3Adapter) -> frozenset[Place]:
+    """The places an adapter scales: each target's input (feedforward) or output."""
+    return frozenset((kind, "in" if kind in ia3.feedforward else "out") for _, kind in ia3.scales)

@@ -118,7 +118,7 @@ class WorkerState:
         for event in self._landing:
             torch.cuda.current_stream().wait_event(event)
         self._landing.clear()
-        with self.pools.lora.for_step(inputs.family_slots[0]):  # the rows rank 0's step covers
+        with self.pools.for_step(inputs.family_slots):  # the rows and scales rank 0's step covers
             self.device.forward(inputs)
         self.device.keep_sampled(None, len(inputs.generating))
 
@@ -155,7 +155,7 @@ class WorkerState:
     def capture(self, bucket: int, families: tuple[bool, ...], signature: tuple, stacked_rows: int,
                 mixed: bool = False) -> None:
         graphs = self.device.mixed_graphs if mixed else self.device.graphs
-        with self.pools.lora.covering(stacked_rows) if stacked_rows else nullcontext():
+        with self.pools.covering(stacked_rows, signature[1] if signature else "all"):
             graphs.capture(bucket, families, signature)
 
 
