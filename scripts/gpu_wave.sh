@@ -141,9 +141,10 @@ for stage in "$@"; do
           --workloads ${WINDOW_WORKLOADS:-base,one,one-over-64} --out "$OUT/et8b_window_$dtype.md" \
           > "$OUT/window_$dtype.log" 2>&1; grep -E ": 8b" "$OUT/window_$dtype.log" | tail -4
       done ;;
-    families)  # 1 GPU: the host-level cuts of steps with (IA)^3 and bottleneck rows (scratch inputs, one ln_mix
-      # gather a step): the engine GPU tests that run those rows, then base and families per dtype (FAMILY_TESTS)
-      test_files ${FILE_S:-170} "-m gpu" ${FAMILY_TESTS:-tests/engine/test_gpu.py tests/engine/test_mixed_graphs_gpu.py \
+    families)  # 1 GPU: steps with (IA)^3 and bottleneck rows: the engine GPU tests that run those rows (FAMILY_TESTS;
+      # test_gpu.py needs over 215 s on a fresh machine, its Triton cache cold), then base and families per dtype
+      # (FAMILY_WORKLOADS: e.g. fam-ia3, fam-bottleneck, fam-lora, each family's rows of families alone)
+      test_files ${FILE_S:-330} "-m gpu" ${FAMILY_TESTS:-tests/engine/test_gpu.py tests/engine/test_mixed_graphs_gpu.py \
         tests/engine/test_warmup_gpu.py tests/models/test_fp8_gpu.py}
       for dtype in ${DTYPES:-bfloat16 fp8}; do
         TABLE_DTYPE=$dtype TABLE_WORKLOADS=${FAMILY_WORKLOADS:-base,families} STAGE_S=${TABLE_S:-150} \

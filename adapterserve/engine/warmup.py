@@ -183,7 +183,7 @@ def _without_mixed_graphs(engine, task: Callable[[], None]) -> None:
 
 
 def _graph_tasks(engine, shape: EngineShape) -> list:
-    """One task per (family mix, stacked rows) of graph_plan, all the graphs' buckets each. No
+    """One task per (family mix, stacked rows, (IA)^3 tier) of graph_plan, all the graphs' buckets each. No
     adapter need be resident: the ops read every slot's state on the device, so a graph with
     bottleneck rows serves bottlenecks of every activation."""
     groups: dict[tuple[frozenset[str], int, str | None], list[int]] = {}

@@ -9,8 +9,8 @@ smallest one that does (engine/pools/ia3.py); each tier is its own captured deco
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 Place = tuple[str, str]  # (module kind, "in" | "out")
 

@@ -105,7 +105,7 @@ class AdapterLinear(torch.nn.Module):
         self.lora: LoraSlices | None = None
         self.ia3_in: torch.Tensor | None = None  # [S, K] (IA)^3 input scales (none on fused projections)
         self.ia3_out: torch.Tensor | None = None  # [S, N] (IA)^3 output scales
-        self.ia3_places: Ia3Places | None = None  # which scales a step launches (None: all); the pool's
+        self.ia3_places: Ia3Places | None = None  # which scales a step launches (the pool's tier; None: all)
         self.side_stream: torch.cuda.Stream | None = None  # runs the LoRA shrink beside the base GEMM
         self.stacked: StackedWeight | None = None  # [W; A] buffer when the pool stacks A under the weight
 

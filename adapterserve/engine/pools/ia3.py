@@ -11,8 +11,8 @@ a whole adapter or all of an AdapterShard cut for it.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
