@@ -36,6 +36,9 @@ KERNELS = {  # name: (kernel, its constexprs but USE_PDL)
     "rope_and_cache_fp8": (fused._rope_cache_kernel, {"HALF": 64, "QH_PAD": 32, "KVH_PAD": 8, "KV_FP8": 1}),
     "seg_down_gemv": (segment_gemv.seg_down_gemv,
                       {**SLICES, "HAS_ROW_START": True, "ACT": 0, "A_ALIGN": 16, "ROWS": 4, "BLOCK_K": 1024}),
+    "seg_down_gemv_mixed": (segment_gemv.seg_down_gemv,  # a bottleneck's input x + mix * residual
+                            {"NUM_SLICES": 1, "HAS_BIAS": True, "HAS_ROW_START": False, "ACT": 1, "A_ALIGN": 16,
+                             "ROWS": 4, "BLOCK_K": 1024, "HAS_MIX": 1}),
     "seg_up_gemv": (segment_gemv.seg_up_gemv,
                     {**SLICES, "HAS_ROW_START": True, "N_ALIGN": 16, "BLOCK_R": 16, "BLOCK_N": 1024}),
     "tiled_expand": (stacked_tiled._tiled_expand_kernel, {**SLICES, **TILED, "SKIP_UNUSED": True}),
