@@ -34,10 +34,11 @@ class PoolSet:
         return [pool for pool in pools if pool is not None]
 
     @contextmanager
-    def for_step(self, family_slots: np.ndarray) -> Iterator[None]:
+    def for_step(self, family_slots: np.ndarray, mixed: bool = False) -> Iterator[None]:
         """The host state one step sets (family_slots: [3, T] each token's lora, ia3 and
-        bottleneck slot): the LoRA rows its adapters cover, the (IA)^3 scales they need."""
-        with self.lora.for_step(family_slots[0]), self.ia3.for_step(family_slots[1]):
+        bottleneck slot): the LoRA rows its adapters cover, the (IA)^3 scales they need (a
+        mixed-step graph's: every scale, Ia3Pool.for_step)."""
+        with self.lora.for_step(family_slots[0]), self.ia3.for_step(family_slots[1], every=mixed):
             yield
 
     def graph_signature(self) -> tuple:

@@ -76,7 +76,7 @@ class ModelRunner:
         self.families_of = lambda slot: frozenset()  # slot -> families it holds; bound by the engine
         self.prefix_pages = lambda slot: []  # slot -> KV blocks of its prefix; bound by the engine
         self.graph_signature = lambda: ()  # host state a captured graph depends on; bound by the engine
-        self.step_scope = lambda family_slots: nullcontext()  # host state set for one step; bound by the engine
+        self.step_scope = lambda family_slots, mixed: nullcontext()  # a step's host state; bound by the engine
 
     @property
     def graphs(self):
@@ -125,7 +125,7 @@ class ModelRunner:
         inputs.generating = [i for i in done if not requests[i].pooling]
         inputs.graph = self._graph_ready(inputs, batch)
         inputs.mixed = not inputs.graph and self._mixed_ready(inputs, batch)
-        with self.step_scope(inputs.family_slots):
+        with self.step_scope(inputs.family_slots, inputs.mixed):
             if inputs.graph or inputs.mixed:
                 inputs.signature = self.graph_signature()
             if self.lockstep is not None:

@@ -70,6 +70,7 @@ from adapterserve.kernels.stacked import (
     choose_expand,
 )
 from adapterserve.layers.context import get_context
+from adapterserve.layers.ia3_places import WIDEST
 
 log = logging.getLogger("adapterserve.engine")
 
@@ -194,12 +195,13 @@ def _graph_tasks(engine, shape: EngineShape) -> list:
 
 
 def _capture(engine, buckets: list[int], families: frozenset[str], rows: int, tier: str | None) -> None:
-    """Capture these decode buckets' graphs, and every mixed-step bucket's, with the stacked
-    GEMMs covering `rows` pool rows (as when adapters fill them), the (IA)^3 scales of ``tier``
-    (None: no (IA)^3 rows), and the signature the engine would then replay with."""
+    """Capture these decode buckets' graphs, and every mixed-step bucket's (in the widest (IA)^3
+    tier only: Ia3Pool.for_step), with the stacked GEMMs covering `rows` pool rows (as when
+    adapters fill them), the (IA)^3 scales of ``tier`` (None: no (IA)^3 rows), and the signature
+    the engine would then replay with."""
     flags = tuple(f in families for f in TOKEN_FAMILIES)
-    mixed = engine.runner.mixed_graphs
-    with engine.pools.covering(rows, tier or "all"):
+    mixed = engine.runner.mixed_graphs if tier in (None, WIDEST) else None  # mixed steps: the widest tier only
+    with engine.pools.covering(rows, tier or WIDEST):
         for bucket in buckets:
             engine.runner.capture_graph(bucket, flags, rows)  # on every tensor-parallel rank
         for bucket in mixed.buckets if mixed is not None else ():

@@ -17,6 +17,7 @@ Place = tuple[str, str]  # (module kind, "in" | "out")
 # PEFT's default (IA)^3 targets for Llama, Mistral, Qwen and Gemma decoders: keys, values, down's input
 PEFT_DEFAULT_PLACES: frozenset[Place] = frozenset({("k_proj", "out"), ("v_proj", "out"), ("down_proj", "in")})
 TIERS: dict[str, frozenset[Place] | None] = {"peft": PEFT_DEFAULT_PLACES, "all": None}  # smallest first
+WIDEST = "all"
 
 
 def tier_covering(places: frozenset[Place]) -> str:
@@ -28,7 +29,7 @@ class Ia3Places:
     """The tier in force, shared by every linear of a model ("all" outside a step's scope)."""
 
     def __init__(self) -> None:
-        self.tier = "all"
+        self.tier = WIDEST
 
     def scales(self, kinds: tuple[str, ...], side: str) -> bool:
         """Whether a linear of these module kinds launches its ``side`` scale now."""

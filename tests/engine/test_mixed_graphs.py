@@ -154,12 +154,16 @@ def test_warm_up_plans_every_mixed_graph_key_a_run_reaches(adapters, lora_decode
     forward once): every variant reached; a run of
     every graphable family after it (bottlenecks of two activations, silu and gelu, which warm-up
     captured no graph for apart) adds no key, decode or mixed; the summary counts the mixed
-    graphs. Stacked LoRA: keys per GEMM row bucket and expand."""
+    graphs. Stacked LoRA: keys per GEMM row bucket and expand. Graphs with (IA)^3 rows: decode
+    graphs per (IA)^3 tier, mixed-step graphs in the widest tier only (the run's PEFT-default
+    (IA)^3 adapter then adds none either)."""
     engine = _engine({}, True, lora_decode=lora_decode)
     report = warm_up(engine)
     assert report.missing == set(), sorted(map(str, report.missing))
     mixed, decode = engine.runner.mixed_graphs, engine.runner.graphs
     assert report.mixed_graphs == mixed.num_graphs and report.graphs == mixed.num_graphs + decode.num_graphs
+    assert {key[2][1] for key in decode._graphs if key[1][1]} == {"peft", "all"}
+    assert {key[2][1] for key in mixed._graphs if key[1][1]} == {"all"}
     assert {key[0] for key in mixed._graphs} == set(mixed.buckets)
     assert f"({mixed.num_graphs} for steps with prefills)" in report.summary()
     before = (set(mixed._graphs), set(decode._graphs))

@@ -20,7 +20,7 @@ import torch
 
 from adapterserve.adapters_store.formats.families import Adapter, Ia3Adapter
 from adapterserve.engine.adapter_shard import linear_part
-from adapterserve.layers.ia3_places import TIERS, Ia3Places, Place, tier_covering
+from adapterserve.layers.ia3_places import TIERS, WIDEST, Ia3Places, Place, tier_covering
 from adapterserve.layers.linear import AdapterLinear
 
 
@@ -48,12 +48,14 @@ class Ia3Pool:
         return self.places.tier
 
     @contextmanager
-    def for_step(self, ia3_slots: np.ndarray) -> Iterator[None]:
+    def for_step(self, ia3_slots: np.ndarray, every: bool = False) -> Iterator[None]:
         """Run a step launching only the scales of the smallest tier covering its adapters'
-        places (``ia3_slots``: each token's (IA)^3 slot, -1 none)."""
+        places (``ia3_slots``: each token's (IA)^3 slot, -1 none); every: the widest tier, whatever
+        they scale (mixed-step graphs: one tier each, fewer graphs to capture; prompt tokens
+        outweigh the scale launches there)."""
         used = {slot for slot in ia3_slots.tolist() if slot >= 0}
         places = frozenset().union(*(self._slot_places.get(slot, frozenset()) for slot in used))
-        with self.places.using(tier_covering(places)):
+        with self.places.using(WIDEST if every else tier_covering(places)):
             yield
 
     def covering(self, tier: str):

@@ -118,7 +118,7 @@ class WorkerState:
         for event in self._landing:
             torch.cuda.current_stream().wait_event(event)
         self._landing.clear()
-        with self.pools.for_step(inputs.family_slots):  # the rows and scales rank 0's step covers
+        with self.pools.for_step(inputs.family_slots, inputs.mixed):  # the rows and scales rank 0's step covers
             self.device.forward(inputs)
         self.device.keep_sampled(None, len(inputs.generating))
 
