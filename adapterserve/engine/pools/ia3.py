@@ -53,7 +53,7 @@ class Ia3Pool:
         places (``ia3_slots``: each token's (IA)^3 slot, -1 none); every: the widest tier, whatever
         they scale (mixed-step graphs: one tier each, fewer graphs to capture; prompt tokens
         outweigh the scale launches there)."""
-        used = {slot for slot in ia3_slots.tolist() if slot >= 0}
+        used = np.unique(ia3_slots[ia3_slots >= 0]).tolist()  # a prompt step's thousands of tokens: few slots
         places = frozenset().union(*(self._slot_places.get(slot, frozenset()) for slot in used))
         with self.places.using(WIDEST if every else tier_covering(places)):
             yield

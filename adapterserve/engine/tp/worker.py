@@ -30,6 +30,7 @@ from adapterserve.engine.tp.adapter_post import send_at_once
 from adapterserve.engine.tp.group import join_group, leave_group
 from adapterserve.engine.tp.inbox import AdapterInbox
 from adapterserve.engine.tp.stack_dump import dump_stacks_on_signal
+from adapterserve.layers.ia3_places import WIDEST
 from adapterserve.layers.parallel import TensorParallel
 from adapterserve.models.decoder import DecoderModel
 from adapterserve.models.loader import load_decoder
@@ -155,7 +156,7 @@ class WorkerState:
     def capture(self, bucket: int, families: tuple[bool, ...], signature: tuple, stacked_rows: int,
                 mixed: bool = False) -> None:
         graphs = self.device.mixed_graphs if mixed else self.device.graphs
-        with self.pools.covering(stacked_rows, signature[1] if signature else "all"):
+        with self.pools.covering(stacked_rows, signature[1] if signature else WIDEST):
             graphs.capture(bucket, families, signature)
 
 
